@@ -1,0 +1,298 @@
+"""Public API: a drop-in for `qwen_tts.Qwen3TTSModel` (same methods, arguments and return values).
+
+    from q3tts import TTS
+    tts = TTS.from_pretrained("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+    wavs, sr = tts.generate_custom_voice("Hello!", speaker="Vivian", language="English")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import (GenerationDefaults, ModelConfig, parse_generation_defaults, parse_model_config,
+                     parse_speech_tokenizer_config, read_json)
+from .engine.engine import Request, generate_codes
+from .engine.runner import ModelRunner
+from .models.codec import Code2Wav
+from .models.talker import Talker, embed_prompt
+from .prompt import PromptBuilder, PromptLayout, TextTokenizer
+from .sampling import SamplingParams
+from .weights import check_prefixes, load_module, read_tensors, resolve_model_dir, safetensors_files
+
+log = logging.getLogger("q3tts")
+
+GEN_KWARGS = set(SamplingParams.names())
+
+
+@dataclass
+class VoiceClonePromptItem:
+    """One voice-clone prompt, field for field as `qwen_tts.VoiceClonePromptItem`."""
+
+    ref_code: torch.Tensor | None  # [T, 16] codec frames of the reference audio (ICL), or None
+    ref_spk_embedding: torch.Tensor  # [D] x-vector
+    x_vector_only_mode: bool
+    icl_mode: bool
+    ref_text: str | None = None
+
+
+@dataclass
+class PreparedRequest:
+    """A request ready for the engine: its prompt layout and what fills the layout's slots."""
+
+    layout: PromptLayout
+    speaker_embedding: torch.Tensor | None  # [D] x-vector (voice clone)
+    ref_codes: torch.Tensor | None  # [T, 16] ICL reference frames (decoded in front, then cut)
+    params: SamplingParams
+
+
+def _as_list(x: Any, n: int | None = None, name: str = "") -> list:
+    out = x if isinstance(x, list) else [x]
+    if n is not None and len(out) == 1 and n > 1:
+        out = out * n
+    if n is not None and len(out) != n:
+        raise ValueError(f"Batch size mismatch: text={n}, {name}={len(out)}")
+    return out
+
+
+class TTS:
+    def __init__(self, model_dir, cfg: ModelConfig, defaults: GenerationDefaults, talker: Talker,
+                 code2wav: Code2Wav, builder: PromptBuilder, device: torch.device, dtype: torch.dtype):
+        self.model_dir, self.cfg, self.generate_defaults = model_dir, cfg, defaults
+        self.talker, self.code2wav, self.builder = talker, code2wav, builder
+        self.device, self.dtype = device, dtype
+        self.sample_rate = 24000
+        self.samples_per_frame = code2wav.cfg.total_upsample
+        with torch.inference_mode():
+            self.tts_pad_embed = talker.embed_text(torch.tensor([cfg.tts_pad_token_id], device=device))[0]
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
+                        dtype: torch.dtype | str | None = None) -> "TTS":
+        """Load a local directory in the official layout or a Hugging Face repo id.
+
+        Args:
+            name_or_path: e.g. "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice" or a directory.
+            device: default CUDA when available, else CPU.
+            dtype: default bfloat16 on CUDA, float32 on CPU.
+        """
+        d = resolve_model_dir(name_or_path)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        cfg = parse_model_config(read_json(d / "config.json"))
+        defaults = parse_generation_defaults(read_json(d / "generation_config.json"))
+        scfg = parse_speech_tokenizer_config(read_json(d / "speech_tokenizer" / "config.json"))
+
+        files = safetensors_files(d / "model")
+        check_prefixes(files, ("talker.", "speaker_encoder."), str(d / "model.safetensors"))
+        with torch.device("meta"):
+            talker = Talker(cfg.talker)
+        talker = talker.to_empty(device="cpu")  # no buffers: every tensor is loaded below
+        load_module(talker, read_tensors(files, "talker."), f"{d}/model.safetensors (talker.*)")
+        speech_files = safetensors_files(d / "speech_tokenizer" / "model")
+        check_prefixes(speech_files, ("decoder.", "encoder."), f"{d}/speech_tokenizer/model.safetensors")
+        code2wav = Code2Wav(scfg.decoder)
+        load_module(code2wav, read_tensors(speech_files, "decoder."), f"{d}/speech_tokenizer (decoder.*)")
+        talker = talker.to(device=device, dtype=dtype).eval()
+        # the vocoder runs in fp32 on CPU; on GPU in the engine dtype
+        code2wav = code2wav.to(device=device, dtype=dtype).eval()
+        builder = PromptBuilder(cfg, TextTokenizer(d))
+        return cls(d, cfg, defaults, talker, code2wav, builder, device, dtype)
+
+    # ------------------------------------------------------------------ info
+    @property
+    def tts_model_type(self) -> str:
+        return self.cfg.tts_model_type
+
+    def get_supported_speakers(self) -> list[str] | None:
+        return self.cfg.speakers
+
+    def get_supported_languages(self) -> list[str] | None:
+        return self.cfg.languages
+
+    def _require(self, model_type: str, method: str) -> None:
+        if self.cfg.tts_model_type != model_type:
+            need = {"custom_voice": "a CustomVoice", "voice_design": "a VoiceDesign", "base": "a Base"}[model_type]
+            raise ValueError(f"{method} needs {need} model; {self.model_dir} is a {self.cfg.tts_model_type} model "
+                             f"(size {self.cfg.tts_model_size}). Use " + {
+                                 "custom_voice": "generate_custom_voice", "voice_design": "generate_voice_design",
+                                 "base": "generate_voice_clone"}[self.cfg.tts_model_type] + " with this model.")
+
+    # ------------------------------------------------------------------ generation plumbing
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        """generation_config.json defaults, overridden by the non-None kwargs; unknown ones are ignored with a
+        warning (qwen_tts forwards them to transformers' generate)."""
+        unknown = sorted(set(kwargs) - GEN_KWARGS)
+        if unknown:
+            log.warning("ignoring unsupported generation argument(s): %s", ", ".join(unknown))
+        d = self.generate_defaults
+        p = SamplingParams(**{f: getattr(d, f) for f in GenerationDefaults.__dataclass_fields__})
+        for k, v in kwargs.items():
+            if k in GEN_KWARGS and v is not None:
+                setattr(p, k, v)
+        if "seed" not in kwargs or kwargs["seed"] is None:
+            p.seed = random.randrange(1 << 31)
+        p.validate()
+        return p
+
+    def _prepare(self, layouts, spk, refs, kwargs) -> list[PreparedRequest]:
+        params = self.sampling_params(**kwargs)
+        out = []
+        for i, (lay, e, r) in enumerate(zip(layouts, spk, refs)):
+            p = SamplingParams(**{f: getattr(params, f) for f in SamplingParams.names()})
+            p.seed = params.seed + i  # distinct noise per batch row, reproducible from one seed
+            out.append(PreparedRequest(lay, e, r, p))
+        return out
+
+    def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
+        """Run the talker + code predictor for a batch of prepared requests -> codes [T_i, 16] each."""
+        with torch.inference_mode():
+            reqs = []
+            for pr in prepared:
+                pre, trail = embed_prompt(self.talker, pr.layout, pr.speaker_embedding, pr.ref_codes)
+                reqs.append(Request(prefill=pre, trailing=trail, params=pr.params))
+            max_len = max(r.prefill.shape[0] + r.params.max_new_tokens for r in reqs)
+            runner = ModelRunner(self.talker, self.tts_pad_embed, max_slots=len(reqs), max_len=max_len)
+            return generate_codes(runner, reqs)
+
+    def _synthesize(self, prepared: list[PreparedRequest]) -> tuple[list[np.ndarray], int]:
+        return self.decode(self.generate_codes(prepared), [p.ref_codes for p in prepared]), self.sample_rate
+
+    def decode(self, codes: list[torch.Tensor], ref_codes: list[torch.Tensor | None] | None = None) -> list[np.ndarray]:
+        """Codes [T, 16] per request -> waveforms (float32, 24 kHz), as upstream: ICL reference codes are decoded
+        in front as context and their share of the audio is cut off."""
+        ref_codes = ref_codes or [None] * len(codes)
+        full = [c if r is None else torch.cat([r.to(c.device), c], 0) for c, r in zip(codes, ref_codes)]
+        with torch.inference_mode():
+            wavs = self.code2wav.decode_batch([c.to(self.device) for c in full])
+        out = []
+        for w, c, r in zip(wavs, full, ref_codes):
+            w = w.float().cpu().numpy()
+            if r is not None:
+                w = w[int(r.shape[0] / max(c.shape[0], 1) * w.shape[0]):]  # upstream's proportional cut
+            out.append(w)
+        return out
+
+    # ------------------------------------------------------------------ the three modes
+    def generate_custom_voice(self, text, speaker, language=None, instruct=None, non_streaming_mode: bool = True,
+                              **kwargs) -> tuple[list[np.ndarray], int]:
+        """CustomVoice: a built-in speaker, optionally steered by an instruction (1.7B only; 0.6B ignores it).
+
+        Args:
+            text: a string or a list (a batch).
+            speaker: a name from get_supported_speakers() (case-insensitive), or one per text.
+            language: "Auto" (default) or a name from get_supported_languages(), or one per text.
+            instruct: optional style instruction(s).
+            non_streaming_mode: True puts the whole text in the prompt; False feeds it one token per frame.
+            **kwargs: do_sample, temperature, top_k, top_p, repetition_penalty, subtalker_dosample,
+                subtalker_temperature, subtalker_top_k, subtalker_top_p, max_new_tokens, seed.
+        Returns:
+            (list of float32 waveforms, 24000)
+        """
+        return self._synthesize(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs))
+
+    def prepare_custom_voice(self, text, speaker, language=None, instruct=None, non_streaming_mode: bool = True,
+                             **kwargs) -> list[PreparedRequest]:
+        self._require("custom_voice", "generate_custom_voice")
+        texts = _as_list(text)
+        n = len(texts)
+        speakers = [self.builder.resolve_speaker(s) for s in _as_list(speaker, n, "speaker")]
+        if any(s is None for s in speakers):
+            raise ValueError(f"speaker is required. Supported: {self.cfg.speakers}")
+        languages = [self.builder.resolve_language(x) for x in _as_list(language if language is not None else "Auto", n, "language")]
+        if self.cfg.tts_model_size == "0b6":
+            instruct = None  # upstream: the 0.6B CustomVoice model takes no instruction
+        instructs = _as_list(instruct if instruct is not None else "", n, "instruct")
+        layouts = [self.builder.build(t, language=lang, speaker=s, instruct=ins, non_streaming_mode=non_streaming_mode)
+                   for t, lang, s, ins in zip(texts, languages, speakers, instructs)]
+        return self._prepare(layouts, [None] * n, [None] * n, kwargs)
+
+    def generate_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
+                              **kwargs) -> tuple[list[np.ndarray], int]:
+        """VoiceDesign: a voice described in words (instruct); other arguments as generate_custom_voice."""
+        return self._synthesize(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs))
+
+    def prepare_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
+                             **kwargs) -> list[PreparedRequest]:
+        self._require("voice_design", "generate_voice_design")
+        texts = _as_list(text)
+        n = len(texts)
+        languages = [self.builder.resolve_language(x) for x in _as_list(language if language is not None else "Auto", n, "language")]
+        instructs = _as_list(instruct, n, "instruct")
+        layouts = [self.builder.build(t, language=lang, instruct=ins, non_streaming_mode=non_streaming_mode)
+                   for t, lang, ins in zip(texts, languages, instructs)]
+        return self._prepare(layouts, [None] * n, [None] * n, kwargs)
+
+    def _prompt_items(self, voice_clone_prompt) -> list[VoiceClonePromptItem]:
+        """Accept a list of items (ours or qwen_tts's), or upstream's dict of lists."""
+        if isinstance(voice_clone_prompt, dict):
+            d = voice_clone_prompt
+            n = len(d["ref_spk_embedding"])
+            return [VoiceClonePromptItem(ref_code=(d.get("ref_code") or [None] * n)[i], ref_spk_embedding=d["ref_spk_embedding"][i],
+                                         x_vector_only_mode=bool(d["x_vector_only_mode"][i]), icl_mode=bool(d["icl_mode"][i]),
+                                         ref_text=(d.get("ref_text") or [None] * n)[i]) for i in range(n)]
+        return [it if isinstance(it, VoiceClonePromptItem) else VoiceClonePromptItem(
+            ref_code=getattr(it, "ref_code", None), ref_spk_embedding=it.ref_spk_embedding,
+            x_vector_only_mode=bool(it.x_vector_only_mode), icl_mode=bool(it.icl_mode),
+            ref_text=getattr(it, "ref_text", None)) for it in _as_list(voice_clone_prompt)]
+
+    def _check_item(self, i: int, it: VoiceClonePromptItem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        D, K = self.cfg.talker.hidden_size, self.cfg.talker.num_code_groups
+        emb = it.ref_spk_embedding
+        emb = torch.as_tensor(emb).float().reshape(-1) if emb is not None else None
+        if (it.x_vector_only_mode or it.icl_mode) and (emb is None or emb.numel() != D):
+            raise ValueError(f"voice_clone_prompt[{i}]: speaker embedding has {None if emb is None else emb.numel()} "
+                             f"values but this model ({self.cfg.tts_model_size}) needs {D}: the voice was made for "
+                             "another model size")
+        ref = None
+        if it.icl_mode:
+            if it.ref_code is None:
+                raise ValueError(f"voice_clone_prompt[{i}]: ICL mode needs ref_code")
+            ref = torch.as_tensor(it.ref_code).long()
+            if ref.dim() != 2 or ref.shape[1] != K or ref.shape[0] == 0:
+                raise ValueError(f"voice_clone_prompt[{i}]: ref_code must be [T, {K}] with T > 0, got {tuple(ref.shape)}")
+            if int(ref.min()) < 0 or int(ref.max()) >= self.code2wav.cfg.codebook_size:
+                raise ValueError(f"voice_clone_prompt[{i}]: ref_code values must be in [0, {self.code2wav.cfg.codebook_size})")
+            if not it.ref_text:
+                raise ValueError(f"voice_clone_prompt[{i}]: ICL mode needs ref_text (the transcript of the reference audio)")
+        return (emb if (it.x_vector_only_mode or it.icl_mode) else None), ref
+
+    def generate_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
+                             voice_clone_prompt=None, non_streaming_mode: bool = False,
+                             **kwargs) -> tuple[list[np.ndarray], int]:
+        """Base models: clone a voice from reference audio or from prompt items (x-vector only, or ICL with
+        reference codes + transcript); other arguments as generate_custom_voice."""
+        return self._synthesize(self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
+                                                         voice_clone_prompt, non_streaming_mode, **kwargs))
+
+    def prepare_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
+                            voice_clone_prompt=None, non_streaming_mode: bool = False, **kwargs) -> list[PreparedRequest]:
+        self._require("base", "generate_voice_clone")
+        texts = _as_list(text)
+        n = len(texts)
+        languages = [self.builder.resolve_language(x) for x in _as_list(language if language is not None else "Auto", n, "language")]
+        if voice_clone_prompt is None:
+            if ref_audio is None:
+                raise ValueError("Either `voice_clone_prompt` or `ref_audio` must be provided.")
+            voice_clone_prompt = self.create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode)
+        items = _as_list(self._prompt_items(voice_clone_prompt), n, "voice_clone_prompt")
+        checked = [self._check_item(i, it) for i, it in enumerate(items)]
+        layouts = [self.builder.build(t, language=lang, has_xvector=emb is not None, ref_text=it.ref_text,
+                                      num_ref_frames=0 if ref is None else ref.shape[0],
+                                      non_streaming_mode=non_streaming_mode)
+                   for t, lang, it, (emb, ref) in zip(texts, languages, items, checked)]
+        return self._prepare(layouts, [e for e, _ in checked], [r for _, r in checked], kwargs)
+
+    def create_voice_clone_prompt(self, ref_audio, ref_text=None, x_vector_only_mode=False):
+        self._require("base", "create_voice_clone_prompt")
+        raise NotImplementedError("building a voice from reference audio (speaker encoder + codec encoder) is not "
+                                  "available yet; pass voice_clone_prompt items with ref_spk_embedding / ref_code")

@@ -1,0 +1,233 @@
+"""Typed views of the Hugging Face JSON files of a Qwen3-TTS checkpoint.
+
+Only the fields the engine uses are kept; everything is read from `config.json`,
+`generation_config.json` and `speech_tokenizer/config.json` of the official layout.
+No torch import here: the scheduler and the HTTP layer may read configs too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_TYPES = ("custom_voice", "voice_design", "base")
+
+
+@dataclass(slots=True)
+class DecoderLayerConfig:
+    """A Qwen3 decoder stack (the talker and the code predictor share this shape)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int  # NOTE: read from the config, never hidden_size // heads (0.6B: 128, not 64)
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+
+
+@dataclass(slots=True)
+class CodePredictorConfig(DecoderLayerConfig):
+    num_code_groups: int = 16
+
+
+@dataclass(slots=True)
+class TalkerConfig(DecoderLayerConfig):
+    text_hidden_size: int = 2048
+    text_vocab_size: int = 151936
+    num_code_groups: int = 16
+    mrope_section: tuple[int, ...] = (24, 20, 20)
+    mrope_interleaved: bool = True
+    codec_bos_id: int = 2149
+    codec_eos_token_id: int = 2150
+    codec_pad_id: int = 2148
+    codec_think_id: int = 2154
+    codec_nothink_id: int = 2155
+    codec_think_bos_id: int = 2156
+    codec_think_eos_id: int = 2157
+    codec_language_id: dict[str, int] = field(default_factory=dict)
+    spk_id: dict[str, int] = field(default_factory=dict)
+    spk_is_dialect: dict[str, str | bool] = field(default_factory=dict)
+    code_predictor: CodePredictorConfig | None = None
+
+
+@dataclass(slots=True)
+class SpeakerEncoderConfig:
+    mel_dim: int = 128
+    enc_dim: int = 1024
+    enc_channels: tuple[int, ...] = (512, 512, 512, 512, 1536)
+    enc_kernel_sizes: tuple[int, ...] = (5, 3, 3, 3, 1)
+    enc_dilations: tuple[int, ...] = (1, 2, 3, 4, 1)
+    enc_attention_channels: int = 128
+    enc_res2net_scale: int = 8
+    enc_se_channels: int = 128
+    sample_rate: int = 24000
+
+
+@dataclass(slots=True)
+class Code2WavConfig:
+    """The 12 Hz speech-tokenizer decoder (`speech_tokenizer/config.json` -> decoder_config)."""
+
+    codebook_size: int = 2048
+    codebook_dim: int = 512
+    num_quantizers: int = 16
+    latent_dim: int = 1024
+    hidden_size: int = 512
+    intermediate_size: int = 1024
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 16
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    sliding_window: int = 72
+    layer_scale_initial_scale: float = 0.01
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
+    decoder_dim: int = 1536
+
+    @property
+    def total_upsample(self) -> int:
+        """Waveform samples per codec frame (1920 = 24 kHz / 12.5 Hz)."""
+        n = 1
+        for r in (*self.upsample_rates, *self.upsampling_ratios):
+            n *= r
+        return n
+
+
+@dataclass(slots=True)
+class SpeechTokenizerConfig:
+    decoder: Code2WavConfig
+    encoder: dict[str, Any]  # Mimi config, used by the codec encoder (voice cloning)
+    encoder_valid_num_quantizers: int = 16
+    input_sample_rate: int = 24000
+    output_sample_rate: int = 24000
+    decode_upsample_rate: int = 1920
+    encode_downsample_rate: int = 1920
+
+
+@dataclass(slots=True)
+class GenerationDefaults:
+    """`generation_config.json`; a request may override each field."""
+
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_dosample: bool = True
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    max_new_tokens: int = 2048
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    tts_model_type: str  # custom_voice | voice_design | base
+    tts_model_size: str  # "0b6" | "1b7"
+    tokenizer_type: str
+    talker: TalkerConfig
+    speaker_encoder: SpeakerEncoderConfig | None
+    im_start_token_id: int = 151644
+    im_end_token_id: int = 151645
+    tts_pad_token_id: int = 151671
+    tts_bos_token_id: int = 151672
+    tts_eos_token_id: int = 151673
+    assistant_token_id: int = 77091
+
+    @property
+    def speakers(self) -> list[str]:
+        return sorted(self.talker.spk_id)
+
+    @property
+    def languages(self) -> list[str]:
+        """Accepted language names, lower case, as the official wrapper lists them (dialects excluded)."""
+        return ["auto"] + sorted(k for k in self.talker.codec_language_id if "dialect" not in k)
+
+
+def _layers(d: dict[str, Any], cls: type, **extra: Any) -> Any:
+    return cls(
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d["num_key_value_heads"],
+        head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=d.get("rope_theta", 10000.0),
+        vocab_size=d["vocab_size"],
+        **extra,
+    )
+
+
+def parse_model_config(d: dict[str, Any]) -> ModelConfig:
+    model_type = d.get("tts_model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"config.json: tts_model_type {model_type!r} is not one of {MODEL_TYPES}")
+    if d.get("tokenizer_type", "qwen3_tts_tokenizer_12hz") != "qwen3_tts_tokenizer_12hz":
+        raise ValueError(f"config.json: tokenizer_type {d.get('tokenizer_type')!r} is not supported "
+                         "(only the 12 Hz models: qwen3_tts_tokenizer_12hz)")
+    t = d["talker_config"]
+    cp = _layers(t["code_predictor_config"], CodePredictorConfig,
+                 num_code_groups=t["code_predictor_config"].get("num_code_groups", 16))
+    rope = t.get("rope_scaling") or {}
+    talker = _layers(
+        t, TalkerConfig,
+        text_hidden_size=t["text_hidden_size"],
+        text_vocab_size=t["text_vocab_size"],
+        num_code_groups=t.get("num_code_groups", 16),
+        mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
+        mrope_interleaved=bool(rope.get("interleaved", False)),
+        codec_bos_id=t["codec_bos_id"],
+        codec_eos_token_id=t["codec_eos_token_id"],
+        codec_pad_id=t["codec_pad_id"],
+        codec_think_id=t["codec_think_id"],
+        codec_nothink_id=t["codec_nothink_id"],
+        codec_think_bos_id=t["codec_think_bos_id"],
+        codec_think_eos_id=t["codec_think_eos_id"],
+        codec_language_id={k.lower(): v for k, v in t.get("codec_language_id", {}).items()},
+        spk_id={k.lower(): v for k, v in (t.get("spk_id") or {}).items()},
+        spk_is_dialect={k.lower(): v for k, v in (t.get("spk_is_dialect") or {}).items()},
+        code_predictor=cp,
+    )
+    spk = None
+    if model_type == "base":
+        s = d.get("speaker_encoder_config") or {}
+        spk = SpeakerEncoderConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()
+                                      if k in SpeakerEncoderConfig.__dataclass_fields__})
+    return ModelConfig(
+        tts_model_type=model_type,
+        tts_model_size=d.get("tts_model_size", ""),
+        tokenizer_type=d.get("tokenizer_type", "qwen3_tts_tokenizer_12hz"),
+        talker=talker,
+        speaker_encoder=spk,
+        **{k: d[k] for k in ("im_start_token_id", "im_end_token_id", "tts_pad_token_id",
+                             "tts_bos_token_id", "tts_eos_token_id", "assistant_token_id") if k in d},
+    )
+
+
+def parse_speech_tokenizer_config(d: dict[str, Any]) -> SpeechTokenizerConfig:
+    dec = d.get("decoder_config") or {}
+    fields = Code2WavConfig.__dataclass_fields__
+    decoder = Code2WavConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in dec.items() if k in fields})
+    return SpeechTokenizerConfig(
+        decoder=decoder,
+        encoder=d.get("encoder_config") or {},
+        **{k: d[k] for k in ("encoder_valid_num_quantizers", "input_sample_rate", "output_sample_rate",
+                             "decode_upsample_rate", "encode_downsample_rate") if k in d},
+    )
+
+
+def parse_generation_defaults(d: dict[str, Any]) -> GenerationDefaults:
+    fields = GenerationDefaults.__dataclass_fields__
+    return GenerationDefaults(**{k: v for k, v in d.items() if k in fields})
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -1,0 +1,126 @@
+"""Qwen3 decoder building blocks shared by the talker and the code predictor.
+
+Pure modules: the engine owns the KV caches and hands each layer a view of them. Every attention call
+writes its new keys/values at `write_pos` (per row) and attends over the whole static cache under a
+boolean mask, so shapes never depend on how far a request has got (CUDA-graph friendly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import DecoderLayerConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics, as upstream; the weight multiplies in the input dtype
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    # same expression as HF's default RoPE init, so fp32 values match bit for bit
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [B, S] int -> cos, sin: [B, S, head_dim] (halves duplicated, rotate_half convention).
+
+    The talker's config asks for interleaved multimodal RoPE (mrope_section, 3 position streams). For
+    text and codec tokens the three streams carry the same position, which makes it plain RoPE;
+    tests/models/test_layers.py proves that equivalence against a transcription of upstream's function.
+    """
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, S, Dh/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, S, Dh]; cos/sin: [B, S, Dh]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderLayerConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # per head, before RoPE
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx: "AttnContext"):
+        """x: [B, S, D]; k_cache/v_cache: [num_slots, Hkv, Lmax, Dh], rows ctx.slots are this batch's;
+        the new keys/values are written in place at ctx.write_pos."""
+        B, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        rows = ctx.slots[:, None]  # [B, 1] broadcast with write_pos [B, S] -> indexed view [B, S, Hkv, Dh]
+        k_cache[rows, :, ctx.write_pos] = k.transpose(1, 2).to(k_cache.dtype)
+        v_cache[rows, :, ctx.write_pos] = v.to(v_cache.dtype)
+        keys, values = k_cache.index_select(0, ctx.slots), v_cache.index_select(0, ctx.slots)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderLayerConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(slots=True)
+class AttnContext:
+    """Where a forward call reads and writes the engine's KV cache."""
+
+    slots: torch.Tensor  # [B] int64: cache rows of this batch
+    write_pos: torch.Tensor  # [B, S] int64: cache positions of the new tokens (== their RoPE positions)
+    mask: torch.Tensor  # [B, 1, S, Lmax] bool: True where a query may attend
+
+
+def run_layers(layers: nn.ModuleList, norm: RMSNorm, x, cos, sin, kv: torch.Tensor, ctx: AttnContext):
+    """kv: [num_layers, 2, num_slots, Hkv, Lmax, Dh], the engine's cache. Returns the final-normed hidden."""
+    for i, layer in enumerate(layers):
+        x = layer(x, cos, sin, kv[i, 0], kv[i, 1], ctx)
+    return norm(x)

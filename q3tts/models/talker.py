@@ -1,0 +1,128 @@
+"""The talker (a Qwen3 decoder over codec frames) and its code predictor.
+
+Module names equal the checkpoint keys under `talker.` (e.g. `talker.model.layers.3.mlp.up_proj.weight`,
+`talker.code_predictor.lm_head.7.weight`), so loading is an identity map checked key by key.
+
+Per 80 ms frame (see q3tts/engine/runner.py for the loop):
+  talker step      : input = embed_codes(previous frame) + trailing text  -> hidden h  -> codec_head -> code 0
+  code predictor   : fresh 2-token prefill [proj(h), proj(codec_embedding(code 0))] -> lm_head[0] -> code 1,
+                     then step i feeds proj(cp.codec_embedding[i-1](code i)) -> lm_head[i] -> code i+1 (i < 15)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import TalkerConfig
+from ..prompt import NONE, REF, SPEAKER, PromptLayout
+from .layers import DecoderLayer, RMSNorm, run_layers
+
+
+class TalkerModel(nn.Module):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # 3072 x D: codes, specials, speakers
+        self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)  # 151936 x 2048
+
+
+class TextProjection(nn.Module):
+    """text_hidden_size -> text_hidden_size -> hidden_size MLP with biases (upstream's ResizeMLP)."""
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.text_hidden_size, cfg.text_hidden_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.text_hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x):
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class CodePredictorModel(nn.Module):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        cp = cfg.code_predictor
+        self.layers = nn.ModuleList(DecoderLayer(cp) for _ in range(cp.num_hidden_layers))
+        self.norm = RMSNorm(cp.hidden_size, cp.rms_norm_eps)
+        # NOTE: these embeddings have the *talker* width; small_to_mtp_projection maps them down.
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(cp.vocab_size, cfg.hidden_size) for _ in range(cp.num_code_groups - 1))
+
+
+class CodePredictor(nn.Module):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        cp = cfg.code_predictor
+        self.model = CodePredictorModel(cfg)
+        self.lm_head = nn.ModuleList(nn.Linear(cp.hidden_size, cp.vocab_size, bias=False)
+                                     for _ in range(cp.num_code_groups - 1))
+        # 1.7B: talker 2048 wide, code predictor 1024 -> Linear with bias; 0.6B: same width -> Identity
+        self.small_to_mtp_projection = (nn.Linear(cfg.hidden_size, cp.hidden_size, bias=True)
+                                        if cp.hidden_size != cfg.hidden_size else nn.Identity())
+
+    def forward(self, x, cos, sin, kv, ctx):
+        """x: [B, S, D_talker] (talker hidden or codec embeddings) -> hidden [B, S, D_cp]."""
+        x = self.small_to_mtp_projection(x)
+        return run_layers(self.model.layers, self.model.norm, x, cos, sin, kv, ctx)
+
+
+class Talker(nn.Module):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = TalkerModel(cfg)
+        self.text_projection = TextProjection(cfg)
+        self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(cfg)
+
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """Text token ids [...] -> [..., D]: text_embedding then text_projection."""
+        return self.text_projection(self.model.text_embedding(ids))
+
+    def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """A frame of K codes [..., K] -> [..., D]: the sum of its K codec embeddings.
+
+        This is both the next talker input during decoding and an ICL reference frame in the prompt.
+        Summed over a stacked dim, like upstream, so the rounding is the same.
+        """
+        embs = [self.model.codec_embedding(codes[..., 0])]
+        embs += [e(codes[..., i + 1]) for i, e in enumerate(self.code_predictor.model.codec_embedding)]
+        return torch.stack(embs, dim=-2).sum(-2)
+
+    def forward(self, x, cos, sin, kv, ctx):
+        """x: [B, S, D] input embeddings -> final-normed hidden [B, S, D]; logits via codec_head."""
+        return run_layers(self.model.layers, self.model.norm, x, cos, sin, kv, ctx)
+
+
+def embed_prompt(talker: Talker, layout: PromptLayout, speaker_embedding: torch.Tensor | None = None,
+                 ref_codes: torch.Tensor | None = None, tts_pad_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn a symbolic layout into (prefill [L, D], trailing [S, D]) embeddings.
+
+    speaker_embedding: [D] x-vector for a SPEAKER slot; ref_codes: [T, K] ICL reference frames for REF slots.
+    """
+    dev = talker.codec_head.weight.device
+    dt = talker.codec_head.weight.dtype
+    text_ids = torch.tensor(layout.text_ids, device=dev)
+    codec_ids = torch.tensor(layout.codec_ids, device=dev)
+    x = torch.zeros(len(layout), talker.cfg.hidden_size, device=dev, dtype=dt)
+    has_text = text_ids != NONE
+    if has_text.any():
+        x[has_text] += talker.embed_text(text_ids[has_text])
+    is_code = codec_ids >= 0
+    if is_code.any():
+        x[is_code] += talker.model.codec_embedding(codec_ids[is_code])
+    if (codec_ids == SPEAKER).any():
+        if speaker_embedding is None:
+            raise ValueError("this prompt has a speaker slot but no speaker embedding was given")
+        x[codec_ids == SPEAKER] += speaker_embedding.to(dev, dt)
+    is_ref = codec_ids == REF
+    if is_ref.any():
+        if ref_codes is None or ref_codes.shape[0] != int(is_ref.sum()):
+            raise ValueError("ICL prompt: reference codes do not match the layout")
+        x[is_ref] += talker.embed_codes(ref_codes.to(dev))
+    trailing = (talker.embed_text(torch.tensor(layout.trailing_ids, device=dev)) if layout.trailing_ids
+                else x.new_zeros(0, talker.cfg.hidden_size))
+    return x, trailing

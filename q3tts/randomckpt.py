@@ -1,0 +1,132 @@
+"""Write random-weight checkpoints in the official Qwen3-TTS layout.
+
+Used by the golden-fixture script (tiny models checked against the official package), the CPU tests
+(which rebuild the very same tiny checkpoints) and `q3tts bench` (real dimensions; weight values do
+not change speed). Every tensor is drawn from its own generator seeded by (seed, tensor name), so a
+checkpoint is a pure function of (names and shapes, seed, tweaks): fixtures commit that recipe, not
+megabytes of weights.
+
+The values are chosen so nothing is hidden by zeros or clamping: norms near 1, peaky output heads
+(greedy decoding is then stable against rounding), codebooks and SnakeBeta parameters away from
+their degenerate inits, and a small last vocoder conv so the waveform stays inside (-1, 1).
+
+This module imports only torch, safetensors and the standard library so the oracle venv can load it
+by file path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed((zlib.crc32(name.encode()) * 1000003 + seed) % (2**63))
+    if dtype in (torch.int64, torch.int32):  # BatchNorm num_batches_tracked
+        return torch.zeros(shape, dtype=dtype)
+    r = torch.randn(shape, generator=g, dtype=torch.float32)
+    leaf = name.rsplit(".", 1)[-1]
+    fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
+    if leaf == "running_var":
+        t = torch.rand(shape, generator=g) + 0.5
+    elif leaf == "running_mean":
+        t = 0.1 * r
+    elif leaf == "cluster_usage":  # codebook usage counts: positive
+        t = torch.rand(shape, generator=g) * 0.5 + 0.75
+    elif leaf == "embedding_sum":
+        t = r
+    elif leaf in ("alpha", "beta"):  # SnakeBeta log-parameters
+        t = 0.1 * r
+    elif leaf in ("scale", "gamma"):  # LayerScale / ConvNeXt gamma: real init ~1e-2 / 1e-6 would hide blocks
+        t = 0.1 + 0.05 * r
+    elif leaf == "weight" and len(shape) == 1:  # RMSNorm / LayerNorm / BatchNorm weights
+        t = 1.0 + 0.1 * r
+    elif leaf == "bias":
+        t = 0.02 * r
+    elif "embedding" in name and len(shape) == 2:  # text / codec embeddings
+        t = 0.5 * r
+    elif "codec_head" in name or "lm_head" in name:  # peaky logits: greedy argmax far from ties
+        t = 4.0 * r / math.sqrt(fan_in)
+    else:
+        t = r / math.sqrt(fan_in)
+    return t.to(dtype)
+
+
+def build_state_dict(shapes: dict[str, tuple[tuple[int, ...], str]], seed: int) -> dict[str, torch.Tensor]:
+    """shapes: name -> (shape, dtype name such as 'float32')."""
+    return {n: init_tensor(n, tuple(s), getattr(torch, d), seed) for n, (s, d) in sorted(shapes.items())}
+
+
+def apply_tweaks(sd: dict[str, torch.Tensor], tweaks: dict, eos_id: int | None = None) -> None:
+    """Deterministic edits on top of the recipe.
+
+    - output_conv_scale: multiply the last vocoder conv (keeps the waveform well inside (-1, 1)).
+    - eos_copy_from / eos_scale: make the EOS row of codec_head a scaled copy of another code's row,
+      so greedy decoding stops where it would otherwise pick that code (tests EOS handling).
+    """
+    if "output_conv_scale" in tweaks:
+        last = max((k for k in sd if k.startswith("decoder.decoder.") and k.endswith(".conv.weight")),
+                   key=lambda k: int(k.split(".")[2]))
+        sd[last] = sd[last] * tweaks["output_conv_scale"]
+    if "eos_copy_from" in tweaks:
+        w = sd["talker.codec_head.weight"]
+        w[eos_id] = w[tweaks["eos_copy_from"]] * tweaks.get("eos_scale", 1.05)
+
+
+def digest(sd: dict[str, torch.Tensor]) -> str:
+    """sha256 over names and raw bytes: detects a recipe (or RNG) drift between fixture and test."""
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        h.update(k.encode())
+        h.update(sd[k].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    config: dict,
+    speech_config: dict,
+    shapes: dict,
+    speech_shapes: dict,
+    tokenizer_dir: str | Path,
+    generation_config: dict,
+    seed: int = 0,
+    tweaks: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[str, str]:
+    """Write a complete model directory; returns the digests of both weight files."""
+    out = Path(out_dir)
+    (out / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
+    tweaks = tweaks or {}
+    sd = build_state_dict(shapes, seed)
+    ssd = build_state_dict(speech_shapes, seed + 1)
+    apply_tweaks(sd, {k: v for k, v in tweaks.items() if k != "output_conv_scale"},
+                 eos_id=config["talker_config"]["codec_eos_token_id"])
+    apply_tweaks(ssd, {k: v for k, v in tweaks.items() if k == "output_conv_scale"})
+    if dtype is not None:
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    digests = {"model": digest(sd), "speech_tokenizer": digest(ssd)}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(ssd, str(out / "speech_tokenizer" / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2))
+    (out / "speech_tokenizer" / "config.json").write_text(json.dumps(speech_config, indent=2))
+    (out / "speech_tokenizer" / "preprocessor_config.json").write_text(json.dumps({
+        "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1, "padding_side": "right",
+        "padding_value": 0.0, "return_attention_mask": True, "sampling_rate": 24000,
+        "chunk_length_s": None, "overlap": None}, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "padding_side": "left", "padding_value": 0.0, "processor_class": "Qwen3TTSProcessor",
+        "return_attention_mask": True}, indent=2))
+    for f in TOKENIZER_FILES:
+        shutil.copyfile(Path(tokenizer_dir) / f, out / f)
+    return digests

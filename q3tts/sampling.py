@@ -1,0 +1,110 @@
+"""Batched sampling that never syncs with the host (safe inside a CUDA graph).
+
+Per-request parameters arrive as [B] tensors, so one call serves a batch of requests that each chose
+their own temperature / top-k / top-p / penalty / seed. Semantics follow Hugging Face's logits
+processors as the official package uses them (C3 in DESIGN.md):
+  talker: repetition penalty over the request's own code-0 history -> EOS banned for the first
+  `min_new_tokens` frames -> codes [vocab-1024, vocab) suppressed except EOS -> temperature -> top-k -> top-p.
+Randomness is a counter-based hash of (seed, frame, codebook, token): a request's sample depends on
+nothing else (not on the batch it shares, not on graph replay order), so streamed == offline and
+batched == alone hold under sampling too, and greedy rows (do_sample False) take the argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_MASK31 = (1 << 31) - 1
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """One request's generation parameters (defaults come from generation_config.json)."""
+
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_dosample: bool = True
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    max_new_tokens: int = 2048
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("temperature", "subtalker_temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("top_p", "subtalker_top_p"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("top_k", "subtalker_top_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _hash31(x: torch.Tensor) -> torch.Tensor:
+    """An integer mixer on int64 tensors holding 31-bit values (no overflow: products < 2^58)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK31
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK31
+    return (x >> 16) ^ x
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
+    """seed, step: [B] int64 -> [B, vocab] float32 uniforms in (0, 1), a pure function of its inputs."""
+    key = _hash31(_hash31(_hash31(seed & _MASK31) ^ (step & _MASK31)) ^ stream)  # [B]
+    idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    h = _hash31(_hash31(key[:, None] ^ idx[None, :]) ^ 0x2545F49)
+    return (h.float() + 0.5) * (1.0 / (1 << 31))
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF semantics on every token present in the history: negative scores * p, positive scores / p.
+    logits: [B, V] float; seen: [B, V] bool; penalty: [B]."""
+    p = penalty[:, None].to(logits.dtype)
+    penalized = torch.where(logits < 0, logits * p, logits / p)
+    return torch.where(seen, penalized, logits)
+
+
+def talker_logits_rules(logits, seen, penalty, num_generated, eos_id: int, suppress_from: int,
+                        min_new_tokens: int = 2):
+    """The talker's processors before warping. num_generated: [B] codes already sampled for the row."""
+    logits = apply_repetition_penalty(logits.float(), seen, penalty)
+    V = logits.shape[-1]
+    idx = torch.arange(V, device=logits.device)
+    suppress = (idx >= suppress_from) & (idx != eos_id)  # [V]
+    ban_eos = (num_generated < min_new_tokens)[:, None] & (idx == eos_id)[None, :]
+    return logits.masked_fill(suppress[None, :] | ban_eos, float("-inf"))
+
+
+def sample(logits, do_sample, temperature, top_k, top_p, noise):
+    """logits: [B, V] float32 (already processed); per-row do_sample [B] bool, temperature [B],
+    top_k [B] int64 (0 = off), top_p [B]; noise: [B, V] uniforms. Returns tokens [B] int64."""
+    greedy = logits.argmax(-1)
+    V = logits.shape[-1]
+    x = logits / temperature[:, None]
+    sorted_desc, _ = x.sort(dim=-1, descending=True)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))
+    kth = sorted_desc.gather(-1, (k - 1)[:, None])  # [B, 1]
+    x = x.masked_fill(x < kth, float("-inf"))  # HF TopK: ties at the k-th value survive
+    # HF TopP: drop the lowest-probability tokens whose cumulative mass stays <= 1 - top_p (keep >= 1)
+    sorted_asc, order = x.sort(dim=-1)
+    cum = sorted_asc.softmax(-1).cumsum(-1)
+    drop = cum <= (1 - top_p)[:, None]
+    drop[:, -1] = False
+    x = x.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    probs = x.softmax(-1)
+    sampled = (probs / -torch.log(noise)).argmax(-1)  # exponential race == multinomial draw
+    return torch.where(do_sample, sampled, greedy)

@@ -1,0 +1,105 @@
+"""Find a checkpoint (local directory or Hugging Face repo id) and load safetensors into our modules.
+
+Our module names equal the checkpoint keys, so the map is the identity per prefix:
+  model.safetensors                   talker.*            -> Talker
+                                      speaker_encoder.*   -> SpeakerEncoder (Base models)
+  speech_tokenizer/model.safetensors  decoder.*           -> Code2Wav
+                                      encoder.*           -> the codec encoder (voice cloning; loaded on demand)
+Missing, unexpected or mis-shaped keys are errors that name the keys. Safetensors only: nothing is
+ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+REQUIRED_FILES = ("config.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+                  "speech_tokenizer/config.json")
+ALLOW_PATTERNS = ["*.json", "*.txt", "*.safetensors", "speech_tokenizer/*"]
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
+    """A local directory as is; otherwise a hub repo id fetched with huggingface_hub (honours HF_HOME,
+    HF_HUB_OFFLINE and the usual cache). Checks that every file the engine reads is present."""
+    p = Path(name_or_path).expanduser()
+    if not p.is_dir():
+        if p.exists() or str(name_or_path).startswith((".", "/", "~")):
+            raise FileNotFoundError(f"{name_or_path}: not a model directory")
+        try:
+            from huggingface_hub import snapshot_download
+            p = Path(snapshot_download(repo_id=str(name_or_path), allow_patterns=ALLOW_PATTERNS))
+        except Exception as e:  # network, auth, offline cache miss: say what was tried
+            raise FileNotFoundError(
+                f"could not find model {str(name_or_path)!r}: it is not a local directory and the Hugging Face "
+                f"hub download failed ({type(e).__name__}: {e}). Pass a local directory in the official layout "
+                f"(config.json, model.safetensors, speech_tokenizer/, tokenizer files).") from e
+    missing = [f for f in REQUIRED_FILES if not (p / f).exists()]
+    for weights in ("model", "speech_tokenizer/model"):
+        if not (p / f"{weights}.safetensors").exists() and not (p / f"{weights}.safetensors.index.json").exists():
+            missing.append(f"{weights}.safetensors")
+    if missing:
+        raise FileNotFoundError(f"{p}: incomplete checkpoint, missing: {', '.join(missing)}")
+    return p
+
+
+def safetensors_files(path_without_ext: Path) -> list[Path]:
+    """`x.safetensors`, or the shards listed in `x.safetensors.index.json`."""
+    single = path_without_ext.with_name(path_without_ext.name + ".safetensors")
+    if single.exists():
+        return [single]
+    index = json.loads(path_without_ext.with_name(path_without_ext.name + ".safetensors.index.json").read_text())
+    return [single.parent / f for f in sorted(set(index["weight_map"].values()))]
+
+
+def read_tensors(files: list[Path], prefix: str) -> dict[str, torch.Tensor]:
+    """All tensors whose key starts with prefix, with the prefix stripped."""
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                if k.startswith(prefix):
+                    out[k[len(prefix):]] = sf.get_tensor(k)
+    return out
+
+
+def list_keys(files: list[Path]) -> list[str]:
+    keys = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            keys.extend(sf.keys())
+    return keys
+
+
+def load_module(module: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Copy tensors into module's parameters and persistent buffers; every key must match exactly."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    bad_shape = sorted(k for k in set(own) & set(tensors) if tuple(own[k].shape) != tuple(tensors[k].shape))
+    if missing or unexpected or bad_shape:
+        def show(keys):
+            return ", ".join(keys[:8]) + (f" ... ({len(keys)} in all)" if len(keys) > 8 else "")
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {show(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {show(unexpected)}")
+        if bad_shape:
+            parts.append("shape mismatches: " + ", ".join(
+                f"{k} checkpoint {tuple(tensors[k].shape)} vs model {tuple(own[k].shape)}" for k in bad_shape[:8]))
+        raise ValueError(f"{where}: checkpoint does not match the model config; " + "; ".join(parts))
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(tensors[k].to(v.dtype))
+
+
+def check_prefixes(files: list[Path], allowed: tuple[str, ...], where: str) -> None:
+    stray = sorted(k for k in list_keys(files) if not k.startswith(allowed))
+    if stray:
+        raise ValueError(f"{where}: unexpected keys outside {allowed}: {', '.join(stray[:8])}")
