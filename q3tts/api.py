@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +20,10 @@ import torch
 
 from .config import (GenerationDefaults, ModelConfig, parse_generation_defaults, parse_model_config,
                      parse_speech_tokenizer_config, read_json)
-from .engine.engine import Request, generate_codes
-from .engine.runner import ModelRunner
+from .engine.engine import AudioChunk, Engine
+from .engine.request import StreamOptions
 from .models.codec import Code2Wav
-from .models.talker import Talker, embed_prompt
+from .models.talker import Talker
 from .prompt import PromptBuilder, PromptLayout, TextTokenizer
 from .sampling import SamplingParams
 from .weights import check_prefixes, load_module, read_tensors, resolve_model_dir, safetensors_files
@@ -63,8 +65,11 @@ def _as_list(x: Any, n: int | None = None, name: str = "") -> list:
 
 class TTS:
     def __init__(self, model_dir, cfg: ModelConfig, defaults: GenerationDefaults, talker: Talker,
-                 code2wav: Code2Wav, builder: PromptBuilder, device: torch.device, dtype: torch.dtype):
+                 code2wav: Code2Wav, builder: PromptBuilder, device: torch.device, dtype: torch.dtype,
+                 max_batch_size: int = 8, max_seq_len: int = 4096):
         self.model_dir, self.cfg, self.generate_defaults = model_dir, cfg, defaults
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self._engine: Engine | None = None
         self.talker, self.code2wav, self.builder = talker, code2wav, builder
         self.device, self.dtype = device, dtype
         self.sample_rate = 24000
@@ -75,13 +80,16 @@ class TTS:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None) -> "TTS":
+                        dtype: torch.dtype | str | None = None, max_batch_size: int = 8,
+                        max_seq_len: int = 4096) -> "TTS":
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
             name_or_path: e.g. "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice" or a directory.
             device: default CUDA when available, else CPU.
             dtype: default bfloat16 on CUDA, float32 on CPU.
+            max_batch_size: requests decoded together (more are queued).
+            max_seq_len: KV-cache positions per request: prompt + frames (12.5 frames per second of audio).
         """
         d = resolve_model_dir(name_or_path)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -106,7 +114,7 @@ class TTS:
         # the vocoder runs in fp32 on CPU; on GPU in the engine dtype
         code2wav = code2wav.to(device=device, dtype=dtype).eval()
         builder = PromptBuilder(cfg, TextTokenizer(d))
-        return cls(d, cfg, defaults, talker, code2wav, builder, device, dtype)
+        return cls(d, cfg, defaults, talker, code2wav, builder, device, dtype, max_batch_size, max_seq_len)
 
     # ------------------------------------------------------------------ info
     @property
@@ -153,16 +161,39 @@ class TTS:
             out.append(PreparedRequest(lay, e, r, p))
         return out
 
+    @property
+    def engine(self) -> Engine:
+        """The engine behind every call (created on first use; static caches for max_batch_size requests)."""
+        if self._engine is None:
+            self._engine = Engine(self, max_slots=self.max_batch_size, max_seq_len=self.max_seq_len)
+        return self._engine
+
     def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
-        """Run the talker + code predictor for a batch of prepared requests -> codes [T_i, 16] each."""
-        with torch.inference_mode():
-            reqs = []
-            for pr in prepared:
-                pre, trail = embed_prompt(self.talker, pr.layout, pr.speaker_embedding, pr.ref_codes)
-                reqs.append(Request(prefill=pre, trailing=trail, params=pr.params))
-            max_len = max(r.prefill.shape[0] + r.params.max_new_tokens for r in reqs)
-            runner = ModelRunner(self.talker, self.tts_pad_embed, max_slots=len(reqs), max_len=max_len)
-            return generate_codes(runner, reqs)
+        """Run the talker + code predictor for prepared requests -> codes [T_i, 16] each."""
+        return self.engine.generate_codes(prepared)
+
+    def stream(self, prepared: list[PreparedRequest], first_chunk_frames: int = 1,
+               chunk_frames: int = 8) -> Iterator[AudioChunk]:
+        """Streaming synthesis of prepared requests: AudioChunks as frames are generated (exact stateful decoder)."""
+        start = time.perf_counter()
+        eng = self.engine
+        reqs = [eng.add_request(p, StreamOptions(first_chunk_frames, chunk_frames)) for p in prepared]
+        ids = {r.request_id for r in reqs}
+        for r in reqs:
+            r.arrival_time = start  # time to first audio counts prompt processing too
+        try:
+            while not all(r.status.finished and r.vocoder_state is None for r in reqs):
+                for chunk in eng.step():
+                    if chunk.request_id in ids:
+                        if chunk.error:
+                            raise ValueError(chunk.error)
+                        yield chunk
+        finally:
+            for r in reqs:
+                if not r.status.finished:
+                    eng.abort(r.request_id)
+            if any(not r.status.finished for r in reqs):
+                eng.step()
 
     def _synthesize(self, prepared: list[PreparedRequest]) -> tuple[list[np.ndarray], int]:
         return self.decode(self.generate_codes(prepared), [p.ref_codes for p in prepared]), self.sample_rate
@@ -291,6 +322,33 @@ class TTS:
                                       non_streaming_mode=non_streaming_mode)
                    for t, lang, it, (emb, ref) in zip(texts, languages, items, checked)]
         return self._prepare(layouts, [e for e, _ in checked], [r for _, r in checked], kwargs)
+
+    # ------------------------------------------------------------------ streaming variants
+    def generate_custom_voice_stream(self, text, speaker, language=None, instruct=None, non_streaming_mode: bool = True,
+                                     first_chunk_frames: int = 1, chunk_frames: int = 8, **kwargs) -> Iterator[AudioChunk]:
+        """As generate_custom_voice, yielding AudioChunks (audio, sample_rate, frame_index, elapsed_s, ...) as
+        frames are generated. The concatenated chunks equal the offline audio (exact stateful decoder).
+
+        Args:
+            first_chunk_frames: frames in the first chunk (80 ms each): small for low time to first audio.
+            chunk_frames: frames in each later chunk.
+        """
+        return self.stream(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs),
+                           first_chunk_frames, chunk_frames)
+
+    def generate_voice_design_stream(self, text, instruct, language=None, non_streaming_mode: bool = True,
+                                     first_chunk_frames: int = 1, chunk_frames: int = 8, **kwargs) -> Iterator[AudioChunk]:
+        """As generate_voice_design, streaming (see generate_custom_voice_stream)."""
+        return self.stream(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs),
+                           first_chunk_frames, chunk_frames)
+
+    def generate_voice_clone_stream(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
+                                    voice_clone_prompt=None, non_streaming_mode: bool = False, first_chunk_frames: int = 1,
+                                    chunk_frames: int = 8, **kwargs) -> Iterator[AudioChunk]:
+        """As generate_voice_clone, streaming; ICL reference codes warm the decoder once and are never emitted."""
+        return self.stream(self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
+                                                    voice_clone_prompt, non_streaming_mode, **kwargs),
+                           first_chunk_frames, chunk_frames)
 
     def create_voice_clone_prompt(self, ref_audio, ref_text=None, x_vector_only_mode=False):
         self._require("base", "create_voice_clone_prompt")

@@ -1,50 +1,168 @@
-"""Offline generation: a batch of requests decoded together until each one stops.
+"""The engine: continuous batching of talker frames, streaming vocoding, per-request outputs.
+
+    step():  schedule -> run (prefill the newcomers, one frame for everyone running) -> vocode + update
 
 A request stops when it samples EOS (allowed from its third code on) or when it has sampled
 `max_new_tokens` codes; as upstream, the code 0 sampled last is dropped, so at most
-max_new_tokens - 1 frames come out. Rows finish independently; a finished row is simply left out of
-the next frame, so nothing of it can leak into the others.
+max_new_tokens - 1 frames come out (also capped by the KV cache: max_seq_len - prompt length).
+Rows join and leave the batch at every frame; a finished row is simply left out of the next frame,
+so nothing of it can leak into the others.
+
+Offline requests (stream=None) only collect codes; the caller decodes them with upstream's decoder
+for parity. Streaming requests get AudioChunks from the exact stateful decoder (q3tts.engine.vocoder).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+import threading
+import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..sampling import SamplingParams
+from ..models.talker import embed_prompt
+from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
+from .scheduler import Scheduler
+from .vocoder import StreamingVocoder
 
 
 @dataclass(slots=True)
-class Request:
-    prefill: torch.Tensor  # [L, D] prompt embeddings
-    trailing: torch.Tensor  # [S, D] text fed one per frame
-    params: SamplingParams
-    codes: list[torch.Tensor] = field(default_factory=list)  # frames so far, each [K]
-    done: bool = False
+class AudioChunk:
+    request_id: str
+    audio: np.ndarray  # [num_frames * 1920] float32, 24 kHz
+    sample_rate: int
+    frame_index: int  # index of the chunk's first frame
+    num_frames: int
+    is_last: bool
+    finish_reason: str | None  # on the last chunk: "stop" (EOS), "length", "abort" or "error"
+    elapsed_s: float  # since the request arrived
+    error: str | None = None
 
 
-def generate_codes(runner: ModelRunner, requests: list[Request], on_frame=None) -> list[torch.Tensor]:
-    """Returns each request's codes [T_i, K] (int64, CPU). on_frame(i, codes[K]) is called per frame."""
-    eos = runner.cfg.codec_eos_token_id
-    active: list[int] = []
-    for slot, r in enumerate(requests):
-        code0 = runner.prefill(slot, r.prefill, r.trailing, r.params)
-        r.done = code0 == eos or r.params.max_new_tokens <= 1
-        if not r.done:
-            active.append(slot)
-    while active:
-        out = runner.decode_frame(torch.tensor(active, device=runner.device))
+class Engine:
+    def __init__(self, tts, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256):
+        self.tts = tts
+        self.runner = ModelRunner(tts.talker, tts.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len)
+        self.scheduler = Scheduler(max_slots, max_queue)
+        self.vocoder = StreamingVocoder(tts.code2wav)
+        self.eos = tts.cfg.talker.codec_eos_token_id
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # add/abort may come from another thread than step()
+        self._aborts: list[str] = []
+
+    # ------------------------------------------------------------------ requests in
+    def add_request(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None) -> EngineRequest:
+        """Queue a prepared request (q3tts.api.PreparedRequest). stream=None: offline, codes only."""
+        if stream is not None:
+            stream.validate()
+        req = EngineRequest(request_id=request_id or f"req-{next(self._ids)}", prepared=prepared,
+                            stream=stream)
+        with self._lock:
+            self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborts)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[AudioChunk]:
+        aborted = []
+        with self._lock:
+            aborts, self._aborts = self._aborts, []
+            for rid in aborts:
+                req = self.scheduler.find(rid)
+                if req is not None:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)  # frees the slot now
+                    aborted.append(req)
+            sched = self.scheduler.schedule()
+        for req in sched.prefill:
+            self._prefill(req)
+        running = [r for r in sched.decode if not r.status.finished]
+        if running:
+            self._decode(running)
+        touched = [r for r in aborted + sched.prefill + sched.decode if r.stream is not None]
+        return self._vocode(touched)
+
+    def _prefill(self, req: EngineRequest) -> None:
+        pr = req.prepared
+        try:
+            with torch.inference_mode():
+                pre, trail = embed_prompt(self.tts.talker, pr.layout, pr.speaker_embedding, pr.ref_codes)
+                code0 = self.runner.prefill(req.slot, pre, trail, pr.params)
+            req.max_frames = min(pr.params.max_new_tokens - 1, self.runner.max_len - pre.shape[0])
+            if req.stream is not None:
+                req.vocoder_state = self.vocoder.new_state(pr.ref_codes)
+        except ValueError as e:
+            req.error = str(e)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            return
+        if code0 == self.eos:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif req.max_frames <= 0:
+            self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def _decode(self, reqs: list[EngineRequest]) -> None:
+        out = self.runner.decode_frame([r.slot for r in reqs])
         codes, nxt = out.codes.cpu(), out.next_code0.tolist()
-        still = []
-        for row, slot in enumerate(active):
-            r = requests[slot]
-            r.codes.append(codes[row])
-            if on_frame is not None:
-                on_frame(slot, codes[row])
-            if not (nxt[row] == eos or len(r.codes) + 1 >= r.params.max_new_tokens):
-                still.append(slot)
-        active = still
-    K = runner.K
-    return [torch.stack(r.codes) if r.codes else torch.zeros(0, K, dtype=torch.long) for r in requests]
+        for row, r in enumerate(reqs):
+            r.frames.append(codes[row])
+            if nxt[row] == self.eos:
+                self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
+            elif r.num_frames >= r.max_frames:
+                self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+
+    def _vocode(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
+        """Decode every chunk that is due: full chunks while running, the remainder at the end."""
+        work, meta = [], []
+        for r in reqs:
+            if r.status == RequestStatus.FINISHED_ABORTED:
+                meta.append((r, 0, True))  # nothing more is decoded for a cancelled request
+                continue
+            pending = r.num_frames - r.frames_vocoded
+            last = r.status.finished
+            n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
+            if n > 0:
+                work.append((r.vocoder_state, torch.stack(r.frames[r.frames_vocoded: r.frames_vocoded + n])))
+            if n > 0 or last:
+                meta.append((r, n, last))
+        decoded = iter(self.vocoder.decode(work)) if work else iter(())
+        now = time.perf_counter()
+        chunks = []
+        for r, n, last in meta:
+            if n > 0:
+                wav, r.vocoder_state = next(decoded)
+                audio = wav.numpy()
+            else:
+                audio = np.zeros(0, dtype=np.float32)
+            if r.first_audio_time is None and n > 0:
+                r.first_audio_time = now
+            chunks.append(AudioChunk(r.request_id, audio, self.tts.sample_rate, r.frames_vocoded, n, last,
+                                     r.status.reason if last else None, now - r.arrival_time, r.error))
+            r.frames_vocoded += n
+            if last:
+                r.vocoder_state = None
+        return chunks
+
+    # ------------------------------------------------------------------ offline
+    def run_to_completion(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
+        chunks = []
+        while any(not r.status.finished for r in reqs) or self._aborts:
+            chunks += self.step()
+        return chunks
+
+    def generate_codes(self, prepared: list) -> list[torch.Tensor]:
+        """Offline: codes [T_i, K] for each prepared request (queued beyond max_slots as needed)."""
+        reqs = [self.add_request(p) for p in prepared]
+        self.run_to_completion(reqs)
+        for r in reqs:
+            if r.status == RequestStatus.FINISHED_ERROR:
+                raise ValueError(r.error)
+        K = self.runner.K
+        return [torch.stack(r.frames) if r.frames else torch.zeros(0, K, dtype=torch.long) for r in reqs]

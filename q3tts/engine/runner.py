@@ -46,6 +46,7 @@ class ModelRunner:
         # per-slot state
         S, V, D = max_slots, cfg.vocab_size, cfg.hidden_size
         self.position = torch.zeros(S, dtype=torch.long, device=dev)  # next cache position
+        self.position_cpu = [0] * S  # host mirror: sizes the attended cache prefix without a device sync
         self.num_generated = torch.zeros(S, dtype=torch.long, device=dev)  # code-0 tokens sampled so far
         self.last_hidden = torch.zeros(S, D, device=dev, dtype=dt)
         self.last_code0 = torch.zeros(S, dtype=torch.long, device=dev)
@@ -67,11 +68,9 @@ class ModelRunner:
     def prefill(self, slot: int, prefill: torch.Tensor, trailing: torch.Tensor, params: SamplingParams) -> int:
         """prefill: [L, D] prompt embeddings, trailing: [S, D]. Fills the slot and samples code 0 of frame 0."""
         L = prefill.shape[0]
-        if L + params.max_new_tokens > self.max_len:
-            raise ValueError(f"prompt of {L} positions + max_new_tokens {params.max_new_tokens} exceeds the engine's "
-                             f"max_seq_len {self.max_len}; shorten the text or lower max_new_tokens")
-        if trailing.shape[0] > self.max_len:
-            raise ValueError(f"text of {trailing.shape[0]} tokens exceeds max_seq_len {self.max_len}")
+        if L >= self.max_len or trailing.shape[0] > self.max_len:
+            raise ValueError(f"prompt too long: {L} positions (+{trailing.shape[0]} streamed text tokens) for the "
+                             f"engine's max_seq_len {self.max_len}; shorten the text")
         s = slot
         for name, t in self.params.items():
             t[s] = getattr(params, name)
@@ -81,14 +80,20 @@ class ModelRunner:
         self.seen[s] = False
         self.num_generated[s] = 0
         pos = torch.arange(L, device=self.device)[None]  # C1: positions 0..L-1 for every request
+        n = self.kv_span(L)
         ctx = AttnContext(slots=torch.tensor([s], device=self.device), write_pos=pos,
-                          mask=(self.key_pos[None, :] <= pos[0][:, None])[None, None])
+                          mask=(self.key_pos[None, :n] <= pos[0][:, None])[None, None])
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
         h = self.talker(prefill[None].to(self.dtype), cos, sin, self.kv, ctx)[:, -1]  # [1, D]
         self.position[s] = L
+        self.position_cpu[s] = L
         code0 = self._sample_code0(torch.tensor([s], device=self.device), h)
         self.last_hidden[s] = h[0]
         return int(code0[0])
+
+    def kv_span(self, length: int) -> int:
+        """Cache positions to attend over for sequences up to `length`: rounded up so shapes repeat."""
+        return min(self.max_len, -(-length // 64) * 64)
 
     # ------------------------------------------------------------------ the frame
     def _sample_code0(self, slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -128,8 +133,10 @@ class ModelRunner:
         return torch.stack(out, dim=1)
 
     @torch.inference_mode()
-    def decode_frame(self, slots: torch.Tensor) -> FrameOutput:
-        """One whole frame for the given slots ([B] int64 on the device)."""
+    def decode_frame(self, slot_list: list[int]) -> FrameOutput:
+        """One whole frame for the given slots."""
+        slots = torch.tensor(slot_list, device=self.device)
+        n = self.kv_span(max(self.position_cpu[s] for s in slot_list) + 1)
         h, code0 = self.last_hidden[slots], self.last_code0[slots]
         frame_idx = self.num_generated[slots] - 1  # frames completed before this one
         codes = torch.cat([code0[:, None], self._code_predictor(slots, h, code0)], dim=1)  # [B, K]
@@ -138,9 +145,11 @@ class ModelRunner:
         text = self.trailing[slots, frame_idx.clamp(max=self.max_len - 1)]
         x = x + torch.where(use_text[:, None], text, self.tts_pad_embed[None])
         pos = self.position[slots][:, None]  # [B, 1]
-        ctx = AttnContext(slots=slots, write_pos=pos, mask=(self.key_pos[None, None, None, :] <= pos[:, None, :, None]))
+        ctx = AttnContext(slots=slots, write_pos=pos, mask=(self.key_pos[None, None, None, :n] <= pos[:, None, :, None]))
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
         h = self.talker(x[:, None], cos, sin, self.kv, ctx)[:, -1]
         self.position[slots] += 1
+        for s in slot_list:
+            self.position_cpu[s] += 1
         self.last_hidden[slots] = h
         return FrameOutput(codes=codes, next_code0=self._sample_code0(slots, h))

@@ -81,7 +81,8 @@ class Attention(nn.Module):
         rows = ctx.slots[:, None]  # [B, 1] broadcast with write_pos [B, S] -> indexed view [B, S, Hkv, Dh]
         k_cache[rows, :, ctx.write_pos] = k.transpose(1, 2).to(k_cache.dtype)
         v_cache[rows, :, ctx.write_pos] = v.to(v_cache.dtype)
-        keys, values = k_cache.index_select(0, ctx.slots), v_cache.index_select(0, ctx.slots)
+        n = ctx.mask.shape[-1]  # attend over the first n cache positions only (>= every row's length)
+        keys, values = k_cache[:, :, :n].index_select(0, ctx.slots), v_cache[:, :, :n].index_select(0, ctx.slots)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -116,7 +117,7 @@ class AttnContext:
 
     slots: torch.Tensor  # [B] int64: cache rows of this batch
     write_pos: torch.Tensor  # [B, S] int64: cache positions of the new tokens (== their RoPE positions)
-    mask: torch.Tensor  # [B, 1, S, Lmax] bool: True where a query may attend
+    mask: torch.Tensor  # [B, 1, S, n] bool over the first n cache positions: True where a query may attend
 
 
 def run_layers(layers: nn.ModuleList, norm: RMSNorm, x, cos, sin, kv: torch.Tensor, ctx: AttnContext):

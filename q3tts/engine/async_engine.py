@@ -1,0 +1,95 @@
+"""The one async bridge: a background thread drives Engine.step(); asyncio consumers get their chunks.
+
+Only `_loop` iterates over step outputs; each request has its own asyncio.Queue fed thread-safely.
+Cancelling a consumer (client disconnect) aborts its request, which frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from .engine import AudioChunk, Engine
+from .request import StreamOptions
+
+
+@dataclass(slots=True)
+class EngineStats:
+    queue_depth: int
+    active_slots: int
+    max_slots: int
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="q3tts-engine", daemon=True)
+        self._thread.start()
+
+    def stats(self) -> EngineStats:
+        s = self.engine.scheduler
+        return EngineStats(s.queue_depth, s.num_running, s.max_slots)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop:
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                chunks = self.engine.step()
+            except Exception as e:  # a bug or device error: fail every waiting consumer, keep serving
+                for rid, (loop, q) in list(self._queues.items()):
+                    loop.call_soon_threadsafe(q.put_nowait, e)
+                    self.engine.abort(rid)
+                continue
+            for c in chunks:
+                target = self._queues.get(c.request_id)
+                if target is not None:
+                    loop, q = target
+                    loop.call_soon_threadsafe(q.put_nowait, c)
+
+    async def generate(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[AudioChunk]:
+        """Chunks of one request until its last one. Raises QueueFullError at once if the queue is full.
+
+        Always streams internally (exact decoder); pass large chunk sizes for non-streaming responses.
+        """
+        stream = stream or StreamOptions()
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        req = self.engine.add_request(prepared, stream, request_id)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self._queues[req.request_id] = (loop, q)
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.is_last:
+                    finished = True
+                    return
+        finally:
+            self._queues.pop(req.request_id, None)
+            if not finished:
+                self.engine.abort(req.request_id)
+                self._wake.set()
+
+
+def now() -> float:
+    return time.perf_counter()

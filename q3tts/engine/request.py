@@ -1,0 +1,63 @@
+"""One request's state as the engine sees it (no torch import: the scheduler reads it too)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    # NOTE: everything from here on is a finished status
+    FINISHED_STOPPED = 2  # sampled EOS
+    FINISHED_LENGTH = 3  # reached max_new_tokens
+    FINISHED_ABORTED = 4  # cancelled by the client
+    FINISHED_ERROR = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def reason(self) -> str | None:
+        return {2: "stop", 3: "length", 4: "abort", 5: "error"}.get(int(self))
+
+
+@dataclass(slots=True)
+class StreamOptions:
+    first_chunk_frames: int = 1  # frames in the first audio chunk (time to first audio)
+    chunk_frames: int = 8  # frames in every later chunk
+
+    def validate(self) -> None:
+        if self.first_chunk_frames < 1 or self.chunk_frames < 1:
+            raise ValueError("first_chunk_frames and chunk_frames must be >= 1")
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    request_id: str
+    prepared: Any  # q3tts.api.PreparedRequest (layout, speaker embedding, ref codes, sampling params)
+    stream: StreamOptions | None = None  # None: offline (codes only, decoded by the caller)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    frames: list = field(default_factory=list)  # generated frames, each a [K] int64 CPU tensor
+    max_frames: int = 0  # set at admission: max_new_tokens - 1, capped by the KV cache
+    frames_vocoded: int = 0  # frames already turned into audio
+    vocoder_state: Any = None  # Code2WavState of this request (batch of 1)
+    first_audio_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frames)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.prepared.params.max_new_tokens
+
+    def next_chunk_size(self) -> int:
+        return self.stream.first_chunk_frames if self.frames_vocoded == 0 else self.stream.chunk_frames

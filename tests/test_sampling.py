@@ -1,0 +1,62 @@
+import torch
+
+from q3tts.sampling import SamplingParams, apply_repetition_penalty, sample, talker_logits_rules, uniform_noise
+
+EOS, V = 2150, 3072
+
+
+def test_suppression_and_eos_ban():
+    logits = torch.zeros(3, V)
+    logits[:, 2500] = 10.0  # a suppressed control code
+    logits[:, EOS] = 5.0
+    seen = torch.zeros(3, V, dtype=torch.bool)
+    out = talker_logits_rules(logits, seen, torch.ones(3), torch.tensor([0, 1, 2]), EOS, V - 1024)
+    ctrl = torch.arange(2048, V) != EOS
+    assert torch.isinf(out[:, 2048:][:, ctrl]).all()
+    assert out[0, EOS] == float("-inf") and out[1, EOS] == float("-inf")  # first 2 frames: no EOS
+    assert out[2, EOS] == 5.0 and out[2].argmax() == EOS
+    assert (out[:, :2048] == 0).all()
+
+
+def test_repetition_penalty_hf_semantics():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    out = apply_repetition_penalty(logits, seen, torch.tensor([2.0]))
+    torch.testing.assert_close(out, torch.tensor([[1.0, -4.0, 1.0, -1.0]]))
+
+
+def test_greedy_rows_take_argmax_and_sampled_rows_follow_params():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 100) * 3
+    noise = uniform_noise(torch.tensor([1, 2, 3, 4]), torch.zeros(4, dtype=torch.long), 0, 100)
+    tok = sample(logits, torch.tensor([False, True, True, True]), torch.ones(4), torch.tensor([0, 1, 0, 5]),
+                 torch.tensor([1.0, 1.0, 1e-6, 1.0]), noise)
+    assert tok[0] == logits[0].argmax()
+    assert tok[1] == logits[1].argmax()  # top_k 1
+    assert tok[2] == logits[2].argmax()  # top_p tiny keeps the single most likely token
+    assert tok[3] in logits[3].topk(5).indices  # top_k 5
+
+
+def test_sampling_distribution_matches_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]]).expand(20000, -1)
+    noise = uniform_noise(torch.arange(20000), torch.zeros(20000, dtype=torch.long), 0, 4)
+    tok = sample(logits, torch.ones(20000, dtype=torch.bool), torch.ones(20000), torch.zeros(20000, dtype=torch.long),
+                 torch.ones(20000), noise)
+    freq = torch.bincount(tok, minlength=4).float() / 20000
+    torch.testing.assert_close(freq, logits[0].softmax(-1), atol=0.015, rtol=0)
+
+
+def test_noise_is_a_pure_function_of_seed_step_stream():
+    a = uniform_noise(torch.tensor([7, 8]), torch.tensor([3, 3]), 2, 50)
+    b = uniform_noise(torch.tensor([9, 7]), torch.tensor([0, 3]), 2, 50)
+    assert torch.equal(a[0], b[1]) and not torch.equal(a[0], a[1])
+    assert ((a > 0) & (a < 1)).all()
+    assert not torch.equal(uniform_noise(torch.tensor([7]), torch.tensor([3]), 1, 50)[0], a[0])
+
+
+def test_params_validation_names_the_field():
+    import pytest
+    for bad, field in [(dict(temperature=0), "temperature"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
+                       (dict(max_new_tokens=0), "max_new_tokens")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad).validate()
