@@ -72,6 +72,8 @@ def apply_tweaks(sd: dict[str, torch.Tensor], tweaks: dict, eos_id: int | None =
     - output_conv_scale: multiply the last vocoder conv (keeps the waveform well inside (-1, 1)).
     - eos_copy_from / eos_scale: make the EOS row of codec_head a scaled copy of another code's row,
       so greedy decoding stops where it would otherwise pick that code (tests EOS handling).
+    - eos_zero: zero the EOS row of codec_head; its logit is then always 0, never in the top-k (or the
+      argmax) of the peaky random logits, so every engine decodes exactly max_new_tokens frames (benchmarks).
     """
     if "output_conv_scale" in tweaks:
         last = max((k for k in sd if k.startswith("decoder.decoder.") and k.endswith(".conv.weight")),
@@ -80,6 +82,8 @@ def apply_tweaks(sd: dict[str, torch.Tensor], tweaks: dict, eos_id: int | None =
     if "eos_copy_from" in tweaks:
         w = sd["talker.codec_head.weight"]
         w[eos_id] = w[tweaks["eos_copy_from"]] * tweaks.get("eos_scale", 1.05)
+    if tweaks.get("eos_zero"):
+        sd["talker.codec_head.weight"][eos_id] = 0.0
 
 
 def digest(sd: dict[str, torch.Tensor]) -> str:

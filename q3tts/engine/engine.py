@@ -43,9 +43,12 @@ class AudioChunk:
 
 
 class Engine:
-    def __init__(self, tts, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256):
+    def __init__(self, tts, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256,
+                 use_cuda_graphs: bool | None = None):
         self.tts = tts
-        self.runner = ModelRunner(tts.talker, tts.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len)
+        self.runner = ModelRunner(tts.talker, tts.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
+                                  use_cuda_graphs=use_cuda_graphs)
+        self.runner.capture_graphs()
         self.scheduler = Scheduler(max_slots, max_queue)
         self.vocoder = StreamingVocoder(tts.code2wav)
         self.eos = tts.cfg.talker.codec_eos_token_id
@@ -78,17 +81,31 @@ class Engine:
             aborts, self._aborts = self._aborts, []
             for rid in aborts:
                 req = self.scheduler.find(rid)
-                if req is not None:
-                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)  # frees the slot now
+                if req is not None and not req.status.finished:
+                    self._finish(req, RequestStatus.FINISHED_ABORTED)  # frees the slot now
                     aborted.append(req)
             sched = self.scheduler.schedule()
         for req in sched.prefill:
             self._prefill(req)
-        running = [r for r in sched.decode if not r.status.finished]
+        self._compact()
+        running = sorted(self.scheduler.running.values(), key=lambda r: r.slot)  # rows [0, B)
         if running:
             self._decode(running)
+        self._compact()
         touched = [r for r in aborted + sched.prefill + sched.decode if r.stream is not None]
-        return self._vocode(touched)
+        return self._vocode(list(dict.fromkeys(touched)))
+
+    def _finish(self, req: EngineRequest, status: RequestStatus) -> None:
+        slot = req.slot
+        self.scheduler.finish(req, status)
+        if slot is not None:
+            self.runner.free_slot(slot)
+
+    def _compact(self) -> None:
+        with self._lock:
+            moves = self.scheduler.compact()
+        for src, dst in moves:
+            self.runner.move_slot(src, dst)
 
     def _prefill(self, req: EngineRequest) -> None:
         pr = req.prepared
@@ -101,22 +118,22 @@ class Engine:
                 req.vocoder_state = self.vocoder.new_state(pr.ref_codes)
         except ValueError as e:
             req.error = str(e)
-            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
             return
         if code0 == self.eos:
-            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
         elif req.max_frames <= 0:
-            self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
 
     def _decode(self, reqs: list[EngineRequest]) -> None:
-        out = self.runner.decode_frame([r.slot for r in reqs])
-        codes, nxt = out.codes.cpu(), out.next_code0.tolist()
+        assert [r.slot for r in reqs] == list(range(len(reqs))), "running requests must fill rows [0, B)"
+        out = self.runner.decode_frame(len(reqs))
         for row, r in enumerate(reqs):
-            r.frames.append(codes[row])
-            if nxt[row] == self.eos:
-                self.scheduler.finish(r, RequestStatus.FINISHED_STOPPED)
+            r.frames.append(out.codes[row])
+            if out.next_code0[row] == self.eos:
+                self._finish(r, RequestStatus.FINISHED_STOPPED)
             elif r.num_frames >= r.max_frames:
-                self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+                self._finish(r, RequestStatus.FINISHED_LENGTH)
 
     def _vocode(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
         """Decode every chunk that is due: full chunks while running, the remainder at the end."""

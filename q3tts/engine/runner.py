@@ -1,14 +1,16 @@
 """Everything that runs on the device: static caches, prefill, and the whole-frame decode step.
 
-Slots are rows of the persistent batch. Each slot keeps its own state in preallocated tensors
-(position, frame index, last talker hidden, last code 0, code-0 history, sampling parameters, seed,
-trailing text), so a frame for any subset of slots is one call with fixed shapes: ready to be
-captured as a CUDA graph per batch bucket.
+Slots are rows of the persistent batch; the running requests always occupy rows [0, B) (the engine
+compacts on finish with `move_slot`), so a frame reads and writes plain views of the caches: no
+gather, no copy. Each slot keeps its state in preallocated tensors (position, last talker hidden,
+last code 0, code-0 history, sampling parameters, seed, trailing text).
 
-One frame (`decode_frame`) for B slots:
+One frame (`_frame(B, n)`) for rows [0, B), attending over the first n cache positions:
   1. code predictor: fresh 2-token prefill [h, codec_embedding(code0)] -> code 1, then 14 steps -> codes 2..15
   2. talker input = embed_codes(frame) + trailing_text[frame] (tts_pad once the text is used up)
-  3. talker step at the slot's position -> hidden h' -> codec_head -> rules -> sample next code 0
+  3. talker step at each row's position -> hidden h' -> codec_head -> rules -> sample next code 0
+It has fixed shapes for fixed (B, n), reads no host value, and syncs nothing, so on CUDA it is
+captured once per (batch bucket, length bucket) as one CUDA graph and replayed with padding rows.
 """
 
 from __future__ import annotations
@@ -21,47 +23,82 @@ from ..models.layers import AttnContext, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import SamplingParams, sample, talker_logits_rules, uniform_noise
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+MIN_KV_SPAN = 64
+
 
 @dataclass(slots=True)
 class FrameOutput:
-    codes: torch.Tensor  # [B, K] int64: the frame just completed (code 0 from the previous step)
-    next_code0: torch.Tensor  # [B] int64: sampled for the next frame (EOS ends the request)
+    codes: torch.Tensor  # [B, K] int64 (CPU): the frame just completed (code 0 from the previous step)
+    next_code0: list[int]  # [B]: sampled for the next frame (EOS ends the request)
 
 
 class ModelRunner:
-    def __init__(self, talker: Talker, tts_pad_embed: torch.Tensor, max_slots: int, max_len: int):
+    def __init__(self, talker: Talker, tts_pad_embed: torch.Tensor, max_slots: int, max_len: int,
+                 use_cuda_graphs: bool | None = None):
         cfg = talker.cfg
         cp = cfg.code_predictor
         p = next(talker.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.talker, self.cfg = talker, cfg
-        self.max_slots, self.max_len, self.K = max_slots, max_len, cfg.num_code_groups
+        self.K = cfg.num_code_groups
+        self.max_len = max(MIN_KV_SPAN, 1 << (max_len - 1).bit_length())  # a power of two: the last length bucket
+        self.use_graphs = (self.device.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
+        # padded replays touch rows up to the next bucket: allocate them (they are free slots)
+        self.max_slots = max_slots
+        S = next((b for b in BATCH_BUCKETS if b >= max_slots), max_slots) if self.use_graphs else max_slots
+        self.num_rows = S
         dev, dt = self.device, self.dtype
+        V, D = cfg.vocab_size, cfg.hidden_size
         # KV caches: [layers, k/v, slots, kv heads, positions, head_dim]
-        self.kv = torch.zeros(cfg.num_hidden_layers, 2, max_slots, cfg.num_key_value_heads, max_len, cfg.head_dim,
+        self.kv = torch.zeros(cfg.num_hidden_layers, 2, S, cfg.num_key_value_heads, self.max_len, cfg.head_dim,
                               device=dev, dtype=dt)
-        self.cp_kv = torch.zeros(cp.num_hidden_layers, 2, max_slots, cp.num_key_value_heads, self.K, cp.head_dim,
+        self.cp_kv = torch.zeros(cp.num_hidden_layers, 2, S, cp.num_key_value_heads, self.K, cp.head_dim,
                                  device=dev, dtype=dt)
         self.tts_pad_embed = tts_pad_embed.to(dev, dt)  # [D]
         # per-slot state
-        S, V, D = max_slots, cfg.vocab_size, cfg.hidden_size
         self.position = torch.zeros(S, dtype=torch.long, device=dev)  # next cache position
-        self.position_cpu = [0] * S  # host mirror: sizes the attended cache prefix without a device sync
+        self.position_cpu = [0] * S  # host mirror: picks the length bucket without a device sync
         self.num_generated = torch.zeros(S, dtype=torch.long, device=dev)  # code-0 tokens sampled so far
         self.last_hidden = torch.zeros(S, D, device=dev, dtype=dt)
         self.last_code0 = torch.zeros(S, dtype=torch.long, device=dev)
         self.seen = torch.zeros(S, V, dtype=torch.bool, device=dev)  # code-0 history for the penalty
-        self.trailing = torch.zeros(S, max_len, D, device=dev, dtype=dt)
+        self.trailing = torch.zeros(S, self.max_len, D, device=dev, dtype=dt)
         self.trailing_len = torch.zeros(S, dtype=torch.long, device=dev)
         self.seed = torch.zeros(S, dtype=torch.long, device=dev)
-        self.params = {n: torch.zeros(S, dtype=torch.float32, device=dev) for n in (
+        self.params = {n: torch.ones(S, dtype=torch.float32, device=dev) for n in (
             "temperature", "top_p", "repetition_penalty", "subtalker_temperature", "subtalker_top_p")}
         self.params.update({n: torch.zeros(S, dtype=torch.long, device=dev) for n in ("top_k", "subtalker_top_k")})
         self.params.update({n: torch.zeros(S, dtype=torch.bool, device=dev) for n in ("do_sample", "subtalker_dosample")})
-        self.key_pos = torch.arange(max_len, device=dev)
+        self.frame_codes = torch.zeros(S, self.K, dtype=torch.long, device=dev)  # output of the last frame
+        self.key_pos = torch.arange(self.max_len, device=dev)
+        self.cp_pos = torch.arange(self.K, device=dev)
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(dev)
         self.cp_inv_freq = rope_inv_freq(cp.head_dim, cp.rope_theta).to(dev)
-        self.cp_pos = torch.arange(self.K, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # ------------------------------------------------------------------ slots
+    def _state_tensors(self):
+        return [self.position, self.num_generated, self.last_hidden, self.last_code0, self.seen, self.trailing,
+                self.trailing_len, self.seed, *self.params.values()]
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Compaction: the request in row src continues in row dst (its KV up to its position moves too)."""
+        n = self.position_cpu[src]
+        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        for t in self._state_tensors():
+            t[dst] = t[src]
+        self.position_cpu[dst] = n
+        self.free_slot(src)
+
+    def free_slot(self, slot: int) -> None:
+        self.position[slot] = 0  # padded replays of free rows then stay inside the cache
+        self.position_cpu[slot] = 0
+
+    def kv_span(self, length: int) -> int:
+        """Cache positions attended for sequences up to `length`: a power of two (one graph per bucket)."""
+        return min(self.max_len, max(MIN_KV_SPAN, 1 << (length - 1).bit_length()))
 
     # ------------------------------------------------------------------ admission
     @torch.inference_mode()
@@ -81,75 +118,121 @@ class ModelRunner:
         self.num_generated[s] = 0
         pos = torch.arange(L, device=self.device)[None]  # C1: positions 0..L-1 for every request
         n = self.kv_span(L)
-        ctx = AttnContext(slots=torch.tensor([s], device=self.device), write_pos=pos,
-                          mask=(self.key_pos[None, :n] <= pos[0][:, None])[None, None])
+        ctx = AttnContext(write_pos=pos, mask=(self.key_pos[None, :n] <= pos[0][:, None])[None, None])
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        h = self.talker(prefill[None].to(self.dtype), cos, sin, self.kv, ctx)[:, -1]  # [1, D]
+        h = self.talker(prefill[None].to(self.dtype), cos, sin, self.kv[:, :, s:s + 1], ctx)[:, -1]  # [1, D]
         self.position[s] = L
         self.position_cpu[s] = L
-        code0 = self._sample_code0(torch.tensor([s], device=self.device), h)
         self.last_hidden[s] = h[0]
-        return int(code0[0])
-
-    def kv_span(self, length: int) -> int:
-        """Cache positions to attend over for sequences up to `length`: rounded up so shapes repeat."""
-        return min(self.max_len, -(-length // 64) * 64)
+        self._sample_code0(s, s + 1, h)
+        return int(self.last_code0[s])
 
     # ------------------------------------------------------------------ the frame
-    def _sample_code0(self, slots: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h: [B, D] final talker hidden -> code 0 [B]; updates history and counters."""
-        t, p = self.cfg, self.params
+    def _sample_code0(self, lo: int, hi: int, h: torch.Tensor) -> None:
+        """h: [B, D] final talker hidden of rows [lo, hi) -> last_code0; updates history and counters."""
+        t, p, r = self.cfg, self.params, slice(lo, hi)
         logits = self.talker.codec_head(h).float()
-        logits = talker_logits_rules(logits, self.seen[slots], p["repetition_penalty"][slots],
-                                     self.num_generated[slots], t.codec_eos_token_id, t.vocab_size - 1024)
-        noise = uniform_noise(self.seed[slots], self.num_generated[slots], 0, logits.shape[-1])
-        code0 = sample(logits, p["do_sample"][slots], p["temperature"][slots], p["top_k"][slots],
-                       p["top_p"][slots], noise)
-        self.seen[slots, code0] = True
-        self.num_generated[slots] += 1
-        self.last_code0[slots] = code0
-        return code0
+        logits = talker_logits_rules(logits, self.seen[r], p["repetition_penalty"][r], self.num_generated[r],
+                                     t.codec_eos_token_id, t.vocab_size - 1024)
+        noise = uniform_noise(self.seed[r], self.num_generated[r], 0, logits.shape[-1])
+        code0 = sample(logits, p["do_sample"][r], p["temperature"][r], p["top_k"][r], p["top_p"][r], noise)
+        self.seen[r].scatter_(1, code0[:, None], True)
+        self.num_generated[r] += 1
+        self.last_code0[r] = code0
 
-    def _code_predictor(self, slots: torch.Tensor, h: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
+    def _code_predictor(self, B: int, h: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
         """C2: h [B, D] talker hidden, code0 [B] -> codes 1..K-1 [B, K-1]."""
-        cp, p = self.talker.code_predictor, self.params
-        B = h.shape[0]
-        rows = torch.arange(B, device=self.device)
-        frame = self.num_generated[slots] - 1  # this frame's index: noise differs per frame and codebook
+        cp, p, r = self.talker.code_predictor, self.params, slice(0, B)
+        kv = self.cp_kv[:, :, :B]
+        frame = self.num_generated[r] - 1  # this frame's index: noise differs per frame and codebook
         x = torch.stack([h, self.talker.model.codec_embedding(code0)], dim=1)  # [B, 2, D]
         out = []
         for i in range(self.K - 1):
             pos = (self.cp_pos[:2] if i == 0 else self.cp_pos[i + 1: i + 2])[None].expand(B, -1)  # 0,1; then i+1
-            ctx = AttnContext(slots=rows, write_pos=pos, mask=(self.cp_pos[None, None, None, :] <= pos[:, None, :, None]))
+            ctx = AttnContext(write_pos=pos, mask=self.cp_pos[None, None, None, :] <= pos[:, None, :, None])
             cos, sin = rope_cos_sin(pos, self.cp_inv_freq, self.dtype)
-            hid = cp(x, cos, sin, self.cp_kv, ctx)[:, -1]  # [B, D_cp]
+            hid = cp(x, cos, sin, kv, ctx)[:, -1]  # [B, D_cp]
             logits = cp.lm_head[i](hid).float()
-            noise = uniform_noise(self.seed[slots], frame, i + 1, logits.shape[-1])
-            code = sample(logits, p["subtalker_dosample"][slots], p["subtalker_temperature"][slots],
-                          p["subtalker_top_k"][slots], p["subtalker_top_p"][slots], noise)
+            noise = uniform_noise(self.seed[r], frame, i + 1, logits.shape[-1])
+            code = sample(logits, p["subtalker_dosample"][r], p["subtalker_temperature"][r],
+                          p["subtalker_top_k"][r], p["subtalker_top_p"][r], noise)
             out.append(code)
             if i + 1 < self.K - 1:
                 x = cp.model.codec_embedding[i](code)[:, None]  # [B, 1, D]
         return torch.stack(out, dim=1)
 
-    @torch.inference_mode()
-    def decode_frame(self, slot_list: list[int]) -> FrameOutput:
-        """One whole frame for the given slots."""
-        slots = torch.tensor(slot_list, device=self.device)
-        n = self.kv_span(max(self.position_cpu[s] for s in slot_list) + 1)
-        h, code0 = self.last_hidden[slots], self.last_code0[slots]
-        frame_idx = self.num_generated[slots] - 1  # frames completed before this one
-        codes = torch.cat([code0[:, None], self._code_predictor(slots, h, code0)], dim=1)  # [B, K]
+    def _frame(self, B: int, n: int) -> None:
+        """One whole frame for rows [0, B), attending over n cache positions. Static shapes, no host sync."""
+        r = slice(0, B)
+        h, code0 = self.last_hidden[r], self.last_code0[r]
+        frame_idx = self.num_generated[r] - 1  # frames completed before this one
+        codes = torch.cat([code0[:, None], self._code_predictor(B, h, code0)], dim=1)  # [B, K]
+        self.frame_codes[r] = codes
         x = self.talker.embed_codes(codes)
-        use_text = frame_idx < self.trailing_len[slots]
-        text = self.trailing[slots, frame_idx.clamp(max=self.max_len - 1)]
+        use_text = frame_idx < self.trailing_len[r]
+        text = self.trailing[torch.arange(B, device=self.device), frame_idx.clamp(0, self.max_len - 1)]
         x = x + torch.where(use_text[:, None], text, self.tts_pad_embed[None])
-        pos = self.position[slots][:, None]  # [B, 1]
-        ctx = AttnContext(slots=slots, write_pos=pos, mask=(self.key_pos[None, None, None, :n] <= pos[:, None, :, None]))
+        pos = self.position[r][:, None]  # [B, 1]
+        ctx = AttnContext(write_pos=pos, mask=self.key_pos[None, None, None, :n] <= pos[:, None, :, None])
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        h = self.talker(x[:, None], cos, sin, self.kv, ctx)[:, -1]
-        self.position[slots] += 1
-        for s in slot_list:
+        h = self.talker(x[:, None], cos, sin, self.kv[:, :, r], ctx)[:, -1]
+        self.position[r] += 1
+        self.last_hidden[r] = h
+        self._sample_code0(0, B, h)
+
+    @torch.inference_mode()
+    def decode_frame(self, B: int) -> FrameOutput:
+        """One whole frame for the running rows [0, B)."""
+        n = self.kv_span(max(self.position_cpu[:B]) + 1)
+        if self.use_graphs:
+            Bp = next(b for b in BATCH_BUCKETS if b >= B)
+            graph = self.graphs.get((Bp, n))
+            if graph is None:
+                raise RuntimeError(f"no CUDA graph for batch {Bp} x length {n}: call capture_graphs() before serving")
+            graph.replay()
+            if Bp > B:
+                self.position[B:Bp] = 0  # padding rows are free slots: keep them at position 0
+        else:
+            self._frame(B, n)
+        for s in range(B):
             self.position_cpu[s] += 1
-        self.last_hidden[slots] = h
-        return FrameOutput(codes=codes, next_code0=self._sample_code0(slots, h))
+        codes = self.frame_codes[:B].to("cpu", copy=True)  # the one sync per frame (a copy: the buffer is reused)
+        return FrameOutput(codes=codes, next_code0=self.last_code0[:B].tolist())
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def capture_graphs(self, max_batch: int | None = None, max_len: int | None = None) -> int:
+        """Capture one graph per (batch bucket, length bucket). Must run while no request is active: the
+        warm-up replays write into the rows they cover (all state is reset afterwards)."""
+        if not self.use_graphs:
+            return 0
+        max_batch = min(max_batch or self.max_slots, self.num_rows)
+        batches = [b for b in BATCH_BUCKETS if b <= self.num_rows and (b <= max_batch or b == BATCH_BUCKETS[0])]
+        if batches[-1] < max_batch:
+            batches.append(next(b for b in BATCH_BUCKETS if b >= max_batch))
+        lens, n = [], MIN_KV_SPAN
+        while n <= min(max_len or self.max_len, self.max_len):
+            lens.append(n)
+            n *= 2
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for B in batches:
+                for n in lens:
+                    self._frame(B, n)  # warm-up (allocations, cuBLAS handles) outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        for B in reversed(batches):  # largest first: the shared pool is sized by it
+            for n in lens:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    self._frame(B, n)
+                self._pool = g.pool()
+                self.graphs[(B, n)] = g
+        torch.cuda.synchronize()
+        for t in self._state_tensors():  # the warm-ups wrote garbage into free rows
+            t.zero_()
+        for t in self.params.values():
+            if t.dtype == torch.float32:
+                t.fill_(1.0)
+        self.position_cpu = [0] * self.num_rows
+        return len(self.graphs)

@@ -48,13 +48,29 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(decode=list(self.running.values()))
+        self.free_slots.sort(reverse=True)
         while self.waiting and self.free_slots and len(out.prefill) < self.max_prefills_per_step:
             req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()
+            req.slot = self.free_slots.pop()  # the lowest free slot: rows stay contiguous
             req.status = RequestStatus.RUNNING
             self.running[req.slot] = req
             out.prefill.append(req)
         return out
+
+    def compact(self) -> list[tuple[int, int]]:
+        """Keep the running requests in slots [0, num_running): move the highest into the lowest hole.
+        Returns the (src, dst) moves for the runner to apply, in order."""
+        moves = []
+        self.free_slots.sort(reverse=True)  # pop() gives the lowest
+        while self.running and self.free_slots and self.free_slots[-1] < max(self.running):
+            src, dst = max(self.running), self.free_slots.pop()
+            req = self.running.pop(src)
+            req.slot = dst
+            self.running[dst] = req
+            self.free_slots.append(src)
+            self.free_slots.sort(reverse=True)
+            moves.append((src, dst))
+        return moves
 
     def finish(self, req: EngineRequest, status: RequestStatus) -> None:
         """Mark req finished and free its slot at once (a no-op for a request already finished)."""

@@ -68,23 +68,33 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # per head, before RoPE
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv_weight: torch.Tensor | None = None  # [q|k|v] fused by fuse_projections() for one GEMM
 
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: "AttnContext"):
-        """x: [B, S, D]; k_cache/v_cache: [num_slots, Hkv, Lmax, Dh], rows ctx.slots are this batch's;
-        the new keys/values are written in place at ctx.write_pos."""
+        """x: [B, S, D]; k_cache/v_cache: [B, Hkv, Lmax, Dh] views of this batch's cache rows, written in place
+        at ctx.write_pos; attention reads their first n = ctx.mask.shape[-1] positions (no copy)."""
         B, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        rows = ctx.slots[:, None]  # [B, 1] broadcast with write_pos [B, S] -> indexed view [B, S, Hkv, Dh]
-        k_cache[rows, :, ctx.write_pos] = k.transpose(1, 2).to(k_cache.dtype)
-        v_cache[rows, :, ctx.write_pos] = v.to(v_cache.dtype)
-        n = ctx.mask.shape[-1]  # attend over the first n cache positions only (>= every row's length)
-        keys, values = k_cache[:, :, :n].index_select(0, ctx.slots), v_cache[:, :, :n].index_select(0, ctx.slots)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(self.q_norm(q.view(B, S, H, Dh)).transpose(1, 2), cos, sin)  # [B, H, S, Dh]
+        k = apply_rope(self.k_norm(k.view(B, S, Hkv, Dh)).transpose(1, 2), cos, sin)  # [B, Hkv, S, Dh]
+        idx = ctx.write_pos[:, None, :, None].expand(B, Hkv, S, Dh)
+        k_cache.scatter_(2, idx, k.to(k_cache.dtype))
+        v_cache.scatter_(2, idx, v.view(B, S, Hkv, Dh).transpose(1, 2).to(v_cache.dtype))
+        n = ctx.mask.shape[-1]
+        keys, values = k_cache[:, :, :n], v_cache[:, :, :n]  # [B, Hkv, n, Dh] views
+        # GQA without repeating K/V: the G query heads of a KV head become extra query rows
+        G = H // Hkv
+        qg = q.reshape(B, Hkv, G * S, Dh)
+        scores = torch.matmul(qg, keys.transpose(2, 3)) * (Dh ** -0.5)  # [B, Hkv, G*S, n]
+        mask = ctx.mask.expand(B, 1, S, n).repeat(1, 1, G, 1) if G > 1 else ctx.mask  # [B, 1, G*S, n]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)  # as upstream's eager attention
+        out = torch.matmul(probs, values).view(B, H, S, Dh)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * Dh))
 
 
 class MLP(nn.Module):
@@ -93,8 +103,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # [gate|up] fused by fuse_projections()
 
     def forward(self, x):
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -113,15 +127,25 @@ class DecoderLayer(nn.Module):
 
 @dataclass(slots=True)
 class AttnContext:
-    """Where a forward call reads and writes the engine's KV cache."""
+    """Where a forward call writes the engine's KV cache and what it may attend to."""
 
-    slots: torch.Tensor  # [B] int64: cache rows of this batch
     write_pos: torch.Tensor  # [B, S] int64: cache positions of the new tokens (== their RoPE positions)
     mask: torch.Tensor  # [B, 1, S, n] bool over the first n cache positions: True where a query may attend
 
 
 def run_layers(layers: nn.ModuleList, norm: RMSNorm, x, cos, sin, kv: torch.Tensor, ctx: AttnContext):
-    """kv: [num_layers, 2, num_slots, Hkv, Lmax, Dh], the engine's cache. Returns the final-normed hidden."""
+    """kv: [num_layers, 2, B, Hkv, Lmax, Dh], this batch's rows of the engine's cache (a view).
+    Returns the final-normed hidden."""
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, kv[i, 0], kv[i, 1], ctx)
     return norm(x)
+
+
+def fuse_projections(module: nn.Module) -> None:
+    """Concatenate q/k/v and gate/up weights once after loading: one GEMM instead of three / two.
+    The per-name parameters stay (checkpoint names are unchanged)."""
+    for m in module.modules():
+        if isinstance(m, Attention):
+            m.qkv_weight = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach()
+        elif isinstance(m, MLP):
+            m.gate_up_weight = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()

@@ -1,0 +1,150 @@
+"""Load benchmark for a running `q3tts serve`: concurrent streaming clients, JSON results.
+
+    q3tts serve --model /tmp/ckpt-0.6B --max-concurrent 64 &
+    python -m bench.load --url http://127.0.0.1:8000 --concurrency 1,4,16,64 --out bench/results/load.json
+
+For each concurrency C, C clients each send requests back to back (streaming pcm, so every byte is timed
+as it arrives) until `--requests` requests per client are done. Per request: time to first audio (first
+audio byte after the request was sent), audio seconds, real-time factor (wall time / audio seconds),
+and the playback buffer it needs: how far behind a player that started at the first byte the stream ever
+fell, i.e. how long a listener must buffer after the first byte to never stall (0 = playable at once).
+Per level: aggregate audio seconds per wall second, p50/p95/max of each.
+
+Fix the audio length with --max-new-tokens (frames + 1, 12.5 frames per second); with a random-weight
+bench checkpoint (bench/make_checkpoint.py, EOS disabled) every request then makes exactly that many frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+import httpx
+
+SR = 24000
+TEXT = ("The quick brown fox jumps over the lazy dog. Speech synthesis servers must stream audio faster than "
+        "people listen to it, for many listeners at once, without making anyone wait for the first word.")
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def summary(xs: list[float], scale: float = 1.0, digits: int = 4) -> dict:
+    return {k: (None if v is None else round(v * scale, digits))
+            for k, v in (("p50", pct(xs, 50)), ("p95", pct(xs, 95)), ("max", max(xs) if xs else None))}
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+    t0 = time.perf_counter()
+    first = None
+    nbytes = 0
+    stall = 0.0
+    async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+        if r.status_code != 200:
+            return {"error": f"{r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"}
+        async for chunk in r.aiter_raw():
+            if not chunk:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:  # a player started at the first byte has played this much by now
+                stall = max(stall, (now - first) - nbytes / 2 / SR)
+            nbytes += len(chunk)
+    t1 = time.perf_counter()
+    audio_s = nbytes / 2 / SR
+    return {"ttfa_s": (first or t1) - t0, "wall_s": t1 - t0, "audio_s": audio_s,
+            "rtf": (t1 - t0) / audio_s if audio_s else None, "buffer_s": max(stall, 0.0)}
+
+
+async def run_level(url: str, concurrency: int, requests_per_client: int, body: dict, headers: dict) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as client:
+        results: list[dict] = []
+
+        async def worker(w: int) -> None:
+            for i in range(requests_per_client):
+                b = dict(body, seed=w * 1000 + i)
+                try:
+                    results.append(await one_request(client, b))
+                except httpx.HTTPError as e:
+                    results.append({"error": f"{type(e).__name__}: {e}"})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    audio = sum(r["audio_s"] for r in ok)
+    rtfs = [r["rtf"] for r in ok if r["rtf"] is not None]
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_samples": [r["error"] for r in results if "error" in r][:3],
+        "wall_s": round(wall, 3),
+        "audio_s": round(audio, 3),
+        "audio_s_per_s": round(audio / wall, 3) if wall else None,
+        "ttfa_ms": summary([r["ttfa_s"] for r in ok], 1000, 1),
+        "rtf": summary(rtfs),
+        "all_faster_than_real_time": bool(rtfs) and max(rtfs) < 1.0,
+        "buffer_needed_ms": summary([r["buffer_s"] for r in ok], 1000, 1),
+        "mean_audio_s_per_request": round(audio / len(ok), 3) if ok else None,
+    }
+
+
+async def main_async(a) -> dict:
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    async with httpx.AsyncClient(base_url=a.url, timeout=30, headers=headers) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]
+        voices = (await c.get("/v1/audio/voices")).json()["data"]
+    body = {"model": model["id"], "input": a.text, "response_format": "pcm", "max_new_tokens": a.max_new_tokens}
+    if a.voice or voices:
+        body["voice"] = a.voice or voices[0]["id"]
+    if model["tts_model_type"] == "voice_design":
+        body["instructions"] = a.instructions
+    if a.greedy:
+        body.update(do_sample=False, subtalker_dosample=False)
+    if a.warmup:
+        await run_level(a.url, 1, 1, dict(body, max_new_tokens=16), headers)
+    levels = []
+    for conc in a.concurrency:
+        n = a.requests if a.requests else max(2, 64 // conc)
+        res = await run_level(a.url, conc, n, body, headers)
+        print(json.dumps(res), file=sys.stderr, flush=True)
+        levels.append(res)
+    return {"url": a.url, "model": model, "body": {k: v for k, v in body.items() if k != "input"},
+            "text_chars": len(a.text), "levels": levels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    ap.add_argument("--requests", type=int, default=0, help="requests per client (default: max(2, 64 / C))")
+    ap.add_argument("--max-new-tokens", type=int, default=126, help="frames + 1 per request (126: 10 s of audio)")
+    ap.add_argument("--text", default=TEXT)
+    ap.add_argument("--voice", default=None, help="default: the first listed voice")
+    ap.add_argument("--instructions", default="A clear, neutral voice.", help="VoiceDesign models only")
+    ap.add_argument("--greedy", action="store_true")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--out", default=None, help="write the JSON here too")
+    a = ap.parse_args(argv)
+    result = asyncio.run(main_async(a))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
