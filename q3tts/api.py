@@ -23,6 +23,7 @@ from .config import (GenerationDefaults, ModelConfig, parse_generation_defaults,
 from .engine.engine import AudioChunk, Engine
 from .engine.request import StreamOptions
 from .models.codec import Code2Wav
+from .models.layers import fuse_projections
 from .models.talker import Talker
 from .prompt import PromptBuilder, PromptLayout, TextTokenizer
 from .sampling import SamplingParams
@@ -111,6 +112,8 @@ class TTS:
         code2wav = Code2Wav(scfg.decoder)
         load_module(code2wav, read_tensors(speech_files, "decoder."), f"{d}/speech_tokenizer (decoder.*)")
         talker = talker.to(device=device, dtype=dtype).eval()
+        if device.type == "cuda":
+            fuse_projections(talker)  # one GEMM for q|k|v and for gate|up (the CPU path stays upstream-shaped)
         # the vocoder runs in fp32 on CPU; on GPU in the engine dtype
         code2wav = code2wav.to(device=device, dtype=dtype).eval()
         builder = PromptBuilder(cfg, TextTokenizer(d))

@@ -64,9 +64,16 @@ def _hash31(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
     """seed, step: [B] int64 -> [B, vocab] float32 uniforms in (0, 1), a pure function of its inputs."""
-    key = _hash31(_hash31(_hash31(seed & _MASK31) ^ (step & _MASK31)) ^ stream)  # [B]
+    return frame_noise(seed, step, vocab, streams=(stream,))[:, 0]
+
+
+def frame_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int, streams=range(16)) -> torch.Tensor:
+    """All the uniforms one frame needs at once: [B, len(streams), vocab] (stream 0: code 0, 1..15:
+    the code predictor's codebooks). One batched hash instead of one per sample keeps the frame short."""
+    s = torch.tensor(list(streams), device=seed.device, dtype=torch.int64)
+    key = _hash31(_hash31(_hash31(seed & _MASK31) ^ (step & _MASK31))[:, None] ^ s[None, :])  # [B, n]
     idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    h = _hash31(_hash31(key[:, None] ^ idx[None, :]) ^ 0x2545F49)
+    h = _hash31(_hash31(key[:, :, None] ^ idx) ^ 0x2545F49)
     return (h.float() + 0.5) * (1.0 / (1 << 31))
 
 

@@ -15,15 +15,29 @@ captured once per (batch bucket, length bucket) as one CUDA graph and replayed w
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
-from ..models.layers import AttnContext, rope_cos_sin, rope_inv_freq
+from ..models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
-from ..sampling import SamplingParams, sample, talker_logits_rules, uniform_noise
+from ..sampling import SamplingParams, frame_noise, sample, talker_logits_rules, uniform_noise
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def compile_layers(talker: Talker) -> None:
+    """Opt-in (Q3TTS_COMPILE=1): torch.compile each decoder layer's forward (fuses norms, RoPE and the
+    attention glue into a few kernels). One compiled function serves every layer instance; batch and
+    length are dynamic, so a handful of compilations cover all graph buckets."""
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
+    for m in talker.modules():
+        if isinstance(m, DecoderLayer):
+            m.forward = functools.partial(fwd, m)
 MIN_KV_SPAN = 64
 
 
@@ -77,6 +91,10 @@ class ModelRunner:
         self.cp_inv_freq = rope_inv_freq(cp.head_dim, cp.rope_theta).to(dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        if os.environ.get("Q3TTS_COMPILE", "0") == "1":
+            compile_layers(talker)
+
+    # ------------------------------------------------------------------ slots
 
     # ------------------------------------------------------------------ slots
     def _state_tensors(self):
@@ -145,6 +163,7 @@ class ModelRunner:
         cp, p, r = self.talker.code_predictor, self.params, slice(0, B)
         kv = self.cp_kv[:, :, :B]
         frame = self.num_generated[r] - 1  # this frame's index: noise differs per frame and codebook
+        noise_all = frame_noise(self.seed[r], frame, cp.lm_head[0].out_features, streams=range(1, self.K))
         x = torch.stack([h, self.talker.model.codec_embedding(code0)], dim=1)  # [B, 2, D]
         out = []
         for i in range(self.K - 1):
@@ -153,9 +172,8 @@ class ModelRunner:
             cos, sin = rope_cos_sin(pos, self.cp_inv_freq, self.dtype)
             hid = cp(x, cos, sin, kv, ctx)[:, -1]  # [B, D_cp]
             logits = cp.lm_head[i](hid).float()
-            noise = uniform_noise(self.seed[r], frame, i + 1, logits.shape[-1])
             code = sample(logits, p["subtalker_dosample"][r], p["subtalker_temperature"][r],
-                          p["subtalker_top_k"][r], p["subtalker_top_p"][r], noise)
+                          p["subtalker_top_k"][r], p["subtalker_top_p"][r], noise_all[:, i])
             out.append(code)
             if i + 1 < self.K - 1:
                 x = cp.model.codec_embedding[i](code)[:, None]  # [B, 1, D]
@@ -163,12 +181,20 @@ class ModelRunner:
 
     def _frame(self, B: int, n: int) -> None:
         """One whole frame for rows [0, B), attending over n cache positions. Static shapes, no host sync."""
+        self._frame_codes(B)
+        self._frame_talker(B, n)
+
+    def _frame_codes(self, B: int) -> None:
+        """Codes 1..15 of the current frame (code predictor) -> frame_codes[:B]."""
         r = slice(0, B)
-        h, code0 = self.last_hidden[r], self.last_code0[r]
+        code0 = self.last_code0[r]
+        self.frame_codes[r] = torch.cat([code0[:, None], self._code_predictor(B, self.last_hidden[r], code0)], dim=1)
+
+    def _frame_talker(self, B: int, n: int) -> None:
+        """Talker step on the completed frame -> next hidden and code 0."""
+        r = slice(0, B)
         frame_idx = self.num_generated[r] - 1  # frames completed before this one
-        codes = torch.cat([code0[:, None], self._code_predictor(B, h, code0)], dim=1)  # [B, K]
-        self.frame_codes[r] = codes
-        x = self.talker.embed_codes(codes)
+        x = self.talker.embed_codes(self.frame_codes[r])
         use_text = frame_idx < self.trailing_len[r]
         text = self.trailing[torch.arange(B, device=self.device), frame_idx.clamp(0, self.max_len - 1)]
         x = x + torch.where(use_text[:, None], text, self.tts_pad_embed[None])

@@ -1,0 +1,159 @@
+"""Benchmark q3tts on a checkpoint (random weights at real dimensions; EOS impossible, so every run
+decodes exactly the frames asked for). One JSON on stdout / --out.
+
+    python -m bench.ours --ckpt /tmp/ck06 --frames 125 --repeats 3
+
+Measures, all with CUDA synchronisation around host clocks and a warm-up first:
+- single stream, non-streaming API end to end (prompt + prefill + frames + vocoder): real-time factor
+- per-frame time of the captured whole-frame graph, and of its two halves (code predictor / talker step)
+- vocoder time for the whole utterance (upstream-equal offline decode)
+- streaming: time to first audio (first_chunk_frames=1) p50/p95, streaming real-time factor
+- batch B (e.g. 16) requests decoded together: aggregate audio seconds per second
+- peak GPU memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+TEXT = ("Hello! This is a benchmark of the Qwen3 text to speech engine. We force a fixed number of frames, "
+        "so every engine decodes the same amount of audio from the same prompt.")
+
+
+def sync():
+    torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
+def graph_of(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def replay_ms(g, n=50):
+    for _ in range(5):
+        g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        g.replay()
+    end.record()
+    sync()
+    return start.elapsed_time(end) / n
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--frames", type=int, default=125)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--ttfa-runs", type=int, default=20)
+    ap.add_argument("--speaker", default="ryan")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from q3tts import TTS
+    N = a.frames
+    res = {"engine": "q3tts", "frames": N, "audio_s": N * 0.08, "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    t_load, tts = timed(lambda: TTS.from_pretrained(a.ckpt, max_batch_size=max(a.batch, 1), max_seq_len=512))
+    res["load_s"] = round(t_load, 2)
+    t_cap, _ = timed(lambda: tts.engine)
+    res["graph_capture_s"] = round(t_cap, 2)
+    res["num_graphs"] = len(tts.engine.runner.graphs)
+    kw = dict(speaker=a.speaker, language="English", max_new_tokens=N + 1, seed=0)
+
+    # single stream, end to end through the public API
+    tts.generate_custom_voice(TEXT, **kw)  # warm-up
+    runs = []
+    for i in range(a.repeats):
+        t, (wavs, sr) = timed(lambda: tts.generate_custom_voice(TEXT, **kw))
+        assert len(wavs[0]) == N * 1920, len(wavs[0])
+        runs.append(t)
+    t = statistics.median(runs)
+    res["single"] = dict(wall_s=round(t, 4), rtf=round(N * 0.08 / t, 2), ms_per_frame_e2e=round(1000 * t / N, 3))
+
+    # vocoder alone on the same codes (upstream-equal offline decode)
+    pr = tts.prepare_custom_voice(TEXT, **kw)
+    codes = tts.generate_codes(pr)
+    tv = statistics.median(timed(lambda: tts.decode(codes))[0] for _ in range(3))
+    res["single"]["vocoder_s"] = round(tv, 4)
+
+    # the captured frame and its halves, batch 1 (a request parked in row 0 at a realistic position)
+    r = tts.engine.runner
+    n = r.kv_span(64 + N)
+    g_frame = r.graphs[(1, n)]
+    res["frame_ms"] = {"whole_frame_graph": round(replay_ms(g_frame), 3)}
+    with torch.inference_mode():
+        res["frame_ms"]["code_predictor_graph"] = round(replay_ms(graph_of(lambda: r._frame_codes(1))), 3)
+        res["frame_ms"]["talker_step_graph"] = round(replay_ms(graph_of(lambda: r._frame_talker(1, n))), 3)
+    r.position.zero_()
+    r.position_cpu = [0] * r.num_rows
+
+    # streaming: time to first audio and streaming RTF
+    ttfa = []
+    for i in range(a.ttfa_runs + 1):
+        sync()
+        t0 = time.perf_counter()
+        it = tts.generate_custom_voice_stream(TEXT, first_chunk_frames=1, chunk_frames=8, **kw)
+        first = next(it)
+        sync()
+        t_first = time.perf_counter() - t0
+        total = len(first.audio) + sum(len(c.audio) for c in it)
+        sync()
+        t_all = time.perf_counter() - t0
+        if i > 0:
+            ttfa.append(t_first)
+            assert total == N * 1920
+            res.setdefault("_stream_walls", []).append(t_all)
+    walls = res.pop("_stream_walls")
+    q = statistics.quantiles(ttfa, n=20)
+    res["streaming"] = dict(first_chunk_frames=1, chunk_frames=8, ttfa_ms_p50=round(1000 * statistics.median(ttfa), 2),
+                            ttfa_ms_p95=round(1000 * q[18], 2), rtf=round(N * 0.08 / statistics.median(walls), 2))
+    res["streaming"]["rtf_vs_non_streaming"] = round(res["streaming"]["rtf"] / res["single"]["rtf"], 3)
+
+    # batch: B requests together
+    B = a.batch
+    if B > 1:
+        texts = [TEXT] * B
+        tts.generate_custom_voice(texts, **kw)
+        runs = [timed(lambda: tts.generate_custom_voice(texts, **kw))[0] for _ in range(a.repeats)]
+        t = statistics.median(runs)
+        res["batch"] = dict(batch=B, wall_s=round(t, 3), aggregate_audio_s_per_s=round(B * N * 0.08 / t, 1),
+                            per_stream_rtf=round(N * 0.08 / t, 2))
+        with torch.inference_mode():
+            Bp = next(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b >= B)
+            res["frame_ms"][f"whole_frame_graph_b{Bp}"] = round(replay_ms(r.graphs[(Bp, n)]), 3)
+        r.position.zero_()
+    res["peak_gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    out = json.dumps(res, indent=1)
+    if a.out:
+        open(a.out, "w").write(out)
+    print(out)
+    print(f"q3tts: single rtf {res['single']['rtf']} ({res['frame_ms']['whole_frame_graph']} ms/frame graph), "
+          f"ttfa p50 {res['streaming']['ttfa_ms_p50']} ms, batch {B}: {res.get('batch', {}).get('aggregate_audio_s_per_s')} "
+          "audio s/s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
