@@ -71,6 +71,7 @@ class TTS:
         self.model_dir, self.cfg, self.generate_defaults = model_dir, cfg, defaults
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self._engine: Engine | None = None
+        self._cloner = None
         self.talker, self.code2wav, self.builder = talker, code2wav, builder
         self.device, self.dtype = device, dtype
         self.sample_rate = 24000
@@ -274,10 +275,19 @@ class TTS:
             return [VoiceClonePromptItem(ref_code=(d.get("ref_code") or [None] * n)[i], ref_spk_embedding=d["ref_spk_embedding"][i],
                                          x_vector_only_mode=bool(d["x_vector_only_mode"][i]), icl_mode=bool(d["icl_mode"][i]),
                                          ref_text=(d.get("ref_text") or [None] * n)[i]) for i in range(n)]
+        from .voice import Voice
+        items = []
+        for it in _as_list(voice_clone_prompt):
+            if isinstance(it, (str, os.PathLike)):
+                it = self.load_voice(it)
+            if isinstance(it, Voice):
+                it.check_model(self.cfg)
+                it = it.to_prompt_item()
+            items.append(it)
         return [it if isinstance(it, VoiceClonePromptItem) else VoiceClonePromptItem(
             ref_code=getattr(it, "ref_code", None), ref_spk_embedding=it.ref_spk_embedding,
             x_vector_only_mode=bool(it.x_vector_only_mode), icl_mode=bool(it.icl_mode),
-            ref_text=getattr(it, "ref_text", None)) for it in _as_list(voice_clone_prompt)]
+            ref_text=getattr(it, "ref_text", None)) for it in items]
 
     def _check_item(self, i: int, it: VoiceClonePromptItem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         D, K = self.cfg.talker.hidden_size, self.cfg.talker.num_code_groups
@@ -314,10 +324,11 @@ class TTS:
         texts = _as_list(text)
         n = len(texts)
         languages = [self.builder.resolve_language(x) for x in _as_list(language if language is not None else "Auto", n, "language")]
+        audio_kw = {k: kwargs.pop(k) for k in ("append_silence", "allow_urls", "allow_paths", "limits") if k in kwargs}
         if voice_clone_prompt is None:
             if ref_audio is None:
                 raise ValueError("Either `voice_clone_prompt` or `ref_audio` must be provided.")
-            voice_clone_prompt = self.create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode)
+            voice_clone_prompt = self.create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode, **audio_kw)
         items = _as_list(self._prompt_items(voice_clone_prompt), n, "voice_clone_prompt")
         checked = [self._check_item(i, it) for i, it in enumerate(items)]
         layouts = [self.builder.build(t, language=lang, has_xvector=emb is not None, ref_text=it.ref_text,
@@ -353,7 +364,32 @@ class TTS:
                                                     voice_clone_prompt, non_streaming_mode, **kwargs),
                            first_chunk_frames, chunk_frames)
 
-    def create_voice_clone_prompt(self, ref_audio, ref_text=None, x_vector_only_mode=False):
+    def voice_cloner(self):
+        """Speaker encoder + codec encoder of this Base checkpoint (loaded on first use, fp32)."""
         self._require("base", "create_voice_clone_prompt")
-        raise NotImplementedError("building a voice from reference audio (speaker encoder + codec encoder) is not "
-                                  "available yet; pass voice_clone_prompt items with ref_spk_embedding / ref_code")
+        if self._cloner is None:
+            from .voice import VoiceCloner
+            self._cloner = VoiceCloner(self.model_dir, cfg=self.cfg, device=self.device)
+        return self._cloner
+
+    def create_voice_clone_prompt(self, ref_audio, ref_text=None, x_vector_only_mode=False, append_silence: bool = True,
+                                  **audio_kwargs) -> list[VoiceClonePromptItem]:
+        """Build voice-clone prompt items from reference audio (path, bytes, base64 / data URL, (array, sr)).
+
+        Args:
+            ref_text: transcript of the reference; required for ICL (x_vector_only_mode=False).
+            append_silence: append 0.5 s of silence before encoding the ICL reference codes, so a reference
+                that ends mid-word does not bleed into the first generated phoneme (False = upstream exactly).
+            **audio_kwargs: allow_urls (default False), allow_paths, limits (q3tts.audio.AudioLimits).
+        """
+        return self.voice_cloner().create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode,
+                                                             append_silence=append_silence, **audio_kwargs)
+
+    def create_voice(self, ref_audio, ref_text=None, x_vector_only_mode=False, name=None, **kwargs):
+        """A reusable `q3tts.voice.Voice` (save it with .save(path), load with TTS.load_voice)."""
+        return self.voice_cloner().create_voice(ref_audio, ref_text, x_vector_only_mode, name=name, **kwargs)
+
+    def load_voice(self, path):
+        """Load a voice file made for this model (a voice made for another model size is rejected)."""
+        from .voice import Voice
+        return Voice.load(path, model=self.cfg)

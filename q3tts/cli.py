@@ -1,8 +1,10 @@
-"""Command line: q3tts say | design | serve | bench.
+"""Command line: q3tts say | design | clone | serve.
 
     q3tts say "Hello there." -o hello.wav                      # default model, speaker vivian
     q3tts say "你好" --speaker dylan --language chinese -o hi.wav
     q3tts design "Hello." --instruct "A calm old man" -o x.wav  # VoiceDesign model
+    q3tts clone --ref-audio me.wav --ref-text "what I said" --save me.safetensors   # Base model
+    q3tts say "Cloned." --model Qwen/Qwen3-TTS-12Hz-0.6B-Base --voice me.safetensors -o c.wav
     q3tts serve --model Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice
 """
 
@@ -11,22 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import wave
 
-import numpy as np
+from .audio import write_wav
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 DEFAULT_DESIGN_MODEL = "Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign"
-
-
-def write_wav(path: str, wav: np.ndarray, sr: int) -> None:
-    """float32 [-1, 1] -> 16-bit PCM mono WAV."""
-    pcm = (np.clip(wav, -1.0, 1.0) * 32767.0).round().astype("<i2")
-    with wave.open(path, "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(sr)
-        f.writeframes(pcm.tobytes())
 
 
 def _gen_kwargs(a) -> dict:
@@ -69,11 +60,26 @@ def cmd_say(a) -> int:
             raise ValueError("this is a VoiceDesign model: describe the voice with --instruct")
         wavs, sr = tts.generate_voice_design(a.text, instruct=a.instruct, language=a.language, **kw)
     else:
-        raise ValueError(f"{a.model} is a Base (voice clone) model: cloning from reference audio is not available in "
-                         "the CLI yet; use a CustomVoice or VoiceDesign model")
+        if not a.voice:
+            raise ValueError(f"{a.model} is a Base (voice clone) model: pass --voice voice.safetensors "
+                             "(make one with `q3tts clone`)")
+        wavs, sr = tts.generate_voice_clone(a.text, language=a.language, voice_clone_prompt=[tts.load_voice(a.voice)], **kw)
     write_wav(a.output, wavs[0], sr)
     dur = len(wavs[0]) / sr
     print(f"wrote {a.output}: {dur:.2f} s of audio in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_clone(a) -> int:
+    from .voice import VoiceCloner, voice_summary
+    ref_text = a.ref_text
+    if a.ref_text_file:
+        ref_text = open(a.ref_text_file, encoding="utf-8").read().strip()
+    cloner = VoiceCloner.from_pretrained(a.model, device=a.device or "cpu")
+    voice = cloner.create_voice(a.ref_audio, ref_text, x_vector_only_mode=a.x_vector_only, name=a.name,
+                                append_silence=not a.no_append_silence)
+    voice.save(a.save)
+    print(f"saved {a.save}: {voice_summary(voice)}", file=sys.stderr)
     return 0
 
 
@@ -92,16 +98,29 @@ def main(argv: list[str] | None = None) -> int:
     _common(say, DEFAULT_MODEL)
     say.add_argument("--speaker", default="vivian", help="CustomVoice speaker (default vivian)")
     say.add_argument("--instruct", default=None, help="style instruction (1.7B CustomVoice, VoiceDesign)")
+    say.add_argument("--voice", default=None, help="voice file from `q3tts clone` (Base models)")
     design = sub.add_parser("design", help="synthesize with a voice described in words (VoiceDesign model)")
     _common(design, DEFAULT_DESIGN_MODEL)
     design.add_argument("--instruct", required=True, help="the voice, in words")
+    clone = sub.add_parser("clone", help="make a reusable voice file from reference audio (Base model)")
+    clone.add_argument("--model", default="Qwen/Qwen3-TTS-12Hz-0.6B-Base", help="a Base model (hub id or directory)")
+    clone.add_argument("--ref-audio", required=True, help="reference recording (wav, flac, ogg, mp3), 1-60 s")
+    clone.add_argument("--ref-text", default=None, help="its transcript (needed unless --x-vector-only)")
+    clone.add_argument("--ref-text-file", default=None, help="read the transcript from a file")
+    clone.add_argument("--x-vector-only", action="store_true", help="speaker embedding only (no ICL reference codes)")
+    clone.add_argument("--no-append-silence", action="store_true", help="do not pad the reference with 0.5 s of silence")
+    clone.add_argument("--name", default=None)
+    clone.add_argument("--device", default=None)
+    clone.add_argument("--save", required=True, help="output voice file (.safetensors)")
     sub.add_parser("serve", help="OpenAI-compatible speech server (q3tts serve --help)")
     a = ap.parse_args(argv)
     try:
         if a.cmd in ("say", "design"):
             if a.cmd == "design":
-                a.speaker = None
+                a.speaker, a.voice = None, None
             return cmd_say(a)
+        if a.cmd == "clone":
+            return cmd_clone(a)
     except (ValueError, FileNotFoundError) as e:
         print(f"q3tts: error: {e}", file=sys.stderr)
         return 2

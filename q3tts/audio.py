@@ -1,0 +1,286 @@
+"""Reference-audio input (voice cloning) and WAV output.
+
+Input, accepted wherever a reference is taken:
+  - a file path (str or os.PathLike), unless allow_paths=False (a server should pass False)
+  - raw bytes of an audio file (bytes, bytearray, memoryview)
+  - a base64 string, or a data URL ("data:audio/wav;base64,...")
+  - an http(s) URL, fetched only when allow_urls=True (never by default: a server must not fetch
+    arbitrary URLs for its clients)
+  - a `(waveform, sample_rate)` tuple; the waveform a numpy array or torch tensor, [N] or 2-D with a
+    channel axis; integer PCM is scaled to [-1, 1]
+Decoding is libsndfile through `soundfile` (WAV, FLAC, OGG/Vorbis, OGG/Opus, MP3, AIFF, ...), the
+library upstream reads with. Multi-channel audio is mixed to mono by the mean over channels, as upstream.
+Resampling is `soxr` at quality "soxr_hq" followed by librosa's length fix (ceil(N * ratio) samples):
+exactly what upstream's `librosa.resample(y, orig_sr=sr, target_sr=24000)` computes, without librosa.
+
+Validation (`AudioLimits`, all configurable) raises ValueError naming the problem: undecodable data,
+too many bytes, NaN/inf samples, shorter than min_seconds (1 s) or longer than max_seconds (60 s),
+silent (RMS below min_rms, -80 dBFS by default).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import os
+import re
+import wave
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+TARGET_SR = 24000
+RESAMPLE_QUALITY = "soxr_hq"  # librosa.resample's default res_type
+
+
+@dataclass(slots=True)
+class AudioLimits:
+    """What a reference clip may be; every check raises ValueError with the reason."""
+
+    min_seconds: float = 1.0  # shorter clips give a poor x-vector and almost no ICL context
+    max_seconds: float = 60.0  # longer clips cost prefill time and memory, with no gain in similarity
+    max_bytes: int = 50 * 1024 * 1024  # encoded input (file, bytes, base64 payload, URL body)
+    min_rms: float = 1e-4  # -80 dBFS: below this the clip is taken as silent
+
+
+DEFAULT_LIMITS = AudioLimits()
+_B64_RE = re.compile(r"^[A-Za-z0-9+/_\-\s]+={0,2}\s*$")
+
+
+# --------------------------------------------------------------------------- decoding
+def _soundfile():
+    try:
+        import soundfile
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise ImportError("reading reference audio needs the 'soundfile' package: pip install soundfile") from e
+    return soundfile
+
+
+def decode_bytes(data: bytes, what: str = "reference audio") -> tuple[np.ndarray, int]:
+    """An encoded audio file in memory -> (float32 [N] or [N, C], sample rate)."""
+    sf = _soundfile()
+    try:
+        with io.BytesIO(data) as f:
+            wav, sr = sf.read(f, dtype="float32", always_2d=False)
+    except Exception as e:
+        head = bytes(data[:12])
+        raise ValueError(f"{what}: could not decode the audio data ({len(data)} bytes, starting {head!r}): "
+                         f"{type(e).__name__}: {e}. Supported: WAV, FLAC, OGG (Vorbis/Opus), MP3, AIFF.") from e
+    return wav, int(sr)
+
+
+def _read_path(path: str, limits: AudioLimits, what: str) -> tuple[np.ndarray, int]:
+    if not os.path.isfile(path):
+        raise ValueError(f"{what}: no such file: {path!r}")
+    size = os.path.getsize(path)
+    if size > limits.max_bytes:
+        raise ValueError(f"{what}: file {path!r} is {size} bytes, more than max_bytes={limits.max_bytes}")
+    sf = _soundfile()
+    try:
+        with sf.SoundFile(path) as f:
+            if f.samplerate > 0 and f.frames / f.samplerate > 2 * limits.max_seconds + 10:
+                # refuse before decoding an hour of audio into memory (the exact check comes later)
+                raise ValueError(f"{what}: {path!r} is {f.frames / f.samplerate:.1f} s long, longer than "
+                                 f"max_seconds={limits.max_seconds:g}")
+            wav = f.read(dtype="float32", always_2d=False)
+            return wav, int(f.samplerate)
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"{what}: could not decode {path!r}: {type(e).__name__}: {e}. "
+                         "Supported: WAV, FLAC, OGG (Vorbis/Opus), MP3, AIFF.") from e
+
+
+def _fetch_url(url: str, limits: AudioLimits, what: str, timeout: float) -> bytes:
+    import urllib.request
+    req = urllib.request.Request(url, headers={"User-Agent": "q3tts"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data = resp.read(limits.max_bytes + 1)
+    except Exception as e:
+        raise ValueError(f"{what}: could not fetch {url!r}: {type(e).__name__}: {e}") from e
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"{what}: {url!r} is more than max_bytes={limits.max_bytes} bytes")
+    return data
+
+
+def _b64decode(s: str, limits: AudioLimits, what: str) -> bytes:
+    payload = s.split(",", 1)[1] if s.startswith("data:") else s
+    if len(payload) * 3 // 4 > limits.max_bytes:
+        raise ValueError(f"{what}: base64 input decodes to about {len(payload) * 3 // 4} bytes, more than "
+                         f"max_bytes={limits.max_bytes}")
+    payload = re.sub(r"\s+", "", payload)
+    try:
+        if "-" in payload or "_" in payload:
+            return base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+        return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{what}: invalid base64 data: {e}") from e
+
+
+def _is_url(s: str) -> bool:
+    try:
+        u = urlparse(s)
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and bool(u.netloc)
+
+
+def _array_input(x: Any, sr: Any, what: str) -> tuple[np.ndarray, int]:
+    if hasattr(x, "detach"):  # torch.Tensor
+        x = x.detach().float().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind in "iu":  # integer PCM -> [-1, 1)
+        info = np.iinfo(a.dtype)
+        if a.dtype.kind == "u":
+            a = (a.astype(np.float64) - (info.max + 1) / 2) / ((info.max + 1) / 2)
+        else:
+            a = a.astype(np.float64) / (-float(info.min))
+    elif a.dtype.kind != "f":
+        raise ValueError(f"{what}: waveform must be a float or integer array, got dtype {a.dtype}")
+    if a.ndim not in (1, 2):
+        raise ValueError(f"{what}: waveform must be 1-D [samples] or 2-D with a channel axis, got shape {a.shape}")
+    try:
+        sr = int(sr)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: sample rate must be an integer, got {sr!r}") from None
+    return a.astype(np.float32), sr
+
+
+def to_mono(wav: np.ndarray) -> np.ndarray:
+    """[N] as is; 2-D: mean over the channel axis, taken as the smaller one ([N, C] from soundfile, or
+    [C, N] as torch audio uses), as upstream's np.mean(..., axis=-1) for [N, C]."""
+    if wav.ndim == 1:
+        return wav
+    axis = 0 if wav.shape[0] < wav.shape[1] else 1
+    return np.mean(wav, axis=axis).astype(np.float32)
+
+
+def load_audio(src: Any, *, allow_urls: bool = False, allow_paths: bool = True,
+               limits: AudioLimits | None = None, what: str = "reference audio",
+               url_timeout: float = 10.0) -> tuple[np.ndarray, int]:
+    """Read and validate one reference clip -> (mono float32 waveform [N], original sample rate).
+
+    Args:
+        src: a path, bytes, a base64 string or data URL, an http(s) URL (allow_urls=True only) or a
+            (waveform, sample_rate) tuple. A bare array without its rate is refused, as upstream.
+        allow_urls: fetch http(s) URLs (off by default: a server must not fetch arbitrary URLs).
+        allow_paths: read local files (a server taking client input should pass False).
+        limits: AudioLimits; defaults: 1 s to 60 s, 50 MiB, not silent.
+        what: how the clip is named in error messages (e.g. "ref_audio[2]").
+    """
+    limits = limits or DEFAULT_LIMITS
+    if isinstance(src, tuple):
+        if len(src) != 2:
+            raise ValueError(f"{what}: a tuple must be (waveform, sample_rate), got {len(src)} items")
+        wav, sr = _array_input(src[0], src[1], what)
+    elif isinstance(src, (bytes, bytearray, memoryview)):
+        if len(src) > limits.max_bytes:
+            raise ValueError(f"{what}: {len(src)} bytes of audio, more than max_bytes={limits.max_bytes}")
+        wav, sr = decode_bytes(bytes(src), what)
+    elif isinstance(src, (str, os.PathLike)):
+        s = os.fspath(src)
+        if isinstance(s, bytes):
+            s = s.decode()
+        if s.startswith("data:"):
+            wav, sr = decode_bytes(_b64decode(s, limits, what), what)
+        elif _is_url(s):
+            if not allow_urls:
+                raise ValueError(f"{what}: {s[:100]!r} is a URL; URLs are fetched only with allow_urls=True "
+                                 "(download it yourself, or pass its bytes)")
+            wav, sr = decode_bytes(_fetch_url(s, limits, what, url_timeout), what)
+        elif allow_paths and (isinstance(src, os.PathLike) or os.path.exists(s)):
+            wav, sr = _read_path(s, limits, what)
+        elif len(s) >= 64 and _B64_RE.match(s):
+            wav, sr = decode_bytes(_b64decode(s, limits, what), what)
+        elif allow_paths:
+            raise ValueError(f"{what}: no such file: {s[:200]!r} (nor is it base64 audio or a data URL)")
+        else:
+            raise ValueError(f"{what}: expected audio bytes, base64 or a data URL (file paths are not allowed here)")
+    elif isinstance(src, np.ndarray) or hasattr(src, "detach"):
+        raise ValueError(f"{what}: for a waveform, pass a tuple (waveform, sample_rate)")
+    else:
+        raise ValueError(f"{what}: unsupported input type {type(src).__name__}; expected a path, bytes, base64, "
+                         "a data URL or a (waveform, sample_rate) tuple")
+    wav = to_mono(np.asarray(wav, dtype=np.float32))
+    validate_audio(wav, sr, limits, what)
+    return wav, sr
+
+
+def validate_audio(wav: np.ndarray, sr: int, limits: AudioLimits | None = None, what: str = "reference audio") -> None:
+    """Raise ValueError if the clip is unusable: bad rate, NaN/inf, too short/long, silent."""
+    limits = limits or DEFAULT_LIMITS
+    if sr <= 0:
+        raise ValueError(f"{what}: sample rate must be positive, got {sr}")
+    if wav.size == 0:
+        raise ValueError(f"{what}: the audio is empty (0 samples)")
+    finite = np.isfinite(wav)
+    if not finite.all():
+        bad = int(wav.size - finite.sum())
+        raise ValueError(f"{what}: {bad} of {wav.size} samples are NaN or infinite (a broken decode or an "
+                         "overflowed conversion); fix the audio before cloning")
+    seconds = wav.shape[0] / sr
+    if seconds < limits.min_seconds:
+        raise ValueError(f"{what}: {seconds:.2f} s is too short; a reference needs at least "
+                         f"{limits.min_seconds:g} s (min_seconds), ideally 3-15 s of clean speech")
+    if seconds > limits.max_seconds:
+        raise ValueError(f"{what}: {seconds:.1f} s is too long; at most {limits.max_seconds:g} s (max_seconds). "
+                         "Trim it: 3-15 s of clean speech is plenty")
+    rms = float(np.sqrt(np.mean(np.square(wav, dtype=np.float64))))
+    if rms < limits.min_rms:
+        db = 20 * math.log10(rms) if rms > 0 else float("-inf")
+        raise ValueError(f"{what}: the audio is silent (RMS {db:.1f} dBFS, below {20 * math.log10(limits.min_rms):.0f} "
+                         "dBFS, min_rms); check the recording")
+
+
+# --------------------------------------------------------------------------- resampling
+def resample(wav: np.ndarray, orig_sr: int, target_sr: int = TARGET_SR) -> np.ndarray:
+    """Band-limited resampling, identical to `librosa.resample(wav, orig_sr=, target_sr=)` (librosa 0.11
+    defaults: soxr "soxr_hq", then fixed to ceil(N * target / orig) samples). float32 in, float32 out."""
+    wav = np.asarray(wav, dtype=np.float32)
+    if orig_sr == target_sr:
+        return wav
+    try:
+        import soxr
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise ImportError("resampling needs the 'soxr' package: pip install soxr") from e
+    ratio = float(target_sr) / orig_sr
+    n = int(np.ceil(wav.shape[-1] * ratio))  # NOTE: librosa's float expression (22050 -> 24000 rounds up)
+    y = soxr.resample(wav, orig_sr, target_sr, quality=RESAMPLE_QUALITY)
+    if y.shape[-1] > n:
+        y = y[..., :n]
+    elif y.shape[-1] < n:
+        y = np.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, n - y.shape[-1])])
+    return np.asarray(y, dtype=np.float32)
+
+
+def load_reference(src: Any, sr: int = TARGET_SR, **kwargs) -> np.ndarray:
+    """load_audio + resample -> mono float32 at `sr` (24 kHz)."""
+    wav, orig = load_audio(src, **kwargs)
+    return resample(wav, orig, sr)
+
+
+# --------------------------------------------------------------------------- output
+def wav_bytes(wav: np.ndarray, sr: int) -> bytes:
+    """float waveform [N] (or [N, C]) in [-1, 1] -> 16-bit PCM WAV file bytes (clipped, rounded)."""
+    a = np.asarray(wav, dtype=np.float32)
+    channels = 1 if a.ndim == 1 else a.shape[1]
+    pcm = np.clip(np.nan_to_num(a), -1.0, 1.0)
+    pcm = np.round(pcm * 32767.0).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(int(sr))
+        w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def write_wav(path: str | os.PathLike, wav: np.ndarray, sr: int) -> None:
+    """Write a float waveform as a 16-bit PCM WAV file (stdlib only)."""
+    with open(path, "wb") as f:
+        f.write(wav_bytes(wav, sr))

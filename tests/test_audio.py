@@ -1,0 +1,253 @@
+"""Reference-audio input: every accepted form gives the same waveform; every bad clip is refused with a
+message that says why; WAV output."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from q3tts.audio import (
+    AudioLimits,
+    load_audio,
+    load_reference,
+    resample,
+    to_mono,
+    validate_audio,
+    wav_bytes,
+    write_wav,
+)
+
+CLIPS = Path(__file__).resolve().parent / "golden" / "fixtures_voice" / "clips"
+
+
+def tone(seconds: float = 2.0, sr: int = 16000, amp: float = 0.3, channels: int = 1) -> np.ndarray:
+    t = np.arange(int(seconds * sr)) / sr
+    x = (amp * np.sin(2 * np.pi * 220 * t) * (1 + 0.3 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    return x if channels == 1 else np.stack([x, 0.5 * x], axis=1)
+
+
+def encode(x: np.ndarray, sr: int, fmt: str = "WAV", subtype: str | None = None) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, x, sr, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- accepted inputs
+@pytest.mark.parametrize("name,sr,channels", [
+    ("es16m.wav", 16000, 1), ("sy16s.flac", 16000, 2), ("es22s.flac", 22050, 2),
+    ("sy48m.wav", 48000, 1), ("es24m.mp3", 24000, 1), ("sy48s.ogg", 48000, 2)])
+def test_formats_decode(name, sr, channels):
+    """WAV (16-bit, float), FLAC, MP3, OGG/Opus; stereo is averaged to mono."""
+    wav, got_sr = load_audio(CLIPS / name)
+    assert got_sr == sr and wav.dtype == np.float32 and wav.ndim == 1
+    assert abs(len(wav) / sr - 1.3) < 0.01
+    raw, _ = sf.read(str(CLIPS / name), dtype="float32", always_2d=True)
+    # lossy decoders (mpg123) may differ in the last bit between read calls
+    np.testing.assert_allclose(wav, raw.mean(axis=1) if channels == 2 else raw[:, 0], rtol=0, atol=1e-6)
+
+
+def test_every_input_form_gives_the_same_waveform():
+    path = CLIPS / "es22s.flac"
+    data = path.read_bytes()
+    ref, sr = load_audio(str(path))
+    stereo, _ = sf.read(str(path), dtype="float32")
+    b64 = base64.b64encode(data).decode()
+    forms = {
+        "str path": str(path), "Path": path, "bytes": data, "bytearray": bytearray(data),
+        "memoryview": memoryview(data),
+        "base64": b64, "base64 with newlines": "\n".join(b64[i:i + 76] for i in range(0, len(b64), 76)),
+        "data URL": "data:audio/flac;base64," + b64, "urlsafe base64": base64.urlsafe_b64encode(data).decode(),
+        "tuple [N, C]": (stereo, sr), "tuple [C, N]": (stereo.T.copy(), sr),
+        "tuple torch": (torch.from_numpy(stereo), sr),
+        "tuple float64": (stereo.astype(np.float64), np.int64(sr)),
+    }
+    for what, src in forms.items():
+        wav, got_sr = load_audio(src)
+        assert got_sr == sr, what
+        np.testing.assert_allclose(wav, ref, atol=1e-7, err_msg=what)
+
+
+def test_integer_pcm_tuples_are_scaled():
+    x = tone()
+    i16 = np.round(x * 32767).astype(np.int16)
+    wav, _ = load_audio((i16, 16000))
+    np.testing.assert_allclose(wav, x, atol=1e-4)
+    u8 = np.round(x * 127 + 128).astype(np.uint8)
+    wav, _ = load_audio((u8, 16000))
+    np.testing.assert_allclose(wav, x, atol=1e-2)
+
+
+def test_to_mono_takes_the_channel_axis():
+    x = tone(channels=2)
+    np.testing.assert_array_equal(to_mono(x), to_mono(x.T.copy()))
+    np.testing.assert_allclose(to_mono(x), 0.75 * x[:, 0], atol=1e-7)
+
+
+def test_resample_lengths_and_identity():
+    x = tone(1.3, 22050)
+    assert resample(x, 22050, 24000).shape[0] == 31201  # librosa: ceil(N * (24000 / 22050)) in float
+    assert resample(x, 24000, 24000) is not None and np.array_equal(resample(x, 24000, 24000), x)
+    y = load_reference((tone(2.0, 48000), 48000))
+    assert y.shape == (48000,) and y.dtype == np.float32
+    # band-limited: a 220 Hz tone keeps its level
+    assert abs(np.abs(y[4000:-4000]).max() - np.abs(tone(2.0, 48000)).max()) < 1e-3
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *a):
+        pass
+
+
+def test_urls_only_with_allow_urls():
+    _Handler.body = encode(tone(), 16000)
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _Handler)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_port}/ref.wav"
+        with pytest.raises(ValueError, match="URL; URLs are fetched only with allow_urls=True"):
+            load_audio(url)
+        wav, sr = load_audio(url, allow_urls=True)
+        assert sr == 16000 and len(wav) == 32000
+        with pytest.raises(ValueError, match="more than max_bytes"):
+            load_audio(url, allow_urls=True, limits=AudioLimits(max_bytes=1000))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_paths_can_be_disallowed():
+    with pytest.raises(ValueError, match="file paths are not allowed here"):
+        load_audio(str(CLIPS / "es16m.wav"), allow_paths=False)
+    load_audio((CLIPS / "es16m.wav").read_bytes(), allow_paths=False)
+
+
+# --------------------------------------------------------------------------- refused inputs, one per case
+def test_undecodable_bytes():
+    with pytest.raises(ValueError, match="could not decode the audio data"):
+        load_audio(b"RIFF\x00\x00\x00\x00WAVEjunk" + bytes(200))
+
+
+def test_undecodable_file(tmp_path):
+    p = tmp_path / "notaudio.wav"
+    p.write_text("hello, I am text")
+    with pytest.raises(ValueError, match="could not decode"):
+        load_audio(p)
+
+
+def test_missing_file():
+    with pytest.raises(ValueError, match="no such file"):
+        load_audio("/nonexistent/ref.wav")
+
+
+def test_invalid_base64():
+    with pytest.raises(ValueError, match="invalid base64"):
+        load_audio("data:audio/wav;base64,@@@not*base64@@@")
+
+
+def test_silent():
+    with pytest.raises(ValueError, match="silent"):
+        load_audio((np.zeros(48000, np.float32), 24000))
+    with pytest.raises(ValueError, match="silent"):
+        load_audio(encode(tone(amp=1e-5), 16000, subtype="FLOAT"))
+
+
+def test_nan():
+    x = tone()
+    x[100] = np.nan
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        load_audio((x, 16000))
+
+
+def test_inf():
+    x = tone()
+    x[5:9] = np.inf
+    with pytest.raises(ValueError, match="4 of 32000 samples are NaN or infinite"):
+        load_audio(encode(x, 16000, subtype="FLOAT"))
+
+
+def test_too_short():
+    with pytest.raises(ValueError, match=r"0\.50 s is too short.*at least 1 s"):
+        load_audio((tone(0.5), 16000))
+
+
+def test_too_long():
+    with pytest.raises(ValueError, match=r"61\.0 s is too long.*at most 60 s"):
+        load_audio((tone(61.0, 8000), 8000))
+
+
+def test_limits_are_configurable():
+    load_audio((tone(0.5), 16000), limits=AudioLimits(min_seconds=0.25))
+    with pytest.raises(ValueError, match="at most 1.5 s"):
+        load_audio((tone(2.0), 16000), limits=AudioLimits(max_seconds=1.5))
+
+
+def test_huge_bytes():
+    data = encode(tone(), 16000)
+    with pytest.raises(ValueError, match=f"{len(data)} bytes of audio, more than max_bytes=1000"):
+        load_audio(data, limits=AudioLimits(max_bytes=1000))
+    with pytest.raises(ValueError, match="base64 input decodes to about .* more than max_bytes=1000"):
+        load_audio(base64.b64encode(data).decode(), limits=AudioLimits(max_bytes=1000))
+
+
+def test_huge_file(tmp_path):
+    p = tmp_path / "big.wav"
+    p.write_bytes(encode(tone(), 16000))
+    with pytest.raises(ValueError, match="more than max_bytes=2000"):
+        load_audio(p, limits=AudioLimits(max_bytes=2000))
+
+
+def test_long_file_refused_before_decoding(tmp_path):
+    p = tmp_path / "long.flac"
+    sf.write(str(p), np.zeros(8000 * 200, np.float32) + 0.1, 8000, format="FLAC")
+    with pytest.raises(ValueError, match="longer than max_seconds=60"):
+        load_audio(p)
+
+
+def test_bare_array_needs_its_rate():
+    with pytest.raises(ValueError, match=r"pass a tuple \(waveform, sample_rate\)"):
+        load_audio(tone())
+
+
+def test_unsupported_type():
+    with pytest.raises(ValueError, match="unsupported input type int"):
+        load_audio(42)
+
+
+def test_bad_shapes_and_rates():
+    with pytest.raises(ValueError, match="1-D"):
+        load_audio((np.zeros((2, 2, 16000), np.float32), 16000))
+    with pytest.raises(ValueError, match="sample rate must be positive"):
+        validate_audio(tone(), 0)
+    with pytest.raises(ValueError, match="empty"):
+        load_audio((np.zeros(0, np.float32), 16000))
+
+
+# --------------------------------------------------------------------------- output
+def test_write_wav(tmp_path):
+    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0, np.nan], np.float32)
+    p = tmp_path / "out.wav"
+    write_wav(p, x, 24000)
+    with wave.open(str(p)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (1, 2, 24000, 8)
+        pcm = np.frombuffer(w.readframes(8), "<i2")
+    assert pcm.tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0]
+    y, sr = sf.read(io.BytesIO(wav_bytes(tone(), 16000)), dtype="float32")
+    assert sr == 16000 and np.abs(y - tone()).max() < 1 / 32767
