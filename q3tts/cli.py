@@ -44,7 +44,8 @@ def _common(p: argparse.ArgumentParser, default_model: str) -> None:
 
 def _load(a):
     from .api import TTS
-    return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype)
+    # one utterance: CUDA graphs yes, a minute of torch.compile no
+    return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=1, compile=False)
 
 
 def cmd_say(a) -> int:

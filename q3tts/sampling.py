@@ -64,13 +64,14 @@ def _hash31(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
     """seed, step: [B] int64 -> [B, vocab] float32 uniforms in (0, 1), a pure function of its inputs."""
-    return frame_noise(seed, step, vocab, streams=(stream,))[:, 0]
+    return frame_noise(seed, step, vocab, stream, 1)[:, 0]
 
 
-def frame_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int, streams=range(16)) -> torch.Tensor:
-    """All the uniforms one frame needs at once: [B, len(streams), vocab] (stream 0: code 0, 1..15:
-    the code predictor's codebooks). One batched hash instead of one per sample keeps the frame short."""
-    s = torch.tensor(list(streams), device=seed.device, dtype=torch.int64)
+def frame_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int, first_stream: int, num_streams: int) -> torch.Tensor:
+    """All the uniforms one frame needs at once: [B, num_streams, vocab] for streams first_stream.. (stream 0:
+    code 0; 1..15: the code predictor's codebooks). One batched hash instead of one per sample keeps the
+    frame short. Nothing here copies from the host (CUDA-graph capture forbids it)."""
+    s = torch.arange(first_stream, first_stream + num_streams, device=seed.device, dtype=torch.int64)
     key = _hash31(_hash31(_hash31(seed & _MASK31) ^ (step & _MASK31))[:, None] ^ s[None, :])  # [B, n]
     idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     h = _hash31(_hash31(key[:, :, None] ^ idx) ^ 0x2545F49)
@@ -115,3 +116,22 @@ def sample(logits, do_sample, temperature, top_k, top_p, noise):
     probs = x.softmax(-1)
     sampled = (probs / -torch.log(noise)).argmax(-1)  # exponential race == multinomial draw
     return torch.where(do_sample, sampled, greedy)
+
+
+TOPK_CAP = 64  # the capped sampler looks at the 64 best tokens only
+
+
+def sample_topk(logits, do_sample, temperature, top_k, top_p, noise, cap: int = TOPK_CAP):
+    """Same draw as `sample` when every row has 1 <= top_k <= cap (tokens outside the top-k have probability 0,
+    and each token keeps its own noise), at the cost of one topk instead of two full-vocabulary sorts.
+    Only difference: ties with the k-th value beyond the cap are dropped. The engine uses it only then."""
+    vals, idx = logits.topk(cap, dim=-1)  # [B, cap], descending
+    rank = torch.arange(cap, device=logits.device)
+    x = (vals / temperature[:, None]).masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
+    probs = x.softmax(-1)
+    tail = probs.flip(-1).cumsum(-1).flip(-1)  # mass of this token and every less likely one (HF's ascending cumsum)
+    drop = (tail <= (1 - top_p)[:, None]) & (rank[None, :] > 0)
+    probs = x.masked_fill(drop, float("-inf")).softmax(-1)
+    choice = (probs / -torch.log(noise.gather(-1, idx))).argmax(-1)
+    sampled = idx.gather(-1, choice[:, None])[:, 0]
+    return torch.where(do_sample, sampled, idx[:, 0])

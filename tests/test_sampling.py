@@ -60,3 +60,16 @@ def test_params_validation_names_the_field():
                        (dict(max_new_tokens=0), "max_new_tokens")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad).validate()
+
+
+def test_capped_sampler_draws_the_same_token_as_the_full_one():
+    from q3tts.sampling import sample_topk
+    torch.manual_seed(1)
+    B, V = 256, 2048
+    logits = torch.randn(B, V) * 3
+    noise = uniform_noise(torch.arange(B), torch.full((B,), 5), 3, V)
+    top_k = torch.randint(1, 65, (B,))
+    top_p = torch.rand(B) * 0.9 + 0.1
+    temp = torch.rand(B) + 0.3
+    do = torch.rand(B) > 0.2
+    assert torch.equal(sample(logits, do, temp, top_k, top_p, noise), sample_topk(logits, do, temp, top_k, top_p, noise))

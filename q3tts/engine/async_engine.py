@@ -29,12 +29,16 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stop = False
+        self.last_error: str | None = None  # last step failure (a device assert poisons the CUDA context)
         self._thread = threading.Thread(target=self._loop, name="q3tts-engine", daemon=True)
         self._thread.start()
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
         return EngineStats(s.queue_depth, s.num_running, s.max_slots)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def shutdown(self) -> None:
         self._stop = True
@@ -50,6 +54,7 @@ class AsyncEngine:
             try:
                 chunks = self.engine.step()
             except Exception as e:  # a bug or device error: fail every waiting consumer, keep serving
+                self.last_error = f"{type(e).__name__}: {e}"
                 for rid, (loop, q) in list(self._queues.items()):
                     loop.call_soon_threadsafe(q.put_nowait, e)
                     self.engine.abort(rid)

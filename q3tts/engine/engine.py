@@ -44,10 +44,11 @@ class AudioChunk:
 
 class Engine:
     def __init__(self, tts, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256,
-                 use_cuda_graphs: bool | None = None):
+                 use_cuda_graphs: bool | None = None, compile: bool | None = None):
         self.tts = tts
         self.runner = ModelRunner(tts.talker, tts.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
-                                  use_cuda_graphs=use_cuda_graphs)
+                                  use_cuda_graphs=use_cuda_graphs,
+                                  compile=compile if compile is not None else getattr(tts, "compile", None))
         self.runner.capture_graphs()
         self.scheduler = Scheduler(max_slots, max_queue)
         self.vocoder = StreamingVocoder(tts.code2wav)

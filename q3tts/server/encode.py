@@ -1,0 +1,282 @@
+"""Incremental audio encoders for every response format, and a streaming time-stretch for `speed`.
+
+    enc = AudioEncoder("mp3", 24000, speed=1.25)
+    for chunk in chunks: send(enc.encode(chunk))   # float32 [N] in, bytes out (may be b"" while buffering)
+    send(enc.finish())
+
+Formats: pcm = raw s16le mono 24 kHz; wav = a RIFF header whose sizes are 0xFFFFFFFF ("until the end
+of the stream": the length is unknown when the header goes out) then s16le; flac, mp3 (MPEG-2 layer
+III at 24 kHz), aac (ADTS) and opus (Ogg) come from PyAV's bundled ffmpeg, muxed into an in-memory
+sink that is drained after every chunk, with the Ogg page length cut to 20 ms and FLAC blocks to one
+codec frame so the first bytes leave early. mp3 and aac add their codec delay (about 50-65 ms) in front,
+as those formats always do.
+
+`speed` is applied by WSOLA (waveform-similarity overlap-add): output frames of 32 ms are laid every
+16 ms under a periodic Hann window; frame k is read from the input near k * 16 ms * speed, at the offset
+within +-12 ms whose waveform best matches (normalised cross-correlation) the natural continuation of
+the frame before. Pitch is kept because every output frame is an unmodified stretch of input. It runs
+on a stream: a frame is made as soon as its search region has arrived, and feeding the input in any
+chunking gives the same output as feeding it at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from typing import ClassVar
+
+import numpy as np
+
+MEDIA_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac",
+               "wav": "audio/wav", "pcm": "audio/pcm"}
+
+
+def to_s16(audio: np.ndarray) -> np.ndarray:
+    """float [-1, 1] -> int16 (clipped, rounded), as q3tts.audio.wav_bytes."""
+    return np.round(np.clip(np.nan_to_num(audio), -1.0, 1.0) * 32767.0).astype("<i2")
+
+
+def wav_stream_header(sample_rate: int, channels: int = 1, bits: int = 16) -> bytes:
+    """44-byte RIFF/WAVE header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF)."""
+    block = channels * bits // 8
+    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + b"fmt " +
+            struct.pack("<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block, block, bits) +
+            b"data" + struct.pack("<I", 0xFFFFFFFF))
+
+
+# --------------------------------------------------------------------------- time stretch
+class TimeStretch:
+    """Streaming WSOLA: tempo x `speed`, pitch unchanged; output length round(len(input) / speed).
+
+    Args:
+        speed: 0.25 .. 4.0 (2.0 = twice as fast).
+        sample_rate: of the input and output.
+    """
+
+    def __init__(self, speed: float, sample_rate: int = 24000, frame_s: float = 0.032, search_s: float = 0.012):
+        if not 0.25 <= speed <= 4.0:
+            raise ValueError(f"speed must be in [0.25, 4.0], got {speed}")
+        self.speed = float(speed)
+        self.N = int(frame_s * sample_rate) // 2 * 2  # frame length (768 at 24 kHz)
+        self.Hs = self.N // 2  # output hop: 50 % overlap, the periodic Hann windows sum to 1
+        self.Ha = self.Hs * self.speed  # nominal input hop
+        self.delta = int(search_s * sample_rate)  # search +-delta samples around the nominal position
+        self.window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(self.N) / self.N)).astype(np.float64)
+        self.x = np.zeros(0, np.float64)  # input kept for frames to come, starting at absolute x_off
+        self.x_off = 0
+        self.n_in = 0  # input samples received
+        self.y = np.zeros(0, np.float64)  # overlap-add accumulator from absolute output index y_off
+        self.wsum = np.zeros(0, np.float64)  # sum of windows laid on each output sample
+        self.y_off = 0
+        self.k = 0  # next output frame
+        self.prev: int | None = None  # input start of the segment chosen for frame k-1
+        self.finished = False
+
+    def _tau(self, k: int) -> int:
+        return round(k * self.Ha)
+
+    def _needs(self) -> int:
+        """Input samples that must exist before frame k can be made."""
+        end = self._tau(self.k) + self.delta + self.N
+        if self.prev is not None:
+            end = max(end, self.prev + self.Hs + self.N)
+        return end
+
+    def _get(self, start: int, n: int) -> np.ndarray:
+        """Input [start, start + n), zeros past the end of the stream."""
+        assert start >= self.x_off, "WSOLA read before its kept input"
+        seg = self.x[start - self.x_off: start - self.x_off + n]
+        return seg if seg.shape[0] == n else np.pad(seg, (0, n - seg.shape[0]))
+
+    def _frame(self) -> None:
+        N, tau = self.N, self._tau(self.k)
+        if self.prev is None:
+            pos = tau
+        else:
+            lo, hi = max(tau - self.delta, self.x_off), tau + self.delta
+            template = self._get(self.prev + self.Hs, N)  # what would naturally follow the last frame
+            region = self._get(lo, hi - lo + N)
+            corr = np.correlate(region, template, "valid")  # [hi - lo + 1]
+            c = np.concatenate(([0.0], np.cumsum(region * region)))
+            energy = c[N:] - c[:-N]
+            pos = lo + int(np.argmax(corr / np.sqrt(energy + 1e-9)))
+        out0 = self.k * self.Hs - self.y_off
+        need = out0 + N - self.y.shape[0]
+        if need > 0:  # grow in large steps: the tail past the last frame stays zero
+            grow = max(need, 64 * N)
+            self.y = np.concatenate((self.y, np.zeros(grow)))
+            self.wsum = np.concatenate((self.wsum, np.zeros(grow)))
+        self.y[out0: out0 + N] += self.window * self._get(pos, N)
+        self.wsum[out0: out0 + N] += self.window
+        self.prev, self.k = pos, self.k + 1
+
+    def _emit(self, upto: int) -> np.ndarray:
+        n = max(0, upto - self.y_off)
+        if n == 0:
+            return np.zeros(0, np.float32)
+        y, w = self.y[:n], self.wsum[:n]
+        if y.shape[0] < n:  # only at the end, past the last frame
+            y, w = np.pad(y, (0, n - y.shape[0])), np.pad(w, (0, n - w.shape[0]))
+        out = np.divide(y, w, out=np.zeros(n), where=w > 1e-6)
+        self.y, self.wsum, self.y_off = self.y[n:], self.wsum[n:], upto
+        # forget input that no later frame can read
+        keep = self._tau(self.k) - self.delta
+        if self.prev is not None:
+            keep = min(keep, self.prev + self.Hs)
+        if keep > self.x_off:
+            self.x, self.x_off = self.x[keep - self.x_off:], keep
+        return out.astype(np.float32)
+
+    def process(self, audio: np.ndarray) -> np.ndarray:
+        """Next input chunk -> the output that is final so far."""
+        assert not self.finished
+        self.x = np.concatenate((self.x, np.asarray(audio, np.float64)))
+        self.n_in += len(audio)
+        while self._needs() <= self.n_in:
+            self._frame()
+        # output before frame k's start is final; never run past the length the input so far implies
+        return self._emit(min(self.k * self.Hs, int(self.n_in / self.speed)))
+
+    def finish(self) -> np.ndarray:
+        """The rest, zero-padding the input for the last frames."""
+        self.finished = True
+        total = round(self.n_in / self.speed)
+        while self.k * self.Hs < total:
+            self._frame()
+        return self._emit(max(total, self.y_off))
+
+
+# --------------------------------------------------------------------------- encoders
+class PcmEncoder:
+    def __init__(self, sample_rate: int):
+        self.sample_rate = sample_rate
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        return to_s16(audio).tobytes()
+
+    def finish(self) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+class WavEncoder(PcmEncoder):
+    def __init__(self, sample_rate: int):
+        super().__init__(sample_rate)
+        self._header = wav_stream_header(sample_rate)
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        head, self._header = self._header, b""
+        return head + to_s16(audio).tobytes()
+
+    def finish(self) -> bytes:
+        return self.encode(np.zeros(0, np.float32))  # the header, if no audio came at all
+
+
+class _Sink:
+    """A write-only, unseekable file for PyAV: muxers then write streamable output and never seek back."""
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+
+    def write(self, b) -> int:
+        self.parts.append(bytes(b))
+        return len(b)
+
+    def take(self) -> bytes:
+        out, self.parts = b"".join(self.parts), []
+        return out
+
+
+class AvEncoder:
+    """flac / mp3 / aac / opus through PyAV (ffmpeg): float32 chunks in, container bytes out."""
+
+    # format -> (encoder, container, container options, stream options)
+    SPECS: ClassVar[dict[str, tuple[str, str, dict, dict]]] = {
+        "mp3": ("libmp3lame", "mp3", {}, {}),
+        "opus": ("libopus", "ogg", {"page_duration": "20000"}, {}),  # Ogg pages of 20 ms, not 1 s
+        "aac": ("aac", "adts", {}, {}),
+        "flac": ("flac", "flac", {}, {"frame_size": "1920"}),  # one codec frame per FLAC block
+    }
+
+    def __init__(self, fmt: str, sample_rate: int):
+        import av  # PyAV bundles ffmpeg with these encoders
+        self._av = av
+        codec, container, copts, sopts = self.SPECS[fmt]
+        self.sample_rate, self._fmt = sample_rate, fmt
+        self._sink = _Sink()
+        self._container = av.open(self._sink, mode="w", format=container, options=copts)
+        self._stream = self._container.add_stream(codec, rate=sample_rate, options=sopts)
+        self._stream.layout = "mono"
+        self._pts = 0
+        self._closed = False
+
+    def _mux(self, frame) -> bytes:
+        for packet in self._stream.encode(frame):
+            self._container.mux(packet)
+        return self._sink.take()
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        if len(audio) == 0:
+            return b""
+        frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(audio, np.float32)[None], format="flt",
+                                                 layout="mono")
+        frame.sample_rate, frame.pts = self.sample_rate, self._pts
+        self._pts += len(audio)
+        return self._mux(frame)
+
+    def finish(self) -> bytes:
+        out = self._mux(None)  # flush the encoder
+        self._container.close()  # the trailer
+        self._closed = True
+        return out + self._sink.take()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._container.close()
+            except (OSError, ValueError, RuntimeError) as e:  # an abandoned stream: nothing to deliver
+                logging.getLogger("q3tts.server").debug("closing an abandoned %s encoder: %s", self._fmt, e)
+
+
+class AudioEncoder:
+    """Speed, then format: float32 chunks at `sample_rate` -> bytes of one `fmt` stream.
+
+    Args:
+        fmt: mp3 | opus | aac | flac | wav | pcm.
+        sample_rate: of the input (and the output: no resampling).
+        speed: tempo factor 0.25 .. 4.0, pitch preserved (1.0: no processing).
+    """
+
+    def __init__(self, fmt: str, sample_rate: int, speed: float = 1.0):
+        if fmt not in MEDIA_TYPES:
+            raise ValueError(f"unknown response_format {fmt!r}; one of {sorted(MEDIA_TYPES)}")
+        self.fmt, self.sample_rate = fmt, sample_rate
+        self.media_type = MEDIA_TYPES[fmt]
+        self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
+        self.encoder = {"pcm": PcmEncoder, "wav": WavEncoder}.get(fmt, None)
+        self.encoder = self.encoder(sample_rate) if self.encoder else AvEncoder(fmt, sample_rate)
+        self.samples_out = 0  # audio samples encoded (after speed)
+
+    @property
+    def seconds_out(self) -> float:
+        return self.samples_out / self.sample_rate
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        if self.stretch is not None:
+            audio = self.stretch.process(audio)
+        self.samples_out += len(audio)
+        return self.encoder.encode(audio)
+
+    def finish(self) -> bytes:
+        out = b""
+        if self.stretch is not None:
+            tail = self.stretch.finish()
+            self.samples_out += len(tail)
+            out = self.encoder.encode(tail)
+        return out + self.encoder.finish()
+
+    def close(self) -> None:
+        self.encoder.close()

@@ -1,0 +1,42 @@
+"""Prometheus metrics of one server (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class Metrics:
+    """Args:
+        engine_stats: () -> object with queue_depth, active_slots, max_slots (read at scrape time).
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine_stats: Callable[[], object]):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("q3tts_http_requests", "HTTP requests by route and status code",
+                                ["route", "status"], registry=r)
+        self.errors = Counter("q3tts_errors", "Error answers by OpenAI error type and code", ["type", "code"],
+                              registry=r)
+        self.speech = Counter("q3tts_speech_requests", "Speech generations by outcome "
+                              "(completed, cancelled, failed) and response format", ["outcome", "format"], registry=r)
+        self.audio_seconds = Counter("q3tts_audio_seconds", "Seconds of audio generated (before speed)", registry=r)
+        self.ttfa = Histogram("q3tts_time_to_first_audio_seconds", "From request arrival to its first audio chunk",
+                              buckets=TTFA_BUCKETS, registry=r)
+        self.rtf = Histogram("q3tts_real_time_factor", "Per finished request: wall time / audio duration "
+                             "(below 1 is faster than real time)", buckets=RTF_BUCKETS, registry=r)
+        Gauge("q3tts_queue_depth", "Requests waiting for an engine slot", registry=r).set_function(
+            lambda: engine_stats().queue_depth)
+        Gauge("q3tts_active_slots", "Engine slots generating now", registry=r).set_function(
+            lambda: engine_stats().active_slots)
+        Gauge("q3tts_max_slots", "Engine slots (max concurrent streams)", registry=r).set_function(
+            lambda: engine_stats().max_slots)
+        self.ready = Gauge("q3tts_ready", "1 once the warm-up request has finished", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

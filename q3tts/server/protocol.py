@@ -1,0 +1,155 @@
+"""Wire types of the HTTP API (pydantic only: no logic).
+
+`SpeechRequest` is OpenAI's `/v1/audio/speech` body plus Qwen3-TTS extensions. Every constraint that
+can be checked without the model is declared here, so a bad request is a 400 before any work starts;
+what needs the model (voice names, languages, text length limit) is checked in serving.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+
+
+class VoiceRef(BaseModel):
+    """A custom voice by id, as the OpenAI client sends it: {"id": "voice_..."}."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=128)
+
+
+class SpeechRequest(BaseModel):
+    # NOTE: unknown fields are refused (a misspelt "temprature" must not be silently ignored)
+    model_config = ConfigDict(extra="forbid")
+
+    # ---- OpenAI fields
+    model: str | None = Field(None, max_length=256, description="Any name: this server serves one model")
+    input: str = Field(description="The text to speak (at most --max-text-length characters)")
+    voice: str | VoiceRef | None = Field(
+        None, description="CustomVoice: a built-in speaker; Base: a stored voice id or name; VoiceDesign: ignored")
+    instructions: str | None = Field(
+        None, max_length=4096, description="CustomVoice 1.7B: a style instruction; VoiceDesign: the voice in words")
+    response_format: ResponseFormat = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
+    stream_format: Literal["audio", "sse"] = "audio"
+
+    # ---- extensions
+    language: str | None = Field(None, max_length=64, description='"Auto" (default) or a supported language')
+    ref_audio: str | None = Field(None, description="Base: reference clip as base64 or a data URL (not stored)")
+    ref_text: str | None = Field(None, max_length=4096, description="Base: transcript of ref_audio (ICL)")
+    x_vector_only_mode: bool = Field(False, description="Base: use only the speaker embedding of the reference")
+    seed: int | None = Field(None, ge=0, lt=2**31)
+    do_sample: bool | None = None
+    temperature: float | None = Field(None, gt=0, le=10)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    subtalker_dosample: bool | None = None
+    subtalker_temperature: float | None = Field(None, gt=0, le=10)
+    subtalker_top_k: int | None = Field(None, ge=0)
+    subtalker_top_p: float | None = Field(None, gt=0, le=1)
+    max_new_tokens: int | None = Field(None, ge=1, le=65536, description="Cap on codec frames + 1 (12.5 per second)")
+    non_streaming_mode: bool | None = Field(None, description="Prompt text placement (the official meaning)")
+
+    def gen_kwargs(self) -> dict[str, Any]:
+        """The sampling extensions that were given (the model's generation_config fills the rest)."""
+        names = ("seed", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_dosample",
+                 "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "max_new_tokens")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+    @property
+    def voice_name(self) -> str | None:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+
+class CreateVoiceRequest(BaseModel):
+    """JSON alternative to the multipart upload of POST /v1/audio/voices."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    audio_sample: str = Field(min_length=1, description="The reference clip as base64 or a data URL")
+    ref_text: str | None = Field(None, max_length=4096, description="Transcript of the clip (needed for ICL)")
+    x_vector_only_mode: bool = False
+    consent: str | None = None  # accepted for OpenAI compatibility, not used
+
+
+class VoiceObject(BaseModel):
+    id: str
+    object: Literal["audio.voice"] = "audio.voice"
+    name: str
+    created_at: int
+    type: Literal["audio_sample", "builtin"]
+    # extensions
+    mode: Literal["icl", "x_vector", "builtin"] = "builtin"
+    ref_text: str | None = None
+    model_size: str | None = None
+    deletable: bool = False
+
+
+class VoiceList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VoiceObject]
+
+
+class VoiceDeleted(BaseModel):
+    id: str
+    object: Literal["audio.voice.deleted"] = "audio.voice.deleted"
+    deleted: bool = True
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "q3tts"
+    tts_model_type: str  # custom_voice | voice_design | base
+    sample_rate: int
+    languages: list[str]
+    voices: list[str]  # built-in speakers (CustomVoice)
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Usage(BaseModel):
+    input_tokens: int  # prompt positions (text, speaker, instruction and reference tokens)
+    output_tokens: int  # codec frames generated (12.5 per second of audio)
+    total_tokens: int
+
+
+class SpeechAudioDelta(BaseModel):
+    type: Literal["speech.audio.delta"] = "speech.audio.delta"
+    audio: str  # base64 of the next bytes of the stream in response_format
+
+
+class SpeechAudioDone(BaseModel):
+    type: Literal["speech.audio.done"] = "speech.audio.done"
+    usage: Usage
+    finish_reason: str | None = None  # extension: "stop" (EOS), "length", "error"
+    audio_seconds: float = 0.0  # extension: duration of the audio sent (after speed)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str  # invalid_request_error | authentication_error | server_busy | not_found_error | server_error
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ApiError(Exception):
+    """An error answer: raised anywhere below the router, turned into ErrorResponse JSON by app.py."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)

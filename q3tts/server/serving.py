@@ -1,0 +1,240 @@
+"""Speech serving: a validated SpeechRequest -> PreparedRequest -> AsyncEngine.generate -> encoded bytes.
+
+The mode follows the model type:
+  custom_voice  voice = a built-in speaker, instructions = style instruction (1.7B)
+  voice_design  instructions = the voice in words (required); voice is ignored
+  base          voice = a stored voice (id or name), or ref_audio (+ ref_text) inline
+Everything that can fail on the request's content fails before the response starts (a 400), and so does
+a full queue (503): the first chunk is awaited before the response is returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from q3tts.engine.async_engine import AsyncEngine
+from q3tts.engine.engine import AudioChunk
+from q3tts.engine.request import StreamOptions
+from q3tts.engine.scheduler import QueueFullError
+
+from .encode import AudioEncoder
+from .metrics import Metrics
+from .protocol import ApiError, SpeechAudioDelta, SpeechAudioDone, SpeechRequest, Usage
+from .settings import ServerSettings
+from .voices import VoiceService
+
+log = logging.getLogger("q3tts.server")
+
+
+@dataclass(slots=True)
+class SpeechStream:
+    request_id: str
+    media_type: str
+    body: AsyncIterator[bytes]  # closing it early cancels the generation
+
+
+@dataclass(slots=True)
+class _Run:
+    """One generation's bookkeeping for metrics and usage."""
+
+    request_id: str
+    fmt: str
+    arrival: float
+    input_tokens: int
+    frames: int = 0
+    first_audio: float | None = None
+    finish_reason: str | None = None
+    outcome: str = "cancelled"  # until it completes or fails
+    errors: list[str] = field(default_factory=list)
+
+
+class SpeechServing:
+    def __init__(self, tts, engine: AsyncEngine, voices: VoiceService, metrics: Metrics, settings: ServerSettings):
+        self.tts, self.engine, self.voices, self.metrics, self.settings = tts, engine, voices, metrics, settings
+        self.model_type = tts.cfg.tts_model_type
+        self.ready = False
+        self.warmup_error: str | None = None
+
+    # ------------------------------------------------------------------ request -> PreparedRequest
+    async def prepare(self, req: SpeechRequest):
+        if not req.input.strip():
+            raise ApiError(400, "input is empty: give the text to speak", param="input", code="empty_input")
+        if len(req.input) > self.settings.max_text_length:
+            raise ApiError(400, f"input is {len(req.input)} characters; this server accepts at most "
+                           f"{self.settings.max_text_length} (--max-text-length)", param="input", code="input_too_long")
+        try:
+            self.tts.builder.resolve_language(req.language)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="language", code="unsupported_language") from e
+        kw = req.gen_kwargs()
+        if req.non_streaming_mode is not None:
+            kw["non_streaming_mode"] = req.non_streaming_mode
+        instructions = (req.instructions or "").strip() or None
+        if self.model_type == "custom_voice":
+            speaker = self._speaker(req.voice_name)
+            return self._call(self.tts.prepare_custom_voice, req.input, speaker, req.language, instructions, **kw)
+        if self.model_type == "voice_design":
+            if instructions is None:
+                raise ApiError(400, "instructions is required: this server runs a VoiceDesign model, which makes the "
+                               "voice from a description, e.g. \"A warm, low female voice, speaking slowly\"",
+                               param="instructions", code="missing_instructions")
+            return self._call(self.tts.prepare_voice_design, req.input, instructions, req.language, **kw)
+        if req.ref_audio:
+            item = await self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)
+        elif req.voice_name:
+            item = self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)
+        else:
+            raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored voice "
+                           f"({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
+                           code="missing_voice")
+        return self._call(self.tts.prepare_voice_clone, req.input, req.language, voice_clone_prompt=[item], **kw)
+
+    def _speaker(self, name: str | None) -> str:
+        speakers = ", ".join(self.voices.builtin())
+        if not name:
+            raise ApiError(400, f"voice is required: one of this model's speakers: {speakers}", param="voice",
+                           code="missing_voice")
+        try:
+            return self.tts.builder.resolve_speaker(name)
+        except ValueError:
+            raise ApiError(400, f"unknown voice {name!r}: this CustomVoice model's voices are {speakers}",
+                           param="voice", code="voice_not_found") from None
+
+    @staticmethod
+    def _call(fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)[0]
+        except ValueError as e:
+            raise ApiError(400, str(e), code="invalid_value") from e
+
+    # ------------------------------------------------------------------ generation
+    async def create_speech(self, req: SpeechRequest) -> SpeechStream:
+        """Validate, queue, wait for the first chunk, then hand back the byte stream.
+
+        Raises ApiError (400 bad request, 503 queue full); cancelling this coroutine (client gone) aborts."""
+        arrival = time.perf_counter()
+        prepared = await self.prepare(req)
+        enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
+        run = _Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
+        chunks = self.engine.generate(prepared, StreamOptions(self.settings.first_chunk_frames,
+                                                              self.settings.chunk_frames),
+                                      request_id=run.request_id, arrival_time=arrival)
+        try:
+            first = await chunks.__anext__()
+            if first.error:
+                raise ApiError(400, first.error, code="generation_failed")
+        except QueueFullError as e:
+            enc.close()
+            raise ApiError(503, str(e), type="server_busy", code="queue_full") from e
+        except BaseException:
+            enc.close()
+            await chunks.aclose()
+            raise
+        if req.stream_format == "sse":
+            return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc))
+        return SpeechStream(run.request_id, enc.media_type, self._audio(run, first, chunks, enc))
+
+    async def _encoded(self, run: _Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
+                       enc: AudioEncoder) -> AsyncIterator[bytes]:
+        """Encoded bytes as chunks arrive, then the encoder's tail; books the run when it ends either way."""
+        try:
+            chunk = first
+            while True:
+                if chunk.num_frames and run.first_audio is None:
+                    run.first_audio = time.perf_counter()
+                run.frames += chunk.num_frames
+                data = enc.encode(chunk.audio)
+                if data:
+                    yield data
+                if chunk.is_last:
+                    break
+                chunk = await chunks.__anext__()
+            run.finish_reason = chunk.finish_reason
+            if chunk.error:
+                run.errors.append(chunk.error)
+            tail = enc.finish()
+            if tail:
+                yield tail
+            run.outcome = "failed" if chunk.finish_reason == "error" else "completed"
+        except Exception as e:  # engine failure mid-stream: the response is already started
+            run.outcome = "failed"
+            log.exception("%s failed mid-stream", run.request_id)
+            run.errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            enc.close()
+            await chunks.aclose()  # a no-op after the last chunk; else aborts the request and frees its slot
+            self._book(run)
+
+    async def _audio(self, run, first, chunks, enc) -> AsyncIterator[bytes]:
+        gen = self._encoded(run, first, chunks, enc)
+        try:
+            async for data in gen:
+                yield data
+        finally:
+            await gen.aclose()
+
+    async def _sse(self, run, first, chunks, enc) -> AsyncIterator[bytes]:
+        gen = self._encoded(run, first, chunks, enc)
+        try:
+            async for data in gen:
+                yield _sse_event(SpeechAudioDelta(audio=base64.b64encode(data).decode()))
+        finally:
+            await gen.aclose()
+        if run.outcome != "cancelled":
+            out = run.frames
+            yield _sse_event(SpeechAudioDone(usage=Usage(input_tokens=run.input_tokens, output_tokens=out,
+                                                         total_tokens=run.input_tokens + out),
+                                             finish_reason=run.finish_reason, audio_seconds=round(enc.seconds_out, 4)))
+
+    def _book(self, run: _Run) -> None:
+        m = self.metrics
+        m.speech.labels(run.outcome, run.fmt).inc()
+        seconds = run.frames * self.tts.samples_per_frame / self.tts.sample_rate
+        m.audio_seconds.inc(seconds)
+        if run.first_audio is not None:
+            m.ttfa.observe(run.first_audio - run.arrival)
+        if run.outcome == "completed" and seconds > 0:
+            m.rtf.observe((time.perf_counter() - run.arrival) / seconds)
+        if run.errors:
+            log.warning("%s: %s", run.request_id, "; ".join(run.errors))
+
+    # ------------------------------------------------------------------ warm-up
+    def _warmup_request(self):
+        kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}
+        if self.model_type == "custom_voice":
+            return self.tts.prepare_custom_voice("Hello.", self.voices.builtin()[0], **kw)[0]
+        if self.model_type == "voice_design":
+            return self.tts.prepare_voice_design("Hello.", "A clear, calm voice.", **kw)[0]
+        import torch
+
+        from q3tts.api import VoiceClonePromptItem
+        item = VoiceClonePromptItem(ref_code=None, ref_spk_embedding=torch.zeros(self.tts.cfg.talker.hidden_size),
+                                    x_vector_only_mode=True, icl_mode=False)
+        return self.tts.prepare_voice_clone("Hello.", voice_clone_prompt=[item], **kw)[0]
+
+    async def warmup(self) -> None:
+        """One short request through the whole path (prefill, decode, vocoder); then ready."""
+        t0 = time.perf_counter()
+        try:
+            async for _ in self.engine.generate(self._warmup_request(), StreamOptions(1, 4), request_id="warmup"):
+                pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.warmup_error = f"{type(e).__name__}: {e}"
+            log.exception("warm-up failed")
+            return
+        self.ready = True
+        self.metrics.ready.set(1)
+        log.info("warm-up done in %.2f s: ready", time.perf_counter() - t0)
+
+
+def _sse_event(event) -> bytes:
+    return f"data: {json.dumps(event.model_dump(), separators=(',', ':'))}\n\n".encode()

@@ -1,0 +1,88 @@
+"""Server settings: `q3tts serve` flags, each with an environment-variable equivalent (flag wins)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+def _default_voice_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "q3tts", "voices")
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    model: str = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"  # hub id or local directory
+    served_model_name: str | None = None  # the id in /v1/models (default: the model's last path part)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str | None = None  # default: cuda if available
+    dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
+    voice_dir: str = ""  # stored voices (Base models): voices.sqlite3 + one .safetensors per voice
+    max_text_length: int = 4096  # characters of `input`
+    max_upload_bytes: int = 10 * 1024 * 1024  # a reference clip (multipart file or decoded base64)
+    max_queue: int = 256  # requests waiting for a slot; more get 503
+    max_concurrent: int = 32  # engine slots: streams generated together
+    max_seq_len: int = 4096  # KV positions per slot: prompt + frames (12.5 per second of audio)
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
+    chunk_frames: int = 8  # frames in each later chunk
+    warmup: bool = True  # run one short request at startup; /ready is true after it
+    log_level: str = "info"
+
+    def __post_init__(self):
+        self.voice_dir = self.voice_dir or _default_voice_dir()
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or Path(str(self.model).rstrip("/")).name or str(self.model)
+
+
+# flag -> (field, type, help); environment variable: Q3TTS_<FIELD upper-cased>
+_FLAGS = [
+    ("--model", "model", str, "hub id or local checkpoint directory"),
+    ("--served-model-name", "served_model_name", str, "model id reported by /v1/models"),
+    ("--host", "host", str, "bind address"),
+    ("--port", "port", int, "bind port"),
+    ("--device", "device", str, "cuda, cuda:1, cpu (none: cuda if available)"),
+    ("--dtype", "dtype", str, "bfloat16 / float16 / float32 (none: bf16 on GPU, fp32 on CPU)"),
+    ("--voice-dir", "voice_dir", str, "directory of stored voices (created if missing)"),
+    ("--max-text-length", "max_text_length", int, "maximum characters of input text"),
+    ("--max-upload-bytes", "max_upload_bytes", int, "maximum size of a reference audio upload"),
+    ("--max-queue", "max_queue", int, "requests that may wait for a slot; more are refused with 503"),
+    ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots)"),
+    ("--max-seq-len", "max_seq_len", int, "KV-cache positions per stream (prompt + 12.5 frames per second)"),
+    ("--api-key", "api_key", str, "require this Bearer token on /v1/*"),
+    ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
+    ("--chunk-frames", "chunk_frames", int, "frames in each later streamed chunk"),
+    ("--log-level", "log_level", str, "debug, info, warning, error"),
+]
+
+
+def env_name(field: str) -> str:
+    return "Q3TTS_" + field.upper()
+
+
+def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ServerSettings:
+    """Flags, then Q3TTS_* environment variables, then defaults."""
+    env = os.environ if environ is None else environ
+    defaults = ServerSettings()
+    ap = argparse.ArgumentParser(prog="q3tts serve", description="OpenAI-compatible speech server for Qwen3-TTS.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for flag, name, typ, help_ in _FLAGS:
+        default = env.get(env_name(name))
+        default = typ(default) if default not in (None, "") else getattr(defaults, name)
+        ap.add_argument(flag, dest=name, type=typ, default=default, help=f"{help_} [env {env_name(name)}]")
+    no_warmup = env.get(env_name("warmup"), "1").lower() in ("0", "false", "no")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false", default=not no_warmup,
+                    help=f"skip the warm-up request (/ready is true at once) [env {env_name('warmup')}=0]")
+    a = ap.parse_args(argv)
+    s = ServerSettings(**{f.name: getattr(a, f.name) for f in fields(ServerSettings) if hasattr(a, f.name)})
+    for name in ("max_text_length", "max_upload_bytes", "max_queue", "max_concurrent", "max_seq_len",
+                 "first_chunk_frames", "chunk_frames"):
+        if getattr(s, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return s

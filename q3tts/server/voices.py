@@ -1,0 +1,275 @@
+"""Voices: what `voice` may name, and the store of cloned voices (Base models).
+
+CustomVoice models: the built-in speakers are the voices (listed, not deletable, nothing to upload).
+VoiceDesign models: no voices (the voice is described in `instructions`).
+Base models: uploaded reference clips are cloned once (speaker encoder + codec encoder) and stored as
+one voice file each (`<id>.safetensors`, q3tts.voice.Voice's format) plus a row in an SQLite index
+(`voices.sqlite3`) in the voice directory, so they survive restarts. A voice is named by its id
+(`voice_<16 hex>`) or its name (unique per model size); only voices made for this model's size are shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import logging
+import os
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .protocol import ApiError, VoiceDeleted, VoiceObject
+
+log = logging.getLogger("q3tts.server")
+
+NAME_RE = re.compile(r"^[\w][\w .\-]{0,63}$")
+ID_RE = re.compile(r"^voice_[0-9a-f]{16}$")
+
+
+# --------------------------------------------------------------------------- adapter to q3tts.voice
+# The only code that knows q3tts.voice's API: keep it here so a rename there is a change of a few lines.
+def make_cloner(tts):
+    """The model's q3tts.voice.VoiceCloner (speaker + codec encoders, loaded on first use)."""
+    return tts.voice_cloner()
+
+
+def clone_voice(cloner, audio: bytes, ref_text: str | None, x_vector_only_mode: bool, max_bytes: int, name=None):
+    """Reference clip bytes -> q3tts.voice.Voice (ValueError for unusable audio or a missing transcript)."""
+    from q3tts.audio import AudioLimits
+    return cloner.create_voice(audio, ref_text=ref_text or None, x_vector_only_mode=x_vector_only_mode, name=name,
+                               allow_paths=False, allow_urls=False, limits=AudioLimits(max_bytes=max_bytes))
+
+
+def save_voice(voice, path: Path) -> None:
+    voice.save(path)
+
+
+def load_voice(path: Path, cfg):
+    from q3tts.voice import Voice
+    return Voice.load(path, model=cfg)
+
+
+def voice_prompt_item(voice, x_vector_only_mode: bool):
+    """-> q3tts.api.VoiceClonePromptItem (x-vector only when asked, else as the voice was made)."""
+    return voice.to_prompt_item(True if x_vector_only_mode else None)
+
+
+def voice_mode(voice) -> str:
+    return "icl" if voice.ref_code is not None else "x_vector"
+
+
+# --------------------------------------------------------------------------- the store
+@dataclass(slots=True)
+class VoiceRecord:
+    id: str
+    name: str
+    created_at: int  # unix seconds
+    mode: str  # "icl" | "x_vector"
+    ref_text: str | None
+    model_size: str  # "0b6" | "1b7"
+    file: str  # file name inside the voice directory
+
+    def to_object(self) -> VoiceObject:
+        return VoiceObject(id=self.id, name=self.name, created_at=self.created_at, type="audio_sample",
+                           mode=self.mode, ref_text=self.ref_text, model_size=self.model_size, deletable=True)
+
+
+_SCHEMA = """CREATE TABLE IF NOT EXISTS voices (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, created_at INTEGER NOT NULL, mode TEXT NOT NULL,
+    ref_text TEXT, model_size TEXT NOT NULL, file TEXT NOT NULL, UNIQUE (name, model_size))"""
+_COLS = "id, name, created_at, mode, ref_text, model_size, file"
+
+
+class VoiceStore:
+    """Voice files + an SQLite index in one directory. Thread-safe (one connection per call)."""
+
+    def __init__(self, root: str | os.PathLike, cfg):
+        self.root, self.cfg = Path(root), cfg
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.db = self.root / "voices.sqlite3"
+        self._lock = threading.Lock()
+        self._loaded: dict[str, object] = {}  # id -> Voice, loaded on first use
+        with self._connect() as c:
+            c.execute(_SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.db, timeout=10)
+
+    def _rows(self, where: str = "", args: tuple = ()) -> list[VoiceRecord]:
+        with self._lock, self._connect() as c:
+            rows = c.execute(f"SELECT {_COLS} FROM voices WHERE model_size = ? {where} ORDER BY created_at, id",
+                             (self.cfg.tts_model_size, *args)).fetchall()
+        return [VoiceRecord(*r) for r in rows if (self.root / r[6]).exists()]
+
+    def list(self) -> list[VoiceRecord]:
+        return self._rows()
+
+    def find(self, key: str) -> VoiceRecord | None:
+        """By id, else by name."""
+        rows = self._rows("AND (id = ? OR name = ?)", (key, key))
+        return next((r for r in rows if r.id == key), rows[0] if rows else None)
+
+    def add(self, name: str, voice) -> VoiceRecord:
+        """Write the voice file, then index it; ValueError if the name is taken."""
+        rec = VoiceRecord(id=f"voice_{secrets.token_hex(8)}", name=name, created_at=int(time.time()),
+                          mode=voice_mode(voice), ref_text=voice.ref_text, model_size=self.cfg.tts_model_size, file="")
+        rec.file = f"{rec.id}.safetensors"
+        tmp = self.root / f".{rec.file}.tmp"
+        save_voice(voice, tmp)
+        os.replace(tmp, self.root / rec.file)
+        try:
+            with self._lock, self._connect() as c:
+                c.execute(f"INSERT INTO voices ({_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                          (rec.id, rec.name, rec.created_at, rec.mode, rec.ref_text, rec.model_size, rec.file))
+        except sqlite3.IntegrityError:
+            (self.root / rec.file).unlink(missing_ok=True)
+            raise ValueError(f"a voice named {name!r} already exists") from None
+        self._loaded[rec.id] = voice
+        return rec
+
+    def delete(self, voice_id: str) -> bool:
+        with self._lock, self._connect() as c:
+            row = c.execute("SELECT file FROM voices WHERE id = ?", (voice_id,)).fetchone()
+            if row is None:
+                return False
+            c.execute("DELETE FROM voices WHERE id = ?", (voice_id,))
+        (self.root / row[0]).unlink(missing_ok=True)
+        self._loaded.pop(voice_id, None)
+        return True
+
+    def voice(self, rec: VoiceRecord):
+        v = self._loaded.get(rec.id)
+        if v is None:
+            v = self._loaded[rec.id] = load_voice(self.root / rec.file, self.cfg)
+        return v
+
+
+# --------------------------------------------------------------------------- the service
+def decode_base64_audio(s: str, max_bytes: int, param: str) -> bytes:
+    """base64 or a data URL -> bytes; 413 past max_bytes, 400 if not base64."""
+    payload = s.split(",", 1)[1] if s.startswith("data:") else s
+    payload = re.sub(r"\s+", "", payload)
+    if len(payload) * 3 // 4 > max_bytes + 2:
+        raise ApiError(413, f"{param}: about {len(payload) * 3 // 4} bytes of audio, more than this server's "
+                       f"limit of {max_bytes} bytes (--max-upload-bytes)", param=param, code="upload_too_large")
+    try:
+        if "-" in payload or "_" in payload:
+            return base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+        return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, f"{param}: not valid base64 (give the audio file's bytes as base64 or a data URL "
+                       "like data:audio/wav;base64,...)", param=param, code="invalid_base64") from None
+
+
+class VoiceService:
+    """What the voice endpoints and the speech endpoint ask about voices."""
+
+    def __init__(self, tts, voice_dir: str | os.PathLike, max_upload_bytes: int):
+        self.tts, self.max_upload_bytes = tts, max_upload_bytes
+        self.model_type = tts.cfg.tts_model_type
+        self.store = VoiceStore(voice_dir, tts.cfg) if self.model_type == "base" else None
+        self._cloner = None
+        self._cloner_lock = threading.Lock()
+        self._inline: OrderedDict[str, object] = OrderedDict()  # recent inline references (LRU)
+
+    # ---- listing and lookup
+    def builtin(self) -> list[str]:
+        return list(self.tts.get_supported_speakers() or []) if self.model_type == "custom_voice" else []
+
+    def list(self) -> list[VoiceObject]:
+        if self.store is not None:
+            return [r.to_object() for r in self.store.list()]
+        return [VoiceObject(id=s, name=s, created_at=0, type="builtin") for s in self.builtin()]
+
+    def get(self, voice_id: str) -> VoiceObject:
+        for v in self.list():
+            if v.id == voice_id or v.name == voice_id:
+                return v
+        raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id", code="voice_not_found")
+
+    def names_hint(self) -> str:
+        if self.store is None:
+            return ", ".join(self.builtin()) or "(none)"
+        recs = self.store.list()
+        return ", ".join(f"{r.name} ({r.id})" for r in recs) if recs else "(none stored yet)"
+
+    def prompt_item(self, key: str, x_vector_only_mode: bool):
+        """A stored voice (id or name) -> VoiceClonePromptItem; 400 listing the voices if unknown."""
+        rec = self.store.find(key)
+        if rec is None:
+            raise ApiError(400, f"unknown voice {key!r}. Stored voices: {self.names_hint()}. Upload one with "
+                           "POST /v1/audio/voices, or pass ref_audio (+ ref_text) in the request",
+                           param="voice", code="voice_not_found")
+        try:
+            return voice_prompt_item(self.store.voice(rec), x_vector_only_mode)
+        except ValueError as e:
+            raise ApiError(400, f"voice {key!r}: {e}", param="voice") from e
+
+    # ---- cloning
+    def _require_base(self) -> None:
+        if self.store is None:
+            what = ("its voices are the built-in speakers: " + ", ".join(self.builtin())
+                    if self.model_type == "custom_voice" else "describe the voice in `instructions` instead")
+            raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model ({what})",
+                           param="voice", code="unsupported_for_model")
+
+    def _clone(self, audio: bytes, ref_text: str | None, xvec: bool, name: str | None = None):
+        if len(audio) > self.max_upload_bytes:
+            raise ApiError(413, f"reference audio is {len(audio)} bytes, more than this server's limit of "
+                           f"{self.max_upload_bytes} bytes (--max-upload-bytes)", code="upload_too_large")
+        with self._cloner_lock:
+            if self._cloner is None:
+                self._cloner = make_cloner(self.tts)
+        try:
+            return clone_voice(self._cloner, audio, ref_text, xvec, self.max_upload_bytes, name=name)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="ref_audio", code="invalid_reference") from e
+
+    async def inline_prompt_item(self, ref_audio: str, ref_text: str | None, xvec: bool):
+        """A request's own reference (base64 / data URL), cloned off the event loop; recent ones are cached."""
+        self._require_base()
+        audio = decode_base64_audio(ref_audio, self.max_upload_bytes, "ref_audio")
+        key = hashlib.sha256(audio + b"\0" + (ref_text or "").encode() + (b"x" if xvec else b"i")).hexdigest()
+        voice = self._inline.get(key)
+        if voice is None:
+            voice = await asyncio.to_thread(self._clone, audio, ref_text, xvec)
+            self._inline[key] = voice
+            while len(self._inline) > 32:
+                self._inline.popitem(last=False)
+        self._inline.move_to_end(key)
+        return voice_prompt_item(voice, xvec)
+
+    async def create(self, name: str, audio: bytes, ref_text: str | None, xvec: bool) -> VoiceObject:
+        self._require_base()
+        name = (name or "").strip()
+        if not NAME_RE.match(name) or ID_RE.match(name):
+            raise ApiError(400, f"invalid voice name {name!r}: 1-64 letters, digits, spaces, '_', '.', '-' "
+                           "(and not of the form voice_<hex>)", param="name", code="invalid_name")
+        if self.store.find(name) is not None:
+            raise ApiError(409, f"a voice named {name!r} already exists; delete it first or pick another name",
+                           param="name", code="voice_exists")
+        voice = await asyncio.to_thread(self._clone, audio, ref_text, xvec, name)
+        try:
+            return self.store.add(name, voice).to_object()
+        except ValueError as e:
+            raise ApiError(409, str(e), param="name", code="voice_exists") from e
+
+    def delete(self, voice_id: str) -> VoiceDeleted:
+        if self.store is None:
+            if voice_id in self.builtin():
+                raise ApiError(400, f"{voice_id!r} is a built-in speaker of this model and cannot be deleted",
+                               param="voice_id", code="voice_not_deletable")
+            raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id",
+                           code="voice_not_found")
+        rec = self.store.find(voice_id)
+        if rec is None or not self.store.delete(rec.id):
+            raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id",
+                           code="voice_not_found")
+        return VoiceDeleted(id=rec.id)
