@@ -22,8 +22,7 @@ import time
 
 import torch
 
-TEXT = ("Hello! This is a benchmark of the Qwen3 text to speech engine. We force a fixed number of frames, "
-        "so every engine decodes the same amount of audio from the same prompt.")
+from bench.peers import DEFAULT_TEXT as TEXT  # the very text the peers speak
 
 
 def sync():

@@ -1,0 +1,97 @@
+"""Encoders and the streaming time-stretch, without a server."""
+
+import numpy as np
+import pytest
+
+from q3tts.server.encode import AudioEncoder, TimeStretch
+
+SR = 24000
+
+
+def tone(seconds=2.0, f0=200.0):
+    t = np.arange(int(SR * seconds)) / SR
+    return (0.3 * np.sin(2 * np.pi * f0 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+
+
+def peak_hz(x):
+    x = x[2400:-2400]
+    spec = np.abs(np.fft.rfft(x * np.hanning(len(x))))
+    return np.argmax(spec) * SR / len(x)
+
+
+def chunked(fn_process, fn_finish, x, sizes):
+    out, i = [], 0
+    for n in sizes:
+        if i >= len(x):
+            break
+        out.append(fn_process(x[i:i + n]))
+        i += n
+    out.append(fn_process(x[i:]))
+    out.append(fn_finish())
+    return out
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.5, 0.8, 1.25, 2.0, 4.0])
+def test_time_stretch_streams_exactly_keeps_pitch_and_length(speed):
+    x = tone()
+    whole = TimeStretch(speed)
+    ref = np.concatenate([whole.process(x), whole.finish()])
+    sizes = np.random.default_rng(int(speed * 100)).integers(1, 4000, 200)
+    ts = TimeStretch(speed)
+    got = np.concatenate(chunked(ts.process, ts.finish, x, sizes))
+    assert len(ref) == round(len(x) / speed)
+    np.testing.assert_array_equal(got, ref)  # chunking never changes the output
+    assert abs(peak_hz(ref) - 200.0) < 2.0  # pitch kept
+    assert 0.9 < ref[2400:-2400].std() / x.std() < 1.1  # no level change
+
+
+def test_time_stretch_of_a_codec_stream_chunking():
+    """First chunk of one frame, then 8-frame chunks, as the server gets them."""
+    x = tone(1.5, 140.0)
+    sizes = [1920] + [1920 * 8] * 10
+    ts = TimeStretch(1.5)
+    got = np.concatenate(chunked(ts.process, ts.finish, x, sizes))
+    assert len(got) == round(len(x) / 1.5)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_encoders_incremental(fmt):
+    pytest.importorskip("av")
+    from .live import declared_rate, decode, duration_tolerance
+    x = tone(1.2)
+    enc = AudioEncoder(fmt, SR)
+    data = b"".join(chunked(enc.encode, enc.finish, x, [1920] + [1920 * 8] * 10))
+    assert declared_rate(fmt, data) == SR
+    if fmt == "pcm":
+        y = np.frombuffer(data, "<i2") / 32767.0
+        rate = SR
+    elif fmt == "wav":
+        assert data[:4] == b"RIFF" and data[40:44] == b"\xff\xff\xff\xff"
+        y = np.frombuffer(data[44:], "<i2") / 32767.0
+        rate = SR
+    else:
+        y, rate = decode(data)
+    assert abs(len(y) / rate - len(x) / SR) <= duration_tolerance(fmt), (fmt, len(y) / rate)
+    if fmt in ("pcm", "wav", "flac"):
+        np.testing.assert_allclose(y[:len(x)], x, atol=1 / 16000)
+    assert enc.seconds_out == pytest.approx(len(x) / SR)
+
+
+def test_encoder_with_speed_and_no_audio():
+    enc = AudioEncoder("pcm", SR, speed=2.0)
+    data = enc.encode(tone(1.0)) + enc.finish()
+    assert len(data) // 2 == SR // 2
+    empty = AudioEncoder("wav", SR)
+    assert len(empty.finish()) == 44  # still a (header-only) file
+    with pytest.raises(ValueError):
+        AudioEncoder("ogg", SR)
+
+
+def test_settings_flags_and_env():
+    from q3tts.server.settings import parse_args
+    s = parse_args(["--model", "m", "--port", "9000", "--api-key", "k"], environ={
+        "Q3TTS_MAX_CONCURRENT": "64", "Q3TTS_PORT": "1", "Q3TTS_VOICE_DIR": "/tmp/v", "Q3TTS_WARMUP": "0"})
+    assert (s.model, s.port, s.api_key, s.max_concurrent, s.voice_dir, s.warmup) == ("m", 9000, "k", 64, "/tmp/v", False)
+    assert s.model_id == "m"
+    with pytest.raises(SystemExit):
+        parse_args(["--max-queue", "0"], environ={})
