@@ -16,23 +16,15 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .config import GenerationDefaults
+
 _MASK31 = (1 << 31) - 1
 
 
 @dataclass(slots=True)
-class SamplingParams:
-    """One request's generation parameters (defaults come from generation_config.json)."""
+class SamplingParams(GenerationDefaults):
+    """One request's generation parameters: generation_config.json's fields, overridable, plus a seed."""
 
-    do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-    subtalker_dosample: bool = True
-    subtalker_temperature: float = 0.9
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
-    max_new_tokens: int = 2048
     seed: int = 0
 
     def validate(self) -> None:

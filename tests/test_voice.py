@@ -7,9 +7,7 @@ x-vector relative error <= 1.6e-7, audio max abs error <= 6.3e-6 (bound 1e-4).""
 from __future__ import annotations
 
 import base64
-import json
 import warnings
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -27,25 +25,10 @@ from q3tts.voice import (
     speech_units,
 )
 from tests.golden import fixtures as fx
+from tests.golden.voice import MANIFEST, clip, cloner, outputs
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "fixtures_voice"
-MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
 SPK_REL_TOL = 1e-4
 WAV_TOL = 1e-4
-
-
-@lru_cache(maxsize=None)
-def outputs() -> dict[str, torch.Tensor]:
-    return load_file(str(GOLDEN / "outputs.safetensors"))
-
-
-@lru_cache(maxsize=None)
-def cloner() -> VoiceCloner:
-    return VoiceCloner(fx.checkpoint("base06"))
-
-
-def clip(name: str) -> str:
-    return str(GOLDEN / "clips" / MANIFEST["clips"][name]["file"])
 
 
 def ref_text(name: str) -> str:
@@ -61,14 +44,6 @@ def assert_item(item, spk_key: str, code_key: str | None):
     else:
         assert item.icl_mode and not item.x_vector_only_mode
         assert torch.equal(item.ref_code, outputs()[code_key]), code_key
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # --------------------------------------------------------------------------- prompt items vs official

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from q3tts.engine.engine import Engine
-from q3tts.engine.request import RequestStatus, StreamOptions
+from q3tts.engine.request import RequestStatus
 from tests.golden import fixtures as fx
 
 

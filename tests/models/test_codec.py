@@ -29,15 +29,6 @@ TINY = Code2WavConfig(codebook_size=2048, codebook_dim=16, num_quantizers=16, la
                       decoder_dim=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny tensors: a second thread only adds synchronisation (100x slower on a loaded 2-core box).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @lru_cache(maxsize=None)
 def tiny_model() -> Code2Wav:
     model = Code2Wav(TINY).eval()

@@ -2,54 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from q3tts.audio import load_audio, resample
 from q3tts.config import parse_speech_tokenizer_config, read_json
 from q3tts.models.codec_encoder import CodecEncoder, parse_codec_encoder_config
-from tests.golden import fixtures as fx
+from tests.golden.voice import CLIPS, clip24, cloner, outputs
 
 ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = ROOT / "tests" / "golden" / "fixtures_voice"
 TSV = ROOT / "q3tts" / "reference" / "Qwen3-TTS-Tokenizer-12Hz.state_dict_shapes.tsv"
-CLIPS = sorted(json.loads((GOLDEN / "manifest.json").read_text())["clips"])
-
-
-@lru_cache(maxsize=None)
-def manifest() -> dict:
-    return json.loads((GOLDEN / "manifest.json").read_text())
-
-
-@lru_cache(maxsize=None)
-def outputs() -> dict[str, torch.Tensor]:
-    return load_file(str(GOLDEN / "outputs.safetensors"))
-
-
-@lru_cache(maxsize=None)
-def clip24(clip: str) -> np.ndarray:
-    wav, sr = load_audio(str(GOLDEN / "clips" / manifest()["clips"][clip]["file"]))
-    return resample(wav, sr)
-
-
-@lru_cache(maxsize=None)
-def cloner():
-    from q3tts.voice import VoiceCloner
-    return VoiceCloner(fx.checkpoint("base06"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_checkpoint_names_and_shapes_of_the_real_tokenizer():

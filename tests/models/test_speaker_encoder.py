@@ -5,56 +5,17 @@ bit-identical, x-vector relative error ~1.5e-7."""
 
 from __future__ import annotations
 
-import json
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from q3tts.audio import load_audio, resample
 from q3tts.config import SpeakerEncoderConfig
 from q3tts.models.speaker_encoder import SpeakerEncoder, mel_filterbank, mel_spectrogram
-from tests.golden import fixtures as fx
+from tests.golden.voice import CLIPS, MANIFEST, clip24, cloner, outputs
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "fixtures_voice"
 MEL_TOL = 1e-5
 SPK_REL_TOL = 1e-4
-
-
-@lru_cache(maxsize=None)
-def manifest() -> dict:
-    return json.loads((GOLDEN / "manifest.json").read_text())
-
-
-@lru_cache(maxsize=None)
-def outputs() -> dict[str, torch.Tensor]:
-    return load_file(str(GOLDEN / "outputs.safetensors"))
-
-
-@lru_cache(maxsize=None)
-def clip24(clip: str) -> np.ndarray:
-    wav, sr = load_audio(str(GOLDEN / "clips" / manifest()["clips"][clip]["file"]))
-    return resample(wav, sr)
-
-
-@lru_cache(maxsize=None)
-def cloner():
-    from q3tts.voice import VoiceCloner
-    return VoiceCloner(fx.checkpoint("base06"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-CLIPS = sorted(json.loads((GOLDEN / "manifest.json").read_text())["clips"])
 
 
 def test_mel_filterbank_equals_librosa():
@@ -69,7 +30,7 @@ def test_checkpoint_names_and_shapes_of_real_configs(size):
     enc_dim = {"0b6": 1024, "1b7": 2048}[size]
     with torch.device("meta"):
         ours = {k: list(v.shape) for k, v in SpeakerEncoder(SpeakerEncoderConfig(enc_dim=enc_dim)).state_dict().items()}
-    assert ours == manifest()["real_speaker_encoder_shapes"][size]
+    assert ours == MANIFEST["real_speaker_encoder_shapes"][size]
 
 
 @pytest.mark.parametrize("clip", CLIPS)
