@@ -16,10 +16,10 @@ fi
 for M in ${MODELS:-0.6B-CustomVoice}; do
   CK=/tmp/ck-$M
   python3 -m bench.make_checkpoint --model "$M" --out "$CK" > /dev/null
-  python3 -m bench.ours --ckpt "$CK" --frames "$FRAMES" --repeats "$REPEATS" --batch ${BATCH:-16} \
+  python3 -m bench.ours --ckpt "$CK" --frames "$FRAMES" --repeats "$REPEATS" --batch ${BATCH:-16,64} \
       --out "$OUT/ours-$M.json" > /dev/null
   if [ "${COMPILE:-0}" = 1 ]; then
-    Q3TTS_COMPILE=1 python3 -m bench.ours --ckpt "$CK" --frames "$FRAMES" --repeats "$REPEATS" --batch ${BATCH:-16} \
+    Q3TTS_COMPILE=1 python3 -m bench.ours --ckpt "$CK" --frames "$FRAMES" --repeats "$REPEATS" --batch ${BATCH:-16,64} \
         --out "$OUT/ours-compiled-$M.json" > /dev/null
   fi
   if [ "${PEERS:-0}" = 1 ]; then

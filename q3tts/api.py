@@ -180,7 +180,7 @@ class TTS:
         return self.engine.generate_codes(prepared)
 
     def stream(self, prepared: list[PreparedRequest], first_chunk_frames: int = 1,
-               chunk_frames: int = 8) -> Iterator[AudioChunk]:
+               chunk_frames: int = 16) -> Iterator[AudioChunk]:
         """Streaming synthesis of prepared requests: AudioChunks as frames are generated (exact stateful decoder)."""
         start = time.perf_counter()
         eng = self.engine
@@ -342,26 +342,26 @@ class TTS:
 
     # ------------------------------------------------------------------ streaming variants
     def generate_custom_voice_stream(self, text, speaker, language=None, instruct=None, non_streaming_mode: bool = True,
-                                     first_chunk_frames: int = 1, chunk_frames: int = 8, **kwargs) -> Iterator[AudioChunk]:
+                                     first_chunk_frames: int = 1, chunk_frames: int = 16, **kwargs) -> Iterator[AudioChunk]:
         """As generate_custom_voice, yielding AudioChunks (audio, sample_rate, frame_index, elapsed_s, ...) as
         frames are generated. The concatenated chunks equal the offline audio (exact stateful decoder).
 
         Args:
             first_chunk_frames: frames in the first chunk (80 ms each): small for low time to first audio.
-            chunk_frames: frames in each later chunk.
+            chunk_frames: the largest chunk; chunks double from the first one up to it.
         """
         return self.stream(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs),
                            first_chunk_frames, chunk_frames)
 
     def generate_voice_design_stream(self, text, instruct, language=None, non_streaming_mode: bool = True,
-                                     first_chunk_frames: int = 1, chunk_frames: int = 8, **kwargs) -> Iterator[AudioChunk]:
+                                     first_chunk_frames: int = 1, chunk_frames: int = 16, **kwargs) -> Iterator[AudioChunk]:
         """As generate_voice_design, streaming (see generate_custom_voice_stream)."""
         return self.stream(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs),
                            first_chunk_frames, chunk_frames)
 
     def generate_voice_clone_stream(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
                                     voice_clone_prompt=None, non_streaming_mode: bool = False, first_chunk_frames: int = 1,
-                                    chunk_frames: int = 8, **kwargs) -> Iterator[AudioChunk]:
+                                    chunk_frames: int = 16, **kwargs) -> Iterator[AudioChunk]:
         """As generate_voice_clone, streaming; ICL reference codes warm the decoder once and are never emitted."""
         return self.stream(self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
                                                     voice_clone_prompt, non_streaming_mode, **kwargs),

@@ -1,4 +1,4 @@
-"""Command line: q3tts say | design | clone | serve.
+"""Command line: q3tts say | design | clone | serve | bench.
 
     q3tts say "Hello there." -o hello.wav                      # default model, speaker vivian
     q3tts say "你好" --speaker dylan --language chinese -o hi.wav
@@ -84,6 +84,39 @@ def cmd_clone(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    """Random-weight checkpoint at the real dimensions -> our benchmark (+ the peers) -> one JSON."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    try:
+        from bench.make_checkpoint import make
+    except ImportError:
+        raise ValueError("q3tts bench runs from a source checkout (it needs the repository's bench/ folder)")
+    import torch
+    if not torch.cuda.is_available():
+        raise ValueError("q3tts bench needs a CUDA GPU")
+    tmp = tempfile.mkdtemp(prefix="q3tts-bench-")
+    ckpt = os.path.join(tmp, a.model)
+    make(a.model, ckpt)
+    gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
+    out = a.out or f"bench/results/{gpu}-{time.strftime('%Y-%m-%d')}-{a.model}.json"
+    run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd], check=True)  # noqa: E731
+    run("bench.ours", "--ckpt", ckpt, "--frames", str(a.frames), "--repeats", str(a.repeats), "--batch", str(a.batch),
+        "--out", os.path.join(tmp, "ours.json"))
+    result = {"command": " ".join(sys.argv), "model": a.model, "q3tts": json.load(open(os.path.join(tmp, "ours.json")))}
+    if a.peers:
+        run("bench.peers", "--ckpt", ckpt, "--frames", str(a.frames), "--repeats", str(a.repeats),
+            "--out", os.path.join(tmp, "peers.json"))
+        result["peers"] = json.load(open(os.path.join(tmp, "peers.json")))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(argv: list[str]) -> int:
     from .server.app import main
     return main(argv)
@@ -114,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     clone.add_argument("--device", default=None)
     clone.add_argument("--save", required=True, help="output voice file (.safetensors)")
     sub.add_parser("serve", help="OpenAI-compatible speech server (q3tts serve --help)")
+    bench = sub.add_parser("bench", help="GPU benchmark on a random-weight checkpoint at the real dimensions")
+    bench.add_argument("--model", default="0.6B-CustomVoice", choices=["0.6B-CustomVoice", "1.7B-CustomVoice"])
+    bench.add_argument("--frames", type=int, default=125, help="frames decoded per run (125 = 10 s of audio)")
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--batch", type=int, default=16)
+    bench.add_argument("--peers", action="store_true", help="also run the official package and faster-qwen3-tts")
+    bench.add_argument("--out", default=None, help="result JSON (default bench/results/<gpu>-<date>-<model>.json)")
     a = ap.parse_args(argv)
     try:
         if a.cmd in ("say", "design"):
@@ -122,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_say(a)
         if a.cmd == "clone":
             return cmd_clone(a)
+        if a.cmd == "bench":
+            return cmd_bench(a)
     except (ValueError, FileNotFoundError) as e:
         print(f"q3tts: error: {e}", file=sys.stderr)
         return 2

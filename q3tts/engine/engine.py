@@ -164,6 +164,7 @@ class Engine:
             chunks.append(AudioChunk(r.request_id, audio, self.tts.sample_rate, r.frames_vocoded, n, last,
                                      r.status.reason if last else None, now - r.arrival_time, r.error))
             r.frames_vocoded += n
+            r.chunks_emitted += 1
             if last:
                 r.vocoder_state = None
         return chunks

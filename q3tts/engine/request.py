@@ -28,8 +28,12 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(slots=True)
 class StreamOptions:
-    first_chunk_frames: int = 1  # frames in the first audio chunk (time to first audio)
-    chunk_frames: int = 8  # frames in every later chunk
+    """Chunk k holds min(chunk_frames, first_chunk_frames * 2**k) frames: the first one small for time to
+    first audio, then doubling, so each chunk's audio outlasts the making of the next (no stall) while
+    the vocoder is called a few times per second, not once per frame."""
+
+    first_chunk_frames: int = 1  # frames in the first audio chunk (80 ms each)
+    chunk_frames: int = 16  # the largest chunk
 
     def validate(self) -> None:
         if self.first_chunk_frames < 1 or self.chunk_frames < 1:
@@ -47,6 +51,7 @@ class EngineRequest:
     frames: list = field(default_factory=list)  # generated frames, each a [K] int64 CPU tensor
     max_frames: int = 0  # set at admission: max_new_tokens - 1, capped by the KV cache
     frames_vocoded: int = 0  # frames already turned into audio
+    chunks_emitted: int = 0
     vocoder_state: Any = None  # Code2WavState of this request (batch of 1)
     first_audio_time: float | None = None
     error: str | None = None
@@ -60,4 +65,5 @@ class EngineRequest:
         return self.prepared.params.max_new_tokens
 
     def next_chunk_size(self) -> int:
-        return self.stream.first_chunk_frames if self.frames_vocoded == 0 else self.stream.chunk_frames
+        s = self.stream
+        return min(s.chunk_frames, s.first_chunk_frames << min(self.chunks_emitted, 30))

@@ -29,7 +29,7 @@ class ServerSettings:
     max_seq_len: int = 4096  # KV positions per slot: prompt + frames (12.5 per second of audio)
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
-    chunk_frames: int = 8  # frames in each later chunk
+    chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
     warmup: bool = True  # run one short request at startup; /ready is true after it
     log_level: str = "info"
 
@@ -57,7 +57,7 @@ _FLAGS = [
     ("--max-seq-len", "max_seq_len", int, "KV-cache positions per stream (prompt + 12.5 frames per second)"),
     ("--api-key", "api_key", str, "require this Bearer token on /v1/*"),
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
-    ("--chunk-frames", "chunk_frames", int, "frames in each later streamed chunk"),
+    ("--chunk-frames", "chunk_frames", int, "largest streamed chunk (chunks double up to it)"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),
 ]
 
