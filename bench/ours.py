@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -73,7 +74,6 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from q3tts import TTS
     N = a.frames
-    import os
     res = {"engine": "q3tts", "compile": os.environ.get("Q3TTS_COMPILE", "default(on)"), "frames": N, "audio_s": N * 0.08, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     batches = [int(b) for b in str(a.batch).split(",")]
