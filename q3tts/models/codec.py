@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from q3tts.config import Code2WavConfig
+from ..config import Code2WavConfig
+from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 # ---------------------------------------------------------------------------------------------------
 # Convolutions. Each causal layer reads its past from `tails` (a list owned by Code2WavState, indexed
@@ -201,18 +202,6 @@ class SplitResidualVectorQuantizer(nn.Module):
 # Sliding-window transformer.
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = x.float()  # NOTE: statistics in fp32, scale in the input dtype, as upstream
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
 class LayerScale(nn.Module):
     def __init__(self, dim: int, init: float):
         super().__init__()
@@ -220,19 +209,6 @@ class LayerScale(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.scale * x
-
-
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    # positions: [B|1, t] int -> cos, sin: [B|1, 1, t, head_dim], computed in fp32 like upstream
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    freqs = positions.float()[..., None] * inv_freq  # [B, t, head_dim/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -249,8 +225,8 @@ class Attention(nn.Module):
                 past_k: Tensor | None = None, past_v: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         # x: [B, t, D]; mask: [B|1, 1, t, P + t] bool (True = attend); past_k/v: [B, H_kv, P, Dh] rotated
         B, t, _ = x.shape
-        q = _rotate(self.q_proj(x).view(B, t, -1, self.head_dim).transpose(1, 2), cos, sin)  # [B, H, t, Dh]
-        k = _rotate(self.k_proj(x).view(B, t, -1, self.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, t, Dh]
+        q = apply_rope(self.q_proj(x).view(B, t, -1, self.head_dim).transpose(1, 2), cos, sin)  # [B, H, t, Dh]
+        k = apply_rope(self.k_proj(x).view(B, t, -1, self.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, t, Dh]
         v = self.v_proj(x).view(B, t, -1, self.head_dim).transpose(1, 2)
         if past_k is not None:
             k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)  # [B, H_kv, P + t, Dh]
@@ -260,22 +236,11 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, t, -1)), k, v
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: Code2WavConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: Code2WavConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
@@ -304,7 +269,7 @@ class Transformer(nn.Module):
         # HF sliding-window causal mask: query i sees keys j with i - window < j <= i
         qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
         mask = (kp <= qp) & (kp > qp - self.cfg.sliding_window) & (kp >= 0)  # [B|1, 1, t, P + t]
-        cos, sin = rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(q_pos, rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta), x.dtype)  # [B|1, t, Dh]
         h, keys, values = self.input_proj(x), [], []
         for i, layer in enumerate(self.layers):
             h, k, v = layer(h, cos, sin, mask, None if past_k is None else past_k[i],
