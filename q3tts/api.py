@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -163,8 +164,7 @@ class TTS:
         params = self.sampling_params(**kwargs)
         out = []
         for i, (lay, e, r) in enumerate(zip(layouts, spk, refs)):
-            p = SamplingParams(**{f: getattr(params, f) for f in SamplingParams.names()})
-            p.seed = params.seed + i  # distinct noise per batch row, reproducible from one seed
+            p = dataclasses.replace(params, seed=params.seed + i)  # distinct noise per row, reproducible from one seed
             out.append(PreparedRequest(lay, e, r, p))
         return out
 
