@@ -37,7 +37,7 @@ REFERENCE = ROOT / "q3tts" / "reference"
 VENV = ROOT / ".oracle-venv"
 ORACLE_PINS = ["torch==2.13.0", "transformers==4.57.3", "accelerate==1.12.0", "librosa", "soundfile", "einops"]
 
-GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=33)  # 33 tokens -> 32 frames
+GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=33)  # at most 32 frames
 SEED = 1234
 
 
@@ -103,6 +103,9 @@ VARIANTS = {
     "vd17": ("voice_design", "1b7", {"output_conv_scale": 0.015}),
     "base06": ("base", "0b6", {"output_conv_scale": 0.015}),
     "base17": ("base", "1b7", {"output_conv_scale": 0.015}),
+    # cv06 with the EOS row of codec_head a scaled copy of code 1441's (cv06/auto_nsm's first code): greedy
+    # decoding then stops by itself, which exercises the EOS ban of the first 2 frames and per-row stops
+    "cv06eos": ("custom_voice", "0b6", {"output_conv_scale": 0.015, "eos_copy_from": 1441, "eos_scale": 1.05}),
 }
 
 T_LONG = "Hello world! This is a tiny test of the Qwen3 TTS engine, don't worry."
@@ -113,6 +116,8 @@ T_SHORT = "Hi."
 
 def cases_for(variant: str) -> list[dict]:
     """Each case is one call of the official public API (kwargs stored verbatim, tensors by name)."""
+    if variant == "cv06eos":
+        return [c for c in cases_for("cv06") if c["name"] in ("auto_nsm", "english_stream", "batch_mixed")]
     if variant == "cv06":
         return [
             dict(name="auto_nsm", method="generate_custom_voice", kw=dict(text=T_LONG, speaker="Vivian", language="Auto", non_streaming_mode=True)),
