@@ -160,8 +160,15 @@ async def list_models(raw_request: Request) -> ModelList:
 
 @router.get("/health")
 async def health(raw_request: Request):
-    alive = _state(raw_request).engine._thread.is_alive()
-    return JSONResponse({"status": "ok" if alive else "engine thread stopped"}, status_code=200 if alive else 503)
+    """503 once the engine cannot serve: its thread stopped, or a CUDA error poisoned the device context
+    (every later step would fail too). A failed step of another kind is reported but not fatal."""
+    engine = _state(raw_request).engine
+    err = engine.last_error
+    ok = engine.is_alive() and not (err and "CUDA" in err)
+    body = {"status": "ok" if ok else "unhealthy"}
+    if err:
+        body["last_error"] = err
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 @router.get("/ready")

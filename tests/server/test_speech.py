@@ -275,3 +275,16 @@ def test_models_health_ready_metrics_and_page(cv_server):
         r = h.post("/v1/audio/voices", json={"name": "me", "audio_sample": "AAAA"})
         assert r.status_code == 400 and "Base model" in r.json()["error"]["message"]
         assert h.get("/nope").json()["error"]["type"] == "not_found_error"
+
+
+def test_health_turns_unhealthy_after_a_cuda_error(cv_server):
+    engine = cv_server.app.state.engine
+    try:
+        engine.last_error = "RuntimeError: CUDA error: device-side assert triggered"
+        r = cv_server.http().get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unhealthy" and "CUDA" in r.json()["last_error"]
+        engine.last_error = "ValueError: one bad request"
+        r = cv_server.http().get("/health")
+        assert r.status_code == 200 and r.json()["last_error"] == "ValueError: one bad request"
+    finally:
+        engine.last_error = None
