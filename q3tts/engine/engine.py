@@ -48,7 +48,7 @@ class Engine:
         self.tts = tts
         self.runner = ModelRunner(tts.talker, tts.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
                                   use_cuda_graphs=use_cuda_graphs,
-                                  compile=compile if compile is not None else getattr(tts, "compile", None))
+                                  compile=compile if compile is not None else tts.compile)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(max_slots, max_queue)
         self.vocoder = StreamingVocoder(tts.code2wav)
@@ -88,11 +88,10 @@ class Engine:
             sched = self.scheduler.schedule()
         for req in sched.prefill:
             self._prefill(req)
-        self._compact()
-        running = sorted(self.scheduler.running.values(), key=lambda r: r.slot)  # rows [0, B)
+        self._compact()  # after this step's finishes and admissions: running requests fill rows [0, B)
+        running = sorted(self.scheduler.running.values(), key=lambda r: r.slot)
         if running:
             self._decode(running)
-        self._compact()
         touched = [r for r in aborted + sched.prefill + sched.decode if r.stream is not None]
         return self._vocode(list(dict.fromkeys(touched)))
 

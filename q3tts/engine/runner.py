@@ -112,8 +112,6 @@ class ModelRunner:
                 torch.compile(f, dynamic=True) for f in (sample, sample_topk, talker_logits_rules))
 
     # ------------------------------------------------------------------ slots
-
-    # ------------------------------------------------------------------ slots
     def _state_tensors(self):
         return [self.position, self.num_generated, self.last_hidden, self.last_code0, self.seen, self.trailing,
                 self.trailing_len, self.seed, *self.params.values()]
@@ -252,17 +250,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
-    def capture_graphs(self, max_batch: int | None = None, max_len: int | None = None) -> int:
-        """Capture one graph per (batch bucket, length bucket). Must run while no request is active: the
-        warm-up replays write into the rows they cover (all state is reset afterwards)."""
+    def capture_graphs(self) -> int:
+        """Capture one graph per (batch bucket up to the allocated rows, length bucket up to max_len, sampler).
+        Must run while no request is active: the warm-up replays write into the rows they cover (all state is
+        reset afterwards)."""
         if not self.use_graphs:
             return 0
-        max_batch = min(max_batch or self.max_slots, self.num_rows)
-        batches = [b for b in BATCH_BUCKETS if b <= self.num_rows and (b <= max_batch or b == BATCH_BUCKETS[0])]
-        if batches[-1] < max_batch:
-            batches.append(next(b for b in BATCH_BUCKETS if b >= max_batch))
+        batches = [b for b in BATCH_BUCKETS if b <= self.num_rows]
         lens, n = [], MIN_KV_SPAN
-        while n <= min(max_len or self.max_len, self.max_len):
+        while n <= self.max_len:
             lens.append(n)
             n *= 2
         stream = torch.cuda.Stream()
