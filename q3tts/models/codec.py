@@ -260,6 +260,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
+        self._inv_freq: Tensor | None = None  # fp32 on the input's device, made once (CUDA-graph capture cannot copy)
 
     def forward(self, x: Tensor, q_pos: Tensor, k_pos: Tensor, past_k: Tensor | None = None,
                 past_v: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
@@ -269,7 +270,9 @@ class Transformer(nn.Module):
         # HF sliding-window causal mask: query i sees keys j with i - window < j <= i
         qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
         mask = (kp <= qp) & (kp > qp - self.cfg.sliding_window) & (kp >= 0)  # [B|1, 1, t, P + t]
-        cos, sin = rope_cos_sin(q_pos, rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta), x.dtype)  # [B|1, t, Dh]
+        if self._inv_freq is None or self._inv_freq.device != x.device:
+            self._inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta).to(x.device)
+        cos, sin = rope_cos_sin(q_pos, self._inv_freq, x.dtype)  # [B|1, t, Dh]
         h, keys, values = self.input_proj(x), [], []
         for i, layer in enumerate(self.layers):
             h, k, v = layer(h, cos, sin, mask, None if past_k is None else past_k[i],

@@ -1,0 +1,125 @@
+"""Exploration (GPU): skinny GEMMs (M = batch rows, weights [N, K] bf16) inside a CUDA graph, cuBLAS vs
+Inductor reduction vs a hand Triton kernel. Per-call microseconds of 20 chained calls in one graph.
+
+    python -m bench.probe_gemv
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from bench.ours import graph_of
+
+
+@triton.jit
+def _gemv_dot(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :])
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=rm[:, None] < M)
+
+
+@triton.jit
+def _gemv_sum(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # M == 1
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + k0 + rk).to(tl.float32)
+        w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(y_ptr + rn, acc.to(tl.bfloat16))
+
+
+def triton_dot(bn, bk, warps, stages):
+    def f(x, w, y):
+        M, K = x.shape
+        N = w.shape[0]
+        _gemv_dot[(N // bn,)](x, w, y, M, N, K, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        return y
+    return f
+
+
+def triton_sum(bn, bk, warps, stages):
+    def f(x, w, y):
+        N, K = w.shape
+        _gemv_sum[(N // bn,)](x, w, y, N, K, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        return y
+    return f
+
+
+def time_graph(fn, reps=20, iters=30):
+    g = graph_of(lambda: [fn() for _ in range(reps)])
+    for _ in range(3):
+        g.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return round(s.elapsed_time(e) / iters / reps * 1000, 2)
+
+
+def main():
+    import torch._inductor.config as ic
+    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+              "lm_head": (2048, 1024), "codec_head": (3072, 1024)}
+    red = torch.compile(lambda x, w: (x[:, None, :].float() * w[None].float()).sum(-1).to(x.dtype))
+    res = {}
+    for name, (N, K) in shapes.items():
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        for M in (1, 4, 16, 64):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, w).float()
+            row = {"bytes_MB": round(N * K * 2 / 1e6, 1), "cublas": time_graph(lambda: F.linear(x, w))}
+            row["cublas_TBps"] = round(N * K * 2 / row["cublas"] / 1e6, 2)
+            if M <= 4:
+                try:
+                    red(x, w)
+                    row["inductor_red"] = time_graph(lambda: red(x, w))
+                except Exception as e:
+                    row["inductor_red"] = repr(e)[:200]
+            best = None
+            cands = [("dot", bn, bk, wp, st) for bn in (16, 32, 64) for bk in (128, 256) for wp in (4,) for st in (3, 4)]
+            if M == 1:
+                cands += [("sum", bn, bk, wp, st) for bn in (4, 8, 16, 32) for bk in (256, 512) for wp in (4, 8) for st in (2, 3)]
+            for kind, bn, bk, wp, st in cands:
+                if M > 16 and kind == "dot":
+                    continue
+                if N % bn or K % bk:
+                    continue
+                f = (triton_dot if kind == "dot" else triton_sum)(bn, bk, wp, st)
+                try:
+                    f(x, w, y)
+                    err = (y.float() - ref).abs().max().item()
+                    us = time_graph(lambda: f(x, w, y))
+                except Exception as e:
+                    print("fail", kind, bn, bk, wp, st, repr(e)[:200], flush=True)
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, f"{kind} bn{bn} bk{bk} w{wp} s{st}", err)
+            if best:
+                row["triton_best"] = {"us": best[0], "cfg": best[1], "max_err": best[2],
+                                      "TBps": round(N * K * 2 / best[0] / 1e6, 2)}
+            res[f"{name}_M{M}"] = row
+            print(name, M, row, flush=True)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
