@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import linear
 from ..models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
@@ -167,7 +168,7 @@ class ModelRunner:
     def _sample_code0(self, lo: int, hi: int, h: torch.Tensor, capped: bool) -> None:
         """h: [B, D] final talker hidden of rows [lo, hi) -> last_code0; updates history and counters."""
         t, p, r = self.cfg, self.params, slice(lo, hi)
-        logits = self.talker.codec_head(h).float()
+        logits = linear(h, self.talker.codec_head.weight).float()
         logits = self._rules(logits, self.seen[r], p["repetition_penalty"][r], self.num_generated[r],
                              t.codec_eos_token_id, t.vocab_size - 1024)
         noise = uniform_noise(self.seed[r], self.num_generated[r], 0, logits.shape[-1])
@@ -191,7 +192,7 @@ class ModelRunner:
             pos = self.cp_pos[sl][None].expand(B, -1)
             ctx = AttnContext(write_pos=pos, mask=self.cp_masks[i])
             hid = cp(x, self.cp_cos[:, sl], self.cp_sin[:, sl], kv, ctx)[:, -1]  # [B, D_cp]
-            logits = cp.lm_head[i](hid).float()
+            logits = linear(hid, cp.lm_head[i].weight).float()
             code = sampler(logits, p["subtalker_dosample"][r], p["subtalker_temperature"][r],
                            p["subtalker_top_k"][r], p["subtalker_top_p"][r], noise_all[:, i])
             out.append(code)

@@ -72,14 +72,26 @@ class CausalTransConv(nn.Module):
         self.state_idx = -1
 
     def forward(self, x: Tensor, tails: list[Tensor] | None = None) -> Tensor:
-        # x: [B, C_in, N] -> [B, C_out, N*s]; the full transposed output is (N-1)*s + k long
-        n_out = x.shape[-1] * self.stride
+        # x: [B, C_in, N] -> [B, C_out, N*s]
         if self.context == 0 or tails is None:
-            return self.conv(x)[..., :n_out]
+            return self._first_blocks(x)
         x = torch.cat([tails[self.state_idx], x], dim=-1)  # [B, C_in, context + N]
         tails[self.state_idx] = x[..., x.shape[-1] - self.context:]
-        skip = self.context * self.stride
-        return self.conv(x)[..., skip:skip + n_out]
+        return self._first_blocks(x)[..., self.context * self.stride:]
+
+    def _first_blocks(self, x: Tensor) -> Tensor:
+        """The first N*s samples of ConvTranspose1d(x) (the full output is (N-1)*s + k long), as one GEMM
+        and an overlap-add of s-sample blocks: input frame n writes blocks n .. n + k/s - 1. Same sums as
+        the convolution; cuDNN runs this layer in bf16 with a slow generic kernel (about 1 ms per call
+        on an H200, bench/probe.py), the GEMM takes microseconds. x: [B, C_in, N] -> [B, C_out, N*s]."""
+        B, _, N = x.shape
+        w = self.conv.weight  # [C_in, C_out, k], k a multiple of s
+        C_out, s = w.shape[1], self.stride
+        z = torch.matmul(x.transpose(1, 2), w.reshape(w.shape[0], -1)).view(B, N, C_out, -1, s)  # [B, N, C_out, k/s, s]
+        y = z[:, :, :, 0]
+        for j in range(1, min(z.shape[3], N)):  # frame n's block j lands in output block n + j
+            y = y + F.pad(z[:, : N - j, :, j], (0, 0, 0, 0, j, 0))
+        return (y.permute(0, 2, 1, 3).reshape(B, C_out, N * s) + self.conv.bias[:, None])
 
 
 class SnakeBeta(nn.Module):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DecoderLayerConfig
+from ..kernels import linear
 
 
 class RMSNorm(nn.Module):
@@ -73,7 +74,7 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+            q, k, v = linear(x, self.qkv_weight).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = apply_rope(self.q_norm(q.view(B, S, H, Dh)).transpose(1, 2), cos, sin)  # [B, H, S, Dh]
@@ -91,7 +92,7 @@ class Attention(nn.Module):
         scores = scores.masked_fill(~mask, float("-inf"))
         probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)  # as upstream's eager attention
         out = torch.matmul(probs, values).view(B, H, S, Dh)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, H * Dh))
+        return linear(out.transpose(1, 2).reshape(B, S, H * Dh), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -104,8 +105,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return linear(F.silu(gate) * up, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -1,0 +1,82 @@
+"""Skinny GEMMs for decoding: y = x @ w.T for a handful of rows (a decode step: rows = batch <= 16).
+
+Why: one decode frame runs 103 decoder layers at one row each, and cuBLAS picks poor kernels for such
+shapes. Measured on an H200 in a CUDA graph (bench/probe_gemv.py, bf16, one row): o_proj 2048->1024
+12.4 us with cuBLAS vs 3.5 us here, down 3072->1024 6.2 vs 4.7, gate_up 1024->6144 4.8 vs 3.8,
+qkv 1024->4096 3.7 vs 3.3. The kernels stream the weight once with fp32 accumulation; the result can
+differ from cuBLAS's in the last bf16 bit (different summation order), as cuBLAS's own kernels differ
+between batch sizes.
+
+`linear` dispatches: these kernels on CUDA in bf16/fp16 for <= MAX_ROWS rows and divisible sizes;
+F.linear everywhere else (CPU, fp32, prefill, big batches). Q3TTS_SKINNY_GEMM=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: F.linear everywhere
+    triton = None
+
+MAX_ROWS = 16
+_ENABLED = triton is not None and os.environ.get("Q3TTS_SKINNY_GEMM", "1") != "0"
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_row(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # one row: each program owns BLOCK_N outputs and streams their weight rows over K
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
+            w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _gemv_rows(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        # 2..16 rows padded to a 16-row tensor-core tile; the weight is still read once
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :])
+            acc += tl.dot(x, tl.trans(w))
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
+
+    @torch.library.custom_op("q3tts::skinny_linear", mutates_args=())
+    def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] contiguous, M <= MAX_ROWS; w: [N, K] contiguous -> [M, N]. Needs N % 32 == 0, K % 512 == 0."""
+        M, K = x.shape
+        N = w.shape[0]
+        y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+        if M == 1:  # block sizes: the fastest of a sweep on an H200 (bench/probe_gemv.py)
+            _gemv_row[(N // 4,)](x, w, y, N, K, BLOCK_N=4, BLOCK_K=512, num_warps=8, num_stages=3)
+        else:
+            _gemv_rows[(N // 32,)](x, w, y, M, N, K, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
+        return y
+
+    @skinny_linear.register_fake
+    def _(x, w):
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias), through the skinny kernels when they apply. x: [..., K]; w: [N, K]."""
+    if (_ENABLED and bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and x.numel() <= MAX_ROWS * x.shape[-1] and w.shape[0] % 32 == 0 and w.shape[1] % 512 == 0
+            and w.is_contiguous()):
+        y = torch.ops.q3tts.skinny_linear(x.reshape(-1, x.shape[-1]).contiguous(), w)
+        return y.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, bias)

@@ -1,0 +1,28 @@
+"""The skinny-GEMM dispatcher: F.linear wherever the kernels do not apply; on CUDA, close to cuBLAS."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from q3tts import kernels
+
+
+def test_falls_back_to_f_linear_on_cpu_and_fp32():
+    x, w, b = torch.randn(3, 512), torch.randn(64, 512), torch.randn(64)
+    assert torch.equal(kernels.linear(x, w), F.linear(x, w))
+    assert torch.equal(kernels.linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17])
+@pytest.mark.parametrize("N,K", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (2048, 1024)])
+def test_skinny_linear_matches_cublas(rows, N, K):
+    torch.manual_seed(0)
+    x = torch.randn(rows, 1, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    ref = F.linear(x.float(), w.float())
+    out = kernels.linear(x, w)
+    assert out.shape == (rows, 1, N) and out.dtype == torch.bfloat16
+    # both are fp32 accumulations rounded to bf16 once: within one bf16 step of the exact result
+    assert ((out.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-2).all()
