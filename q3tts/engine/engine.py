@@ -1,6 +1,6 @@
 """The engine: continuous batching of talker frames, streaming vocoding, per-request outputs.
 
-    step():  schedule -> run (prefill the newcomers, one frame for everyone running) -> vocode + update
+    step():  schedule -> run (prefill the newcomers in one batch, one frame for everyone running) -> vocode + update
 
 A request stops when it samples EOS (allowed from its third code on) or when it has sampled
 `max_new_tokens` codes; as upstream, the code 0 sampled last is dropped, so at most
@@ -86,10 +86,11 @@ class Engine:
                 if req is not None and not req.status.finished:
                     self._finish(req, RequestStatus.FINISHED_ABORTED)  # frees the slot now
                     aborted.append(req)
+        self._compact()  # running requests fill rows [0, B), so the newcomers get rows [B, B+N)
+        with self._lock:
             sched = self.scheduler.schedule()
-        for req in sched.prefill:
-            self._prefill(req)
-        self._compact()  # after this step's finishes and admissions: running requests fill rows [0, B)
+        self._admit(sched.prefill)
+        self._compact()  # newcomers that finished at once (EOS, length, error) leave holes
         running = sorted(self.scheduler.running.values(), key=lambda r: r.slot)
         if running:
             self._decode(running)
@@ -108,23 +109,41 @@ class Engine:
         for src, dst in moves:
             self.runner.move_slot(src, dst)
 
-    def _prefill(self, req: EngineRequest) -> None:
-        pr = req.prepared
-        try:
-            with torch.inference_mode():
-                pre, trail = embed_prompt(self.tts.talker, pr.layout, pr.speaker_embedding, pr.ref_codes)
-                code0 = self.runner.prefill(req.slot, pre, trail, pr.params)
+    def _admit(self, reqs: list[EngineRequest]) -> None:
+        """Embed each newcomer's prompt (per request), then prefill them all in one batched talker forward.
+        A request that fails (bad prompt, too long) finishes with an error alone; the others go on."""
+        admitted = []  # (request, prefill [L, D], trailing [S, D])
+        for req in reqs:
+            pr = req.prepared
+            try:
+                with torch.inference_mode():
+                    pre, trail = embed_prompt(self.tts.talker, pr.layout, pr.speaker_embedding, pr.ref_codes)
+                self.runner.check_prompt(pre.shape[0], trail.shape[0])
+            except ValueError as e:
+                req.error = str(e)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                continue
+            admitted.append((req, pre, trail))
+        if not admitted:
+            return
+        if len(admitted) < len(reqs):
+            # close up the failed requests' rows; the moved newcomers hold nothing yet (position 0, so no KV
+            # moves) and prefill_batch overwrites their state
+            self._compact()
+            admitted.sort(key=lambda a: a[0].slot)
+        lo = self.scheduler.num_running - len(admitted)
+        assert [a[0].slot for a in admitted] == list(range(lo, lo + len(admitted))), "newcomers: rows [B, B+N)"
+        codes0 = self.runner.prefill_batch(lo, [a[1] for a in admitted], [a[2] for a in admitted],
+                                           [a[0].prepared.params for a in admitted])
+        for (req, pre, _), code0 in zip(admitted, codes0):
+            pr = req.prepared
             req.max_frames = min(pr.params.max_new_tokens - 1, self.runner.max_len - pre.shape[0])
             if req.stream is not None:
                 req.vocoder_state = self.vocoder.new_state(pr.ref_codes)
-        except ValueError as e:
-            req.error = str(e)
-            self._finish(req, RequestStatus.FINISHED_ERROR)
-            return
-        if code0 == self.eos:
-            self._finish(req, RequestStatus.FINISHED_STOPPED)
-        elif req.max_frames <= 0:
-            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            if code0 == self.eos:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.max_frames <= 0:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
 
     def _decode(self, reqs: list[EngineRequest]) -> None:
         assert [r.slot for r in reqs] == list(range(len(reqs))), "running requests must fill rows [0, B)"

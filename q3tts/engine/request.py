@@ -61,6 +61,10 @@ class EngineRequest:
         return len(self.frames)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prepared.layout)  # prefill positions L
+
+    @property
     def max_new_tokens(self) -> int:
         return self.prepared.params.max_new_tokens
 

@@ -1,9 +1,10 @@
-"""Everything that runs on the device: static caches, prefill, and the whole-frame decode step.
+"""Everything that runs on the device: static caches, batched prefill, and the whole-frame decode step.
 
 Slots are rows of the persistent batch; the running requests always occupy rows [0, B) (the engine
 compacts on finish with `move_slot`), so a frame reads and writes plain views of the caches: no
-gather, no copy. Each slot keeps its state in preallocated tensors (position, last talker hidden,
-last code 0, code-0 history, sampling parameters, seed, trailing text).
+gather, no copy; a step's newcomers take the next rows [B, B+N) and are prefilled in one forward.
+Each slot keeps its state in preallocated tensors (position, last talker hidden, last code 0, code-0
+history, sampling parameters, seed, trailing text).
 
 One frame (`_frame(B, n)`) for rows [0, B), attending over the first n cache positions:
   1. code predictor: fresh 2-token prefill [h, codec_embedding(code0)] -> code 1, then 14 steps -> codes 2..15
@@ -136,33 +137,52 @@ class ModelRunner:
         return min(self.max_len, max(MIN_KV_SPAN, 1 << (length - 1).bit_length()))
 
     # ------------------------------------------------------------------ admission
+    def check_prompt(self, num_positions: int, num_trailing: int) -> None:
+        """ValueError unless a prompt of num_positions (+ num_trailing streamed text tokens) fits the cache.
+        Checked per request before the batched prefill, so one bad request does not fail the others."""
+        if num_positions >= self.max_len or num_trailing > self.max_len:
+            raise ValueError(f"prompt too long: {num_positions} positions (+{num_trailing} streamed text tokens) "
+                             f"for the engine's max_seq_len {self.max_len}; shorten the text")
+
     @torch.inference_mode()
-    def prefill(self, slot: int, prefill: torch.Tensor, trailing: torch.Tensor, params: SamplingParams) -> int:
-        """prefill: [L, D] prompt embeddings, trailing: [S, D]. Fills the slot and samples code 0 of frame 0."""
-        L = prefill.shape[0]
-        if L >= self.max_len or trailing.shape[0] > self.max_len:
-            raise ValueError(f"prompt too long: {L} positions (+{trailing.shape[0]} streamed text tokens) for the "
-                             f"engine's max_seq_len {self.max_len}; shorten the text")
-        s = slot
-        for name, t in self.params.items():
-            t[s] = getattr(params, name)
+    def prefill_batch(self, lo: int, prefills: list[torch.Tensor], trailings: list[torch.Tensor],
+                      params: list[SamplingParams]) -> list[int]:
+        """Admit N requests into rows [lo, lo+N) with one talker forward; returns their code 0 of frame 0.
+        prefills: N x [L_i, D] prompt embeddings, trailings: N x [S_i, D]; each passed check_prompt."""
+        N, D = len(prefills), self.cfg.hidden_size
+        lens = [p.shape[0] for p in prefills]
+        Lmax = max(lens)
+        r = slice(lo, lo + N)
         fits = lambda sample, k: not sample or 1 <= k <= TOPK_CAP  # noqa: E731
-        self.topk_ok_cpu[s] = fits(params.do_sample, params.top_k) and fits(params.subtalker_dosample, params.subtalker_top_k)
-        self.seed[s] = params.seed
-        self.trailing[s, : trailing.shape[0]] = trailing.to(self.dtype)
-        self.trailing_len[s] = trailing.shape[0]
-        self.seen[s] = False
-        self.num_generated[s] = 0
-        pos = torch.arange(L, device=self.device)[None]  # C1: positions 0..L-1 for every request
-        n = self.kv_span(L)
-        ctx = AttnContext(write_pos=pos, mask=(self.key_pos[None, :n] <= pos[0][:, None])[None, None])
+        x = torch.zeros(N, Lmax, D, device=self.device, dtype=self.dtype)  # right-padded with zeros
+        for i, (pre, trail, prm) in enumerate(zip(prefills, trailings, params)):
+            assert lens[i] < self.max_len and trail.shape[0] <= self.max_len, "call check_prompt first"
+            s = lo + i
+            x[i, : lens[i]] = pre.to(self.dtype)
+            for name, t in self.params.items():
+                t[s] = getattr(prm, name)
+            self.topk_ok_cpu[s] = fits(prm.do_sample, prm.top_k) and fits(prm.subtalker_dosample, prm.subtalker_top_k)
+            self.seed[s] = prm.seed
+            self.trailing[s, : trail.shape[0]] = trail.to(self.dtype)
+            self.trailing_len[s] = trail.shape[0]
+        self.seen[r] = False
+        self.num_generated[r] = 0
+        # NOTE: C1: positions 0..Lmax-1 in every row, so row i's tokens 0..L_i-1 sit exactly where they would
+        # alone and a plain causal mask is right: a real query p < L_i attends keys <= p, all real. The padding
+        # behind them writes junk (finite) K/V at L_i..Lmax-1, never read: the decode writes position L_i before
+        # it attends to it (it writes p, then attends <= p), and masks the rest (probability 0; 0 * finite = 0).
+        pos = torch.arange(Lmax, device=self.device)[None].expand(N, -1)  # [N, Lmax]
+        n = self.kv_span(Lmax)
+        ctx = AttnContext(write_pos=pos, mask=(self.key_pos[None, :n] <= pos[0][:, None])[None, None])  # [1, 1, Lmax, n]
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        h = self.talker(prefill[None].to(self.dtype), cos, sin, self.kv[:, :, s:s + 1], ctx)[:, -1]  # [1, D]
-        self.position[s] = L
-        self.position_cpu[s] = L
-        self.last_hidden[s] = h[0]
-        self._sample_code0(s, s + 1, h, capped=False)
-        return int(self.last_code0[s])
+        out = self.talker(x, cos, sin, self.kv[:, :, r], ctx)  # [N, Lmax, D]
+        last = torch.tensor(lens, device=self.device)
+        h = out[torch.arange(N, device=self.device), last - 1]  # [N, D]: each row's last real token
+        self.position[r] = last
+        self.position_cpu[r] = lens
+        self.last_hidden[r] = h
+        self._sample_code0(lo, lo + N, h, capped=False)
+        return self.last_code0[r].tolist()
 
     # ------------------------------------------------------------------ the frame
     def _sample_code0(self, lo: int, hi: int, h: torch.Tensor, capped: bool) -> None:

@@ -1,7 +1,9 @@
 """Continuous batching policy, pure Python: which requests join the batch this step.
 
-Requests join as soon as a slot is free (at most `max_prefills_per_step` per step, so running streams
-are not starved by a burst of arrivals) and leave the moment they finish, fail or are cancelled.
+Requests join as soon as a slot is free and leave the moment they finish, fail or are cancelled. The
+newcomers of a step are prefilled in one padded batch [N, Lmax]: at most `max_prefills_per_step` of them
+and N * Lmax <= `max_prefill_tokens` (the first always goes), so a burst of arrivals does not stall the
+running streams for long.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, max_slots: int, max_queue: int = 256, max_prefills_per_step: int = 4):
+    def __init__(self, max_slots: int, max_queue: int = 256, max_prefills_per_step: int = 16,
+                 max_prefill_tokens: int = 8192):
         self.max_slots, self.max_queue, self.max_prefills_per_step = max_slots, max_queue, max_prefills_per_step
+        self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: dict[int, EngineRequest] = {}  # slot -> request
         self.free_slots: list[int] = list(range(max_slots - 1, -1, -1))
@@ -49,9 +53,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(decode=list(self.running.values()))
         self.free_slots.sort(reverse=True)
+        max_len = 0  # Lmax of the padded prefill batch
         while self.waiting and self.free_slots and len(out.prefill) < self.max_prefills_per_step:
+            max_len = max(max_len, self.waiting[0].num_prompt_tokens)
+            if out.prefill and (len(out.prefill) + 1) * max_len > self.max_prefill_tokens:
+                break  # first come, first served: the next one waits for the next step
             req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()  # the lowest free slot: rows stay contiguous
+            req.slot = self.free_slots.pop()  # the lowest free slot: after compaction, rows [B, B+N)
             req.status = RequestStatus.RUNNING
             self.running[req.slot] = req
             out.prefill.append(req)

@@ -1,4 +1,5 @@
-"""Engine equivalences on CPU fp32: batched == alone (sampling too), streamed == offline, cancellation."""
+"""Engine equivalences on CPU fp32: batched == alone (sampling too, batched prefill too), streamed == offline,
+cancellation, a failing request in a batch."""
 
 import numpy as np
 import pytest
@@ -6,6 +7,7 @@ import torch
 
 from q3tts.engine.engine import Engine
 from q3tts.engine.request import RequestStatus
+from q3tts.models.talker import embed_prompt
 from tests.golden import fixtures as fx
 
 
@@ -21,9 +23,80 @@ def prepared_mix(tts, n_frames=12):
     return out
 
 
-def run_alone(tts, p):
-    eng = Engine(tts, max_slots=1, max_seq_len=256)
+def run_alone(tts, p, max_seq_len=256):
+    eng = Engine(tts, max_slots=1, max_seq_len=max_seq_len)
     return eng.generate_codes([p])[0]
+
+
+GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=10)
+
+
+def prepared_lengths(variant):
+    """Greedy requests of one model, each with a different prompt length (cv06 adds a seeded sampler)."""
+    tts = fx.tts(variant)
+    if variant == "cv06":  # one prompt past 64 positions: batched, the short ones attend over a wider span
+        long = "A sentence long enough to pass sixty-four prompt positions, so the batch attends over a wider span. " * 3
+        ps = tts.prepare_custom_voice(["Hi.", long, "你好，今天天气真不错。"], ["vivian", "ryan", "dylan"],
+                                      ["English", "Auto", "Chinese"], **GREEDY)
+        ps += tts.prepare_custom_voice("Streamed text, seeded.", "serena", non_streaming_mode=False, seed=7, max_new_tokens=10)
+    elif variant == "vd17":
+        ps = tts.prepare_voice_design(["Designed voice.", "A much longer designed sentence, with commas, and more words."],
+                                      ["A robot.", "A warm, low, slow narrator voice."], ["English", "Auto"], **GREEDY)
+    else:  # Base: ICL with a short and a long reference, and an x-vector-only clone
+        items = [it for name in ("icl_short_ref_stream", "icl_long_ref_stream", "xvec_stream")
+                 for it in fx.case_prompt_items(variant, fx.get_case(variant, name))]
+        ps = tts.prepare_voice_clone(["Short clone.", "A longer sentence to clone with the long reference.", "X-vector."],
+                                     ["English", "Auto", "English"], voice_clone_prompt=items, **GREEDY)
+    assert len({len(p.layout) for p in ps}) == len(ps)  # all different: the batch is right-padded
+    assert variant != "cv06" or max(len(p.layout) for p in ps) > 64
+    return tts, ps
+
+
+@pytest.mark.parametrize("variant", ["cv06", "vd17", "base06"])
+def test_batched_prefill_equals_alone(variant):
+    tts, ps = prepared_lengths(variant)
+    alone = [run_alone(tts, p) for p in ps]
+    eng = Engine(tts, max_slots=4, max_seq_len=256)
+    handles = [eng.add_request(p) for p in ps]
+    eng.step()  # one step admits all of them: one batched prefill
+    assert sorted(h.slot for h in handles) == list(range(len(ps)))
+    eng.run_to_completion(handles)
+    for h, a in zip(handles, alone):
+        assert torch.equal(torch.stack(h.frames), a), h.request_id
+
+
+@pytest.mark.parametrize("variant", ["cv06", "base06"])
+def test_prefill_batch_equals_single_prefills(variant):
+    """Code 0 of frame 0, the last hidden and the prompt's KV are bit-identical to one request per forward."""
+    tts, ps = prepared_lengths(variant)
+    with torch.inference_mode():
+        embeds = [embed_prompt(tts.talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
+    batched = Engine(tts, max_slots=len(ps), max_seq_len=256).runner
+    codes0 = batched.prefill_batch(0, [e[0] for e in embeds], [e[1] for e in embeds], [p.params for p in ps])
+    for i, ((pre, trail), p) in enumerate(zip(embeds, ps)):
+        single = Engine(tts, max_slots=1, max_seq_len=256).runner
+        assert single.prefill_batch(0, [pre], [trail], [p.params]) == [codes0[i]]
+        assert torch.equal(single.last_hidden[0], batched.last_hidden[i])
+        L = pre.shape[0]
+        assert batched.position_cpu[i] == L and int(batched.position[i]) == L
+        assert torch.equal(single.kv[:, :, 0, :, :L], batched.kv[:, :, i, :, :L])
+
+
+def test_a_too_long_request_fails_alone_in_its_batch():
+    tts = fx.tts("cv06")
+    ok = tts.prepare_custom_voice(["Hi.", "Hello there, a longer one.", "你好。"], ["vivian", "ryan", "dylan"], **GREEDY)
+    long = tts.prepare_custom_voice("Far too long for this cache. " * 20, "eric", **GREEDY)[0]
+    alone = [run_alone(tts, p, max_seq_len=64) for p in ok]
+    eng = Engine(tts, max_slots=4, max_seq_len=64)
+    handles = [eng.add_request(p) for p in (ok[0], long, ok[1], ok[2])]  # the bad one in the middle of the batch
+    eng.step()
+    bad = handles.pop(1)
+    assert bad.status == RequestStatus.FINISHED_ERROR and "max_seq_len 64" in bad.error and not bad.frames
+    assert sorted(h.slot for h in handles) == [0, 1, 2]  # its row was closed up before the prefill
+    eng.run_to_completion(handles)
+    for h, a in zip(handles, alone):
+        assert h.status.reason == "length" and torch.equal(torch.stack(h.frames), a), h.request_id
+    assert eng.scheduler.num_running == 0 and len(eng.scheduler.free_slots) == 4
 
 
 def test_batched_equals_alone_with_staggered_arrivals_and_a_cancel():

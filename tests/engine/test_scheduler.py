@@ -1,4 +1,6 @@
-"""The scheduler is pure Python: admission, slot reuse, queue bound, abort."""
+"""The scheduler is pure Python: admission, slot reuse, queue bound, abort, prefill budget."""
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -6,8 +8,8 @@ from q3tts.engine.request import EngineRequest, RequestStatus
 from q3tts.engine.scheduler import QueueFullError, Scheduler
 
 
-def req(i):
-    return EngineRequest(request_id=f"r{i}", prepared=None)
+def req(i, num_prompt_tokens=10):
+    return EngineRequest(request_id=f"r{i}", prepared=SimpleNamespace(layout=range(num_prompt_tokens)))
 
 
 def test_admits_up_to_free_slots_and_reuses_freed_slots():
@@ -40,3 +42,23 @@ def test_prefills_per_step_bounded():
     for i in range(8):
         s.add(req(i))
     assert len(s.schedule().prefill) == 3 and len(s.schedule().prefill) == 3
+
+
+def test_defaults_admit_a_burst_in_one_step():
+    s = Scheduler(max_slots=32)
+    for i in range(20):
+        s.add(req(i))
+    out = s.schedule()
+    assert len(out.prefill) == 16 and [r.slot for r in out.prefill] == list(range(16))
+
+
+def test_prefill_token_budget_bounds_the_padded_batch():
+    s = Scheduler(max_slots=8, max_prefill_tokens=100)
+    for i, n in enumerate([20, 30, 10, 40, 500, 5]):
+        s.add(req(i, n))
+    # 3 x 30 = 90 fits; a fourth would pad to 4 x 40 = 160
+    assert [r.request_id for r in s.schedule().prefill] == ["r0", "r1", "r2"]
+    # 40 alone; 2 x 500 is over: first come, first served, r5 does not jump the queue
+    assert [r.request_id for r in s.schedule().prefill] == ["r3"]
+    assert [r.request_id for r in s.schedule().prefill] == ["r4"]  # over the budget alone: still admitted
+    assert [r.request_id for r in s.schedule().prefill] == ["r5"]
