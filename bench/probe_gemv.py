@@ -85,10 +85,47 @@ def topk_vs_sort():
     return res
 
 
+def cold_sweep():
+    """M = 1, weights rotated over copies larger than L2 (as in a real frame: every layer's weight is new)."""
+    from q3tts.sampling import top_values
+    shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
+              "lm_head": (2048, 1024)}
+    res = {}
+    for name, (N, K) in shapes.items():
+        copies = max(4, int(200e6 // (N * K * 2)))
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(1, N, device="cuda", dtype=torch.bfloat16)
+        row = {"cublas": time_graph(lambda: [F.linear(x, w) for w in ws], reps=1) / copies}
+        best = []
+        for bn in (2, 4, 8):
+            for bk in (256, 512, 1024):
+                for wp in (4, 8):
+                    for st in (2, 3, 4):
+                        f = triton_sum(bn, bk, wp, st)
+                        try:
+                            us = time_graph(lambda: [f(x, w, y) for w in ws], reps=1) / copies
+                        except Exception:
+                            continue
+                        best.append((round(us, 2), f"bn{bn} bk{bk} w{wp} s{st}"))
+        best.sort()
+        row["triton_top5"] = best[:5]
+        row["shipped_bn4_bk512_w8_s3"] = [b for b in best if b[1] == "bn4 bk512 w8 s3"]
+        res[name] = row
+        print(name, row, flush=True)
+    fn = torch.compile(lambda x: top_values(x, 64), dynamic=False)
+    for B in (1, 4, 8):
+        x = torch.randn(B, 2048, device="cuda")
+        res[f"topvalues_b{B}"] = {"rank_compiled": time_graph(lambda: fn(x)), "topk": time_graph(lambda: x.topk(64, dim=-1))}
+    print(json.dumps(res), flush=True)
+
+
 def main():
     import sys
     if "--topk" in sys.argv:
         return topk_vs_sort()
+    if "--cold" in sys.argv:
+        return cold_sweep()
     shapes = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
               "lm_head": (2048, 1024), "codec_head": (3072, 1024)}
     red = torch.compile(lambda x, w: (x[:, None, :].float() * w[None].float()).sum(-1).to(x.dtype))

@@ -111,13 +111,33 @@ def sample(logits, do_sample, temperature, top_k, top_p, noise):
 
 
 TOPK_CAP = 64  # the capped sampler looks at the 64 best tokens only
+RANK_MAX_ROWS = 8  # up to this many rows, top_values ranks by pairwise comparison instead of torch.topk
+
+
+def top_values(x: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cap largest values of each row of x [B, V] and their indices, descending; equal values in index
+    order (a stable sort's order, so the first is argmax's choice).
+
+    For a few rows, each token's rank (how many tokens go before it) is counted by comparing all pairs: V^2
+    comparisons in one fused reduction under torch.compile, cheaper than torch.topk's radix select for
+    decode-sized batches. Larger batches use torch.topk (ties among equal values may then come in another
+    order)."""
+    B, V = x.shape
+    if B > RANK_MAX_ROWS:
+        return x.topk(cap, dim=-1)
+    i = torch.arange(V, device=x.device)
+    xi, xj = x[:, :, None], x[:, None, :]  # [B, V, 1], [B, 1, V]
+    rank = ((xj > xi) | ((xj == xi) & (i[None, None, :] < i[None, :, None]))).sum(-1)  # [B, V] distinct per row
+    slot = rank.clamp(max=cap)  # ranks >= cap all land in a spare column that is dropped
+    idx = torch.zeros(B, cap + 1, dtype=torch.long, device=x.device).scatter_(1, slot, i.expand(B, V))[:, :cap]
+    return x.gather(1, idx), idx
 
 
 def sample_topk(logits, do_sample, temperature, top_k, top_p, noise, cap: int = TOPK_CAP):
     """Same draw as `sample` when every row has 1 <= top_k <= cap (tokens outside the top-k have probability 0,
     and each token keeps its own noise), at the cost of one topk instead of two full-vocabulary sorts.
     Only difference: ties with the k-th value beyond the cap are dropped. The engine uses it only then."""
-    vals, idx = logits.topk(cap, dim=-1)  # [B, cap], descending
+    vals, idx = top_values(logits, cap)  # [B, cap], descending
     rank = torch.arange(cap, device=logits.device)
     x = (vals / temperature[:, None]).masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     probs = x.softmax(-1)
