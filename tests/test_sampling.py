@@ -76,10 +76,10 @@ def test_capped_sampler_draws_the_same_token_as_the_full_one():
     assert torch.equal(sample(logits, do, temp, top_k, top_p, noise), sample_topk(logits, do, temp, top_k, top_p, noise))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_top_values_is_a_stable_descending_sort_prefix(rows):
-    """Ranking by pairwise comparison (<= 8 rows) gives a stable sort's first values and indices: ties in index
-    order, so the first index is argmax's; -inf entries rank last. Beyond 8 rows torch.topk gives the same values."""
+    """Ranking by pairwise comparison (<= 4 rows) gives a stable sort's first values and indices: ties in index
+    order, so the first index is argmax's; -inf entries rank last. Beyond that torch.topk gives the same values."""
     from q3tts.sampling import top_values
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 300, generator=g)
@@ -88,5 +88,5 @@ def test_top_values_is_a_stable_descending_sort_prefix(rows):
     vals, idx = top_values(x, 64)
     ref_vals, ref_idx = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(vals, ref_vals[:, :64])
-    if rows <= 8:
+    if rows <= 4:
         assert torch.equal(idx, ref_idx[:, :64]) and idx[:, :2].tolist() == [[5, 7]] * rows

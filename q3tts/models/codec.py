@@ -46,10 +46,25 @@ class CausalConv(nn.Module):
         if self.context == 0:
             return self.conv(x)
         if tails is None:
-            return self.conv(F.pad(x, (self.context, 0)))
+            return self._valid(F.pad(x, (self.context, 0)))
         x = torch.cat([tails[self.state_idx], x], dim=-1)  # [B, C_in, context + N]
         tails[self.state_idx] = x[..., x.shape[-1] - self.context:]
-        return self.conv(x)
+        return self._valid(x)
+
+    def _valid(self, x: Tensor) -> Tensor:
+        """The unpadded convolution, x: [B, C_in, L] -> [B, C_out, L - context]. A dilated one runs as d
+        interleaved undilated ones (output sample m*d + r only reads inputs r, r + d, r + 2d, ...: phase r
+        of the input). Same sums; cuDNN's bf16 dilated kernels took about 1 ms per call at 192 and 768
+        channels on an H200 (bench/probe.py), undilated ones about 0.1 ms."""
+        d = self.conv.dilation[0]
+        if d == 1 or self.conv.groups != 1:
+            return self.conv(x)
+        B, C, L = x.shape
+        Lp = -(-L // d) * d  # zero-padded on the right to whole phases; only outputs >= L - context read it
+        phases = F.pad(x, (0, Lp - L)).view(B, C, Lp // d, d).permute(0, 3, 1, 2).reshape(B * d, C, Lp // d)
+        z = F.conv1d(phases, self.conv.weight, self.conv.bias)  # [B*d, C_out, M]
+        M = z.shape[-1]
+        return z.view(B, d, -1, M).permute(0, 2, 3, 1).reshape(B, -1, M * d)[..., : L - self.context]
 
 
 class CausalTransConv(nn.Module):
