@@ -78,9 +78,9 @@ def test_capped_sampler_draws_the_same_token_as_the_full_one():
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_top_values_is_a_stable_descending_sort_prefix(rows):
-    """Ranking by pairwise comparison (<= 4 rows) gives a stable sort's first values and indices: ties in index
-    order, so the first index is argmax's; -inf entries rank last. Beyond that torch.topk gives the same values."""
-    from q3tts.sampling import top_values
+    """top_values (a stable sort on CPU) and _rank_top (what CUDA runs for <= 4 rows) both give a stable sort's
+    first values and indices: ties in index order, so the first index is argmax's; -inf entries rank last."""
+    from q3tts.sampling import _rank_top, top_values
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 300, generator=g)
     x[:, 5] = x[:, 7] = x.max() + 1  # a tie at the top
@@ -88,5 +88,6 @@ def test_top_values_is_a_stable_descending_sort_prefix(rows):
     vals, idx = top_values(x, 64)
     ref_vals, ref_idx = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(vals, ref_vals[:, :64])
-    if rows <= 4:
-        assert torch.equal(idx, ref_idx[:, :64]) and idx[:, :2].tolist() == [[5, 7]] * rows
+    assert torch.equal(idx, ref_idx[:, :64]) and idx[:, :2].tolist() == [[5, 7]] * rows  # CPU: the stable sort
+    rank_vals, rank_idx = _rank_top(x, 64)  # what CUDA runs for <= 4 rows
+    assert torch.equal(rank_vals, vals) and torch.equal(rank_idx, idx)

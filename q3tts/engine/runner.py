@@ -307,6 +307,12 @@ class ModelRunner:
                 self._frame(*key)
             self._pool = g.pool()
             self.graphs[key] = g
+        # batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call): do both now,
+        # not while the first burst of requests waits (measured: 5 s for the first 4 concurrent requests)
+        D = self.cfg.hidden_size
+        for n in (1, 2):
+            self.prefill_batch(0, [torch.zeros(8, D, device=self.device, dtype=self.dtype)] * n,
+                               [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n, [SamplingParams()] * n)
         torch.cuda.synchronize()
         for t in self._state_tensors():  # the warm-ups wrote garbage into free rows
             t.zero_()

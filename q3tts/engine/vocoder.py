@@ -41,10 +41,16 @@ def compile_snakes(code2wav: Code2Wav) -> None:
 class StreamingVocoder:
     def __init__(self, code2wav: Code2Wav, compile: bool = False):
         self.code2wav = code2wav
-        if compile:
-            compile_snakes(code2wav)
         p = next(code2wav.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if compile:
+            compile_snakes(code2wav)
+            # the compiled activations specialise on sizes 1 vs >= 2 (rows, samples): compile those now, not
+            # while a burst of requests waits for its first audio
+            for rows in (1, 2):
+                for t in (1, 2):
+                    codes = torch.zeros(rows, code2wav.cfg.num_quantizers, t, dtype=torch.long, device=self.device)
+                    self.code2wav.decode_step(codes, code2wav.init_state(rows, self.device, self.dtype))
 
     def new_state(self, ref_codes: torch.Tensor | None) -> Code2WavState:
         """A fresh state for one request, warmed with its ICL reference codes [T, K] if any."""
