@@ -1,5 +1,5 @@
-"""Where the time goes (exploration, GPU): kernel profile of the captured frame, code-predictor variants,
-vocoder step cost (eager vs graphed), prefill cost. Prints a JSON summary and the profiler tables.
+"""Where the time goes (exploration, GPU): kernel profile of the captured frame and its halves, vocoder
+step cost (eager vs graphed) and per convolution, batched prefill cost. Prints a JSON summary and the profiler tables.
 
     python -m bench.probe --ckpt /tmp/ck-0.6B-CustomVoice
 """
@@ -9,13 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import types
 
 import torch
-import torch.nn.functional as F
 
 from bench.ours import graph_of, replay_ms, sync
-from q3tts.models.layers import AttnContext, run_layers
 from q3tts.models.talker import embed_prompt
 
 
@@ -34,70 +31,10 @@ def kernel_profile(fn, n=10, rows=25):
     return {"kernels_per_call": per_call, "kernel_busy_ms_per_call": round(busy_ms, 3)}
 
 
-def fused_cp(r, reduce_attention: bool):
-    """A whole code-predictor step (layers + norm + head + sampler + next embedding) as one compiled function."""
-    from q3tts.sampling import sample_topk
-    cp = r.talker.code_predictor
-    if reduce_attention:
-        for layer in cp.model.layers:
-            layer.self_attn.forward = types.MethodType(reduce_attn_forward, layer.self_attn)
-
-    def step(x, cos, sin, kv, write_pos, mask, head_w, emb_w, dos, temp, topk, topp, noise):
-        hid = cp(x, cos, sin, kv, AttnContext(write_pos, mask))[:, -1]
-        logits = F.linear(hid, head_w).float()
-        code = sample_topk(logits, dos, temp, topk, topp, noise)
-        return code, F.embedding(code, emb_w)[:, None]
-
-    step_c = torch.compile(step, fullgraph=True)
-
-    def code_predictor(self, B, h, code0, capped):
-        from q3tts.sampling import frame_noise
-        p, rr = self.params, slice(0, B)
-        kv = self.cp_kv[:, :, :B]
-        frame = self.num_generated[rr] - 1
-        noise_all = frame_noise(self.seed[rr], frame, cp.lm_head[0].out_features, 1, self.K - 1)
-        x = torch.stack([h, self.talker.model.codec_embedding(code0)], dim=1)
-        out = []
-        for i in range(self.K - 1):
-            sl = slice(0, 2) if i == 0 else slice(i + 1, i + 2)
-            pos = self.cp_pos[sl][None].expand(B, -1)
-            emb_w = cp.model.codec_embedding[min(i, self.K - 3)].weight
-            code, x = step_c(x, self.cp_cos[:, sl], self.cp_sin[:, sl], kv, pos, self.cp_masks[i], cp.lm_head[i].weight,
-                             emb_w, p["subtalker_dosample"][rr], p["subtalker_temperature"][rr],
-                             p["subtalker_top_k"][rr], p["subtalker_top_p"][rr], noise_all[:, i])
-            out.append(code)
-        return torch.stack(out, dim=1)
-
-    r._code_predictor = types.MethodType(code_predictor, r)
-
-
-def reduce_attn_forward(self, x, cos, sin, k_cache, v_cache, ctx):
-    """Attention over <= 16 positions as broadcast-multiply + sum (fusable reductions, no bmm)."""
-    from q3tts.models.layers import apply_rope
-    B, S, _ = x.shape
-    H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
-    q, k, v = F.linear(x, self.qkv_weight).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-    q = apply_rope(self.q_norm(q.view(B, S, H, Dh)).transpose(1, 2), cos, sin)
-    k = apply_rope(self.k_norm(k.view(B, S, Hkv, Dh)).transpose(1, 2), cos, sin)
-    idx = ctx.write_pos[:, None, :, None].expand(B, Hkv, S, Dh)
-    k_cache.scatter_(2, idx, k.to(k_cache.dtype))
-    v_cache.scatter_(2, idx, v.view(B, S, Hkv, Dh).transpose(1, 2).to(v_cache.dtype))
-    n = ctx.mask.shape[-1]
-    keys, values = k_cache[:, :, :n], v_cache[:, :, :n]
-    G = H // Hkv
-    qg = q.reshape(B, Hkv, G * S, Dh)
-    scores = (qg[:, :, :, None, :].float() * keys[:, :, None, :, :].float()).sum(-1) * (Dh ** -0.5)
-    mask = ctx.mask.expand(B, 1, S, n).repeat(1, 1, G, 1) if G > 1 else ctx.mask
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(q.dtype)
-    out = (probs[..., None].float() * values[:, :, None, :, :].float()).sum(-2).to(q.dtype).view(B, H, S, Dh)
-    return self.o_proj(out.transpose(1, 2).reshape(B, S, H * Dh))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--variants", default="fused,fused_reduce")
     ap.add_argument("--sections", default="cp,prefill,vocoder")
     a = ap.parse_args()
     from q3tts import TTS
@@ -126,19 +63,6 @@ def main():
         print(tag, out, flush=True)
         return out
 
-    # code-predictor variants first (each on uncompiled layers), then the shipped path
-    for v in [x for x in a.variants.split(",") if x]:
-        r = new_runner(False)
-        fused_cp(r, reduce_attention=(v == "fused_reduce"))
-        try:
-            res[f"cp_{v}"] = cp_times(r, v)
-        except Exception as e:  # an exploration: report, go on
-            res[f"cp_{v}"] = {"error": repr(e)[:500]}
-            print(v, "failed", repr(e)[:2000], flush=True)
-        for layer in talker.code_predictor.model.layers:  # undo the attention patch
-            layer.self_attn.__dict__.pop("forward", None)
-        del r
-        torch.cuda.empty_cache()
     r = new_runner(True)
     secs = a.sections.split(",")
     if "cp" in secs:
