@@ -24,7 +24,7 @@ import torch
 
 from ..models.talker import embed_prompt
 from .request import EngineRequest, RequestStatus, StreamOptions
-from .runner import ModelRunner, want_compile
+from .runner import ModelRunner
 from .scheduler import Scheduler
 from .vocoder import StreamingVocoder
 
@@ -51,8 +51,7 @@ class Engine:
                                   compile=compile if compile is not None else tts.compile)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(max_slots, max_queue)
-        self.vocoder = StreamingVocoder(tts.code2wav, compile=want_compile(
-            tts.device, compile if compile is not None else tts.compile))
+        self.vocoder = StreamingVocoder(tts.code2wav, compile=self.runner.compiled)
         self.eos = tts.cfg.talker.codec_eos_token_id
         self._ids = itertools.count()
         self._lock = threading.Lock()  # add/abort may come from another thread than step()

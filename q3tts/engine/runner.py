@@ -111,7 +111,8 @@ class ModelRunner:
         self._pool = None
         self._sample, self._sample_topk, self._rules = sample, sample_topk, talker_logits_rules
         self._cp_step_fused = None
-        if want_compile(self.device, compile):
+        self.compiled = want_compile(self.device, compile)  # the vocoder follows the same decision
+        if self.compiled:
             compile_layers(talker)
             self._sample, self._sample_topk, self._rules = (
                 torch.compile(f, dynamic=True) for f in (sample, sample_topk, talker_logits_rules))
