@@ -1,7 +1,8 @@
 """Exploration (GPU): skinny GEMMs (M = batch rows, weights [N, K] bf16) inside a CUDA graph, cuBLAS vs
-Inductor reduction vs a hand Triton kernel. Per-call microseconds of 20 chained calls in one graph.
+Inductor reduction vs the Triton kernels of q3tts.kernels over launch configs. Per-call microseconds of
+20 chained calls in one graph (--cold: weights rotated over more copies than L2 holds).
 
-    python -m bench.probe_gemv
+    python -m bench.probe_gemv [--cold | --topk]
 """
 
 from __future__ import annotations
@@ -10,45 +11,16 @@ import json
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from bench.ours import graph_of
-
-
-@triton.jit
-def _gemv_dot(x_ptr, w_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=rm[:, None] < M, other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :])
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16), mask=rm[:, None] < M)
-
-
-@triton.jit
-def _gemv_sum(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # M == 1
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k0 + rk).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(y_ptr + rn, acc.to(tl.bfloat16))
+from bench.ours import graph_of, replay_ms
+from q3tts.kernels import _gemv_row, _gemv_rows  # the shipped kernels; the sweep varies their launch configs
 
 
 def triton_dot(bn, bk, warps, stages):
     def f(x, w, y):
         M, K = x.shape
         N = w.shape[0]
-        _gemv_dot[(N // bn,)](x, w, y, M, N, K, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        _gemv_rows[(N // bn,)](x, w, y, M, N, K, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         return y
     return f
 
@@ -56,22 +28,14 @@ def triton_dot(bn, bk, warps, stages):
 def triton_sum(bn, bk, warps, stages):
     def f(x, w, y):
         N, K = w.shape
-        _gemv_sum[(N // bn,)](x, w, y, N, K, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        _gemv_row[(N // bn,)](x, w, y, N, K, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         return y
     return f
 
 
 def time_graph(fn, reps=20, iters=30):
-    g = graph_of(lambda: [fn() for _ in range(reps)])
-    for _ in range(3):
-        g.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return round(s.elapsed_time(e) / iters / reps * 1000, 2)
+    """Microseconds per call of fn, from a graph of reps chained calls."""
+    return round(replay_ms(graph_of(lambda: [fn() for _ in range(reps)]), iters) * 1000 / reps, 2)
 
 
 def topk_vs_sort():
@@ -110,7 +74,7 @@ def cold_sweep():
                         best.append((round(us, 2), f"bn{bn} bk{bk} w{wp} s{st}"))
         best.sort()
         row["triton_top5"] = best[:5]
-        row["shipped_bn4_bk512_w8_s3"] = [b for b in best if b[1] == "bn4 bk512 w8 s3"]
+        row["shipped_bn2_bk1024_w4_s3"] = [b for b in best if b[1] == "bn2 bk1024 w4 s3"]
         res[name] = row
         print(name, row, flush=True)
     fn = torch.compile(lambda x: top_values(x, 64), dynamic=False)
