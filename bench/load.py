@@ -10,6 +10,11 @@ and the playback buffer it needs: how far behind a player that started at the fi
 fell, i.e. how long a listener must buffer after the first byte to never stall (0 = playable at once).
 Per level: aggregate audio seconds per wall second, p50/p95/max of each.
 
+Per level, the server's side from /metrics deltas: its own time to first audio (from the request's arrival
+in the handler: the difference to the client's is HTTP), the engine's steps and their mean time per phase
+(admit = prefill of newcomers, decode = the frame, vocode = audio chunks), and the mean wait from arrival to
+admission.
+
 Fix the audio length with --max-new-tokens (frames + 1, 12.5 frames per second); with a random-weight
 bench checkpoint (bench/make_checkpoint.py, EOS disabled) every request then makes exactly that many frames.
 """
@@ -64,7 +69,31 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
             "rtf": (t1 - t0) / audio_s if audio_s else None, "buffer_s": max(stall, 0.0)}
 
 
+def scrape(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name with labels: value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps, ttfa_n, admitted = d.get("q3tts_engine_steps_total", 0), d.get("q3tts_time_to_first_audio_seconds_count", 0), \
+        d.get("q3tts_admitted_requests_total", 0)
+    per_step = {p: round(1000 * d.get(f'q3tts_engine_step_seconds_total{{phase="{p}"}}', 0) / steps, 3) if steps else None
+                for p in ("admit", "decode", "vocode")}
+    return {"engine_steps": int(steps), "step_ms_mean": per_step,
+            "ttfa_ms_mean": round(1000 * d["q3tts_time_to_first_audio_seconds_sum"] / ttfa_n, 1) if ttfa_n else None,
+            "admission_wait_ms_mean": round(1000 * d.get("q3tts_admission_wait_seconds_total", 0) / admitted, 1)
+            if admitted else None}
+
+
 async def run_level(url: str, concurrency: int, requests_per_client: int, body: dict, headers: dict) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as c:
+        before = scrape((await c.get("/metrics")).text)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as client:
         results: list[dict] = []
@@ -80,6 +109,7 @@ async def run_level(url: str, concurrency: int, requests_per_client: int, body: 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         wall = time.perf_counter() - t0
+        after = scrape((await client.get("/metrics")).text)
     ok = [r for r in results if "error" not in r]
     audio = sum(r["audio_s"] for r in ok)
     rtfs = [r["rtf"] for r in ok if r["rtf"] is not None]
@@ -96,6 +126,7 @@ async def run_level(url: str, concurrency: int, requests_per_client: int, body: 
         "all_faster_than_real_time": bool(rtfs) and max(rtfs) < 1.0,
         "buffer_needed_ms": summary([r["buffer_s"] for r in ok], 1000, 1),
         "mean_audio_s_per_request": round(audio / len(ok), 3) if ok else None,
+        "server": server_side(before, after),
     }
 
 

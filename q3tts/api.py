@@ -189,7 +189,7 @@ class TTS:
         for r in reqs:
             r.arrival_time = start  # time to first audio counts prompt processing too
         try:
-            while not all(r.status.finished and r.vocoder_state is None for r in reqs):
+            while not all(r.stream_done for r in reqs):
                 for chunk in eng.step():
                     if chunk.request_id in ids:
                         if chunk.error:

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .engine import AudioChunk, Engine
+from .engine import AudioChunk, Engine, EngineCounters
 from .request import StreamOptions
 
 
@@ -21,6 +21,7 @@ class EngineStats:
     queue_depth: int
     active_slots: int
     max_slots: int
+    counters: EngineCounters  # the live object: read it, do not change it
 
 
 class AsyncEngine:
@@ -35,7 +36,7 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
-        return EngineStats(s.queue_depth, s.num_running, s.max_slots)
+        return EngineStats(s.queue_depth, s.num_running, s.max_slots, self.engine.counters)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,6 +42,16 @@ class AudioChunk:
     error: str | None = None
 
 
+@dataclass(slots=True)
+class EngineCounters:
+    """Cumulative totals of where the engine's time goes (read by the server's /metrics)."""
+
+    steps: int = 0
+    admitted: int = 0  # requests prefilled
+    admission_wait_s: float = 0.0  # summed over admitted requests: arrival -> its prefill starts
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("admit", "decode", "vocode"), 0.0))
+
+
 class Engine:
     def __init__(self, tts, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256,
                  use_cuda_graphs: bool | None = None, compile: bool | None = None):
@@ -51,11 +61,14 @@ class Engine:
                                   compile=compile if compile is not None else tts.compile)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(max_slots, max_queue)
-        self.vocoder = StreamingVocoder(tts.code2wav, compile=self.runner.compiled)
+        self.vocoder = StreamingVocoder(tts.code2wav, max_slots, use_graphs=self.runner.use_graphs,
+                                        compile=self.runner.compiled)
+        self.vocoder.capture_graphs()
         self.eos = tts.cfg.talker.codec_eos_token_id
         self._ids = itertools.count()
         self._lock = threading.Lock()  # add/abort may come from another thread than step()
         self._aborts: list[str] = []
+        self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ requests in
     def add_request(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None) -> EngineRequest:
@@ -84,17 +97,31 @@ class Engine:
                 req = self.scheduler.find(rid)
                 if req is not None and not req.status.finished:
                     self._finish(req, RequestStatus.FINISHED_ABORTED)  # frees the slot now
+                    self._release_vocoder(req)  # nothing more is decoded for it
                     aborted.append(req)
+        t0 = time.perf_counter()
         self._compact()  # running requests fill rows [0, B), so the newcomers get rows [B, B+N)
         with self._lock:
             sched = self.scheduler.schedule()
         self._admit(sched.prefill)
         self._compact()  # newcomers that finished at once (EOS, length, error) leave holes
+        t1 = time.perf_counter()
         running = sorted(self.scheduler.running.values(), key=lambda r: r.slot)
         if running:
             self._decode(running)
+        t2 = time.perf_counter()
         touched = [r for r in aborted + sched.prefill + sched.decode if r.stream is not None]
-        return self._vocode(list(dict.fromkeys(touched)))
+        chunks = self._vocode(list(dict.fromkeys(touched)))
+        c = self.counters
+        c.steps += 1
+        for phase, dt in zip(("admit", "decode", "vocode"), (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+            c.phase_s[phase] += dt
+        return chunks
+
+    def _release_vocoder(self, req: EngineRequest) -> None:
+        if req.vocoder_row is not None:
+            self.vocoder.close(req.vocoder_row)
+            req.vocoder_row = None
 
     def _finish(self, req: EngineRequest, status: RequestStatus) -> None:
         slot = req.slot
@@ -125,6 +152,9 @@ class Engine:
             admitted.append((req, pre, trail))
         if not admitted:
             return
+        now = time.perf_counter()
+        self.counters.admitted += len(admitted)
+        self.counters.admission_wait_s += sum(now - a[0].arrival_time for a in admitted)
         if len(admitted) < len(reqs):
             # close up the failed requests' rows; the moved newcomers hold nothing yet (position 0, so no KV
             # moves) and prefill_batch overwrites their state
@@ -134,11 +164,12 @@ class Engine:
         assert [a[0].slot for a in admitted] == list(range(lo, lo + len(admitted))), "newcomers: rows [B, B+N)"
         codes0 = self.runner.prefill_batch(lo, [a[1] for a in admitted], [a[2] for a in admitted],
                                            [a[0].prepared.params for a in admitted])
+        streaming = [a[0] for a in admitted if a[0].stream is not None]
+        for req, row in zip(streaming, self.vocoder.open([r.prepared.ref_codes for r in streaming])):
+            req.vocoder_row = row
         for (req, pre, _), code0 in zip(admitted, codes0):
             pr = req.prepared
             req.max_frames = min(pr.params.max_new_tokens - 1, self.runner.max_len - pre.shape[0])
-            if req.stream is not None:
-                req.vocoder_state = self.vocoder.new_state(pr.ref_codes)
             if code0 == self.eos:
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.max_frames <= 0:
@@ -165,16 +196,15 @@ class Engine:
             last = r.status.finished
             n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
             if n > 0:
-                work.append((r.vocoder_state, torch.stack(r.frames[r.frames_vocoded: r.frames_vocoded + n])))
+                work.append((r.vocoder_row, torch.stack(r.frames[r.frames_vocoded: r.frames_vocoded + n])))
             if n > 0 or last:
                 meta.append((r, n, last))
-        decoded = iter(self.vocoder.decode(work)) if work else iter(())
+        decoded = iter(self.vocoder.decode(work))
         now = time.perf_counter()
         chunks = []
         for r, n, last in meta:
             if n > 0:
-                wav, r.vocoder_state = next(decoded)
-                audio = wav.numpy()
+                audio = next(decoded)
             else:
                 audio = np.zeros(0, dtype=np.float32)
             if r.first_audio_time is None and n > 0:
@@ -184,7 +214,8 @@ class Engine:
             r.frames_vocoded += n
             r.chunks_emitted += 1
             if last:
-                r.vocoder_state = None
+                self._release_vocoder(r)
+                r.stream_done = True
         return chunks
 
     # ------------------------------------------------------------------ offline

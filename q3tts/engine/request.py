@@ -52,7 +52,8 @@ class EngineRequest:
     max_frames: int = 0  # set at admission: max_new_tokens - 1, capped by the KV cache
     frames_vocoded: int = 0  # frames already turned into audio
     chunks_emitted: int = 0
-    vocoder_state: Any = None  # Code2WavState of this request (batch of 1)
+    vocoder_row: int | None = None  # its row of the StreamingVocoder's state pool while streaming
+    stream_done: bool = False  # its last chunk has been emitted
     first_audio_time: float | None = None
     error: str | None = None
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import linear
+from ..kernels import MAX_ROWS, linear
 from ..models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
@@ -36,7 +36,12 @@ def compile_layers(talker: Talker) -> None:
     kernels: measured 1.7x faster frames on an H200). One compiled function serves every layer instance;
     batch and length are dynamic, so a handful of compilations cover all graph buckets."""
     import torch._dynamo
+    import torch.fx.experimental._config as fx_config
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    # NOTE: no duck shaping: by default two sizes that happen to be equal at compile time share one symbol, so a
+    # prefill whose attention span (64) equalled the head dim (64) was compiled for that span only, and every
+    # request with a longer prompt recompiled (seconds, while every stream waits)
+    fx_config.use_duck_shape = False
     fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
@@ -308,12 +313,14 @@ class ModelRunner:
                 self._frame(*key)
             self._pool = g.pool()
             self.graphs[key] = g
-        # batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call): do both now,
-        # not while the first burst of requests waits (measured: 5 s for the first 4 concurrent requests)
+        # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call), and for <= and >
+        # MAX_ROWS tokens in all (the skinny GEMM or cuBLAS): compile the four now, not while the first burst of
+        # requests waits (measured on an H200: 5 s for the first 16 concurrent requests)
         D = self.cfg.hidden_size
-        for n in (1, 2):
-            self.prefill_batch(0, [torch.zeros(8, D, device=self.device, dtype=self.dtype)] * n,
-                               [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n, [SamplingParams()] * n)
+        for n in (1, 2)[: self.num_rows]:
+            for L in (8, 5 * MAX_ROWS):
+                self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)] * n,
+                                   [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n, [SamplingParams()] * n)
         torch.cuda.synchronize()
         for t in self._state_tensors():  # the warm-ups wrote garbage into free rows
             t.zero_()

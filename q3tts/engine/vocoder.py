@@ -1,9 +1,15 @@
-"""Streaming Code2Wav for many requests: one exact decoder state per request, batched per call.
+"""Streaming Code2Wav for many requests: every request's exact decoder state is one row of a pool.
 
-Each request keeps its own `Code2WavState` (a batch of one). When several requests have a chunk due
-with the same number of frames, their states are stacked into one batch, decoded together and split
-again, so the vocoder runs a few batched launches per step instead of one per request (C5/C6:
-ICL reference codes warm the state once and are never decoded again).
+A streaming request holds a pool row from admission to its last chunk. The chunks due in a step decode
+in a few batched calls:
+  - a chunk of n frames is cut into power-of-two pieces, largest first (13 -> 8, 4, 1). The decoder is
+    causal at frame granularity, so any cut gives the same audio (q3tts.models.codec: decode_step);
+  - the pieces of one size from different requests run as one call: their rows are gathered from the
+    pool, decoded by `Code2Wav.decode_step`, and scattered back;
+  - on CUDA each (rows bucket, piece size) call is one CUDA graph with the gather and the scatter inside,
+    replayed with padding rows that all point at a scratch row. One replay instead of several hundred
+    small launches per call (the eager vocoder was launch-bound: ~10 ms per call on an H200, bench/probe.py).
+ICL reference codes warm a request's row once at admission and are never decoded again (C5/C6).
 """
 
 from __future__ import annotations
@@ -11,23 +17,11 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from ..models.codec import Code2Wav, Code2WavState, SnakeBeta
-
-
-def stack_states(states: list[Code2WavState]) -> Code2WavState:
-    if len(states) == 1:
-        return states[0]
-    return Code2WavState([torch.cat(ts, 0) for ts in zip(*(s.tails for s in states))],
-                         torch.cat([s.keys for s in states], 1), torch.cat([s.values for s in states], 1),
-                         torch.cat([s.pos for s in states], 0), sum(s.frames_processed for s in states))
-
-
-def split_state(state: Code2WavState, n: int) -> list[Code2WavState]:
-    if n == 1:
-        return [state]
-    return [state.select_rows(torch.tensor([i], device=state.pos.device)) for i in range(n)]
+from .runner import BATCH_BUCKETS
 
 
 def compile_snakes(code2wav: Code2Wav) -> None:
@@ -38,39 +32,137 @@ def compile_snakes(code2wav: Code2Wav) -> None:
             m.forward = functools.partial(fwd, m)
 
 
+def pieces(n: int, max_piece: int) -> list[int]:
+    """n frames as power-of-two pieces of at most max_piece (a power of two), largest first."""
+    out = []
+    while n > 0:
+        p = min(max_piece, 1 << (n.bit_length() - 1))
+        out.append(p)
+        n -= p
+    return out
+
+
 class StreamingVocoder:
-    def __init__(self, code2wav: Code2Wav, compile: bool = False):
-        self.code2wav = code2wav
+    """Args:
+        code2wav: the decoder (its device and dtype are the pool's).
+        max_rows: concurrent streams (the engine's max_slots).
+        use_graphs: capture one CUDA graph per (rows bucket, piece size) in `capture_graphs`.
+        compile: torch.compile the activations.
+        max_piece: the largest piece, a power of two (chunks longer than it take several calls).
+    """
+
+    def __init__(self, code2wav: Code2Wav, max_rows: int, use_graphs: bool = False, compile: bool = False,
+                 max_piece: int = 16):
+        assert max_piece & (max_piece - 1) == 0, "max_piece must be a power of two"
+        self.code2wav, self.max_rows, self.max_piece = code2wav, max_rows, max_piece
         p = next(code2wav.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.K = code2wav.cfg.num_quantizers
+        self.scratch = max_rows  # the padding rows of a replay read and write this row only
+        self.pool: Code2WavState = code2wav.init_state(max_rows + 1, self.device, self.dtype)
+        self.free_rows = list(range(max_rows - 1, -1, -1))  # pop() gives the lowest
+        self.use_graphs = use_graphs
+        # (rows bucket, piece) -> (graph, static row index [R], static codes [R, K, piece], wav out [R, piece*1920])
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if compile:
             compile_snakes(code2wav)
-            # the compiled activations specialise on sizes 1 vs >= 2 (rows, samples): compile those now, not
-            # while a burst of requests waits for its first audio
-            for rows in (1, 2):
-                for t in (1, 2):
-                    codes = torch.zeros(rows, code2wav.cfg.num_quantizers, t, dtype=torch.long, device=self.device)
-                    self.code2wav.decode_step(codes, code2wav.init_state(rows, self.device, self.dtype))
 
-    def new_state(self, ref_codes: torch.Tensor | None) -> Code2WavState:
-        """A fresh state for one request, warmed with its ICL reference codes [T, K] if any."""
-        state = self.code2wav.init_state(1, self.device, self.dtype)
-        if ref_codes is not None and ref_codes.shape[0] > 0:
-            state = self.code2wav.warm(ref_codes.T[None].to(self.device), state)
-        return state
-
+    # ------------------------------------------------------------------ rows
     @torch.inference_mode()
-    def decode(self, work: list[tuple[Code2WavState, torch.Tensor]]) -> list[tuple[torch.Tensor, Code2WavState]]:
-        """work: (state, codes [t, K]) per request -> (wav [t*1920] float32 CPU, new state), batched by t."""
-        out: list = [None] * len(work)
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, (_, codes) in enumerate(work):
-            groups[codes.shape[0]].append(i)
-        for idx in groups.values():
-            state = stack_states([work[i][0] for i in idx])
-            codes = torch.stack([work[i][1].T for i in idx]).to(self.device)  # [n, K, t]
-            wav, state = self.code2wav.decode_step(codes, state)
-            wav = wav.float().cpu()
-            for j, (i, s) in enumerate(zip(idx, split_state(state, len(idx)))):
-                out[i] = (wav[j], s)
+    def open(self, ref_codes: list[torch.Tensor | None]) -> list[int]:
+        """Fresh rows for new requests, each warmed with its ICL reference codes [T, K] if any."""
+        assert len(ref_codes) <= len(self.free_rows), "more streams than vocoder rows"
+        if not ref_codes:
+            return []
+        rows = [self.free_rows.pop() for _ in ref_codes]
+        dev, dt = self.device, self.dtype
+        self.pool.assign_rows_(torch.tensor(rows, device=dev), self.code2wav.init_state(len(rows), dev, dt))
+        for row, ref in zip(rows, ref_codes):
+            if ref is not None and ref.shape[0] > 0:
+                warmed = self.code2wav.warm(ref.T[None].to(dev), self.code2wav.init_state(1, dev, dt))
+                self.pool.assign_rows_(torch.tensor([row], device=dev), warmed)
+        return rows
+
+    def close(self, row: int) -> None:
+        self.free_rows.append(row)
+        self.free_rows.sort(reverse=True)
+
+    def _run(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """idx [R] pool rows, codes [R, K, t] -> wav [R, t*1920]; the rows advance by t frames."""
+        wav, state = self.code2wav.decode_step(codes, self.pool.select_rows(idx))
+        self.pool.assign_rows_(idx, state)
+        return wav
+
+    # ------------------------------------------------------------------ decoding
+    @torch.inference_mode()
+    def decode(self, work: list[tuple[int, torch.Tensor]]) -> list[np.ndarray]:
+        """work: (row, codes [n, K] int64) per request -> wav [n*1920] float32 per request.
+
+        Round j decodes every request's j-th piece; within a round, pieces of one size share a call."""
+        if not work:
+            return []
+        cuts = [pieces(codes.shape[0], self.max_piece) for _, codes in work]
+        starts = [0] * len(work)
+        parts: list[list[torch.Tensor]] = [[] for _ in work]  # per request: its pieces' audio on the device
+        for j in range(max(map(len, cuts), default=0)):
+            groups: dict[int, list[int]] = defaultdict(list)  # piece size -> requests
+            for i, cut in enumerate(cuts):
+                if j < len(cut):
+                    groups[cut[j]].append(i)
+            for size, items in groups.items():
+                codes = torch.stack([work[i][1][starts[i]: starts[i] + size].T for i in items])  # [n, K, size]
+                wav = self._call([work[i][0] for i in items], codes)
+                for k, i in enumerate(items):
+                    parts[i].append(wav[k])
+                    starts[i] += size
+        flat = torch.cat([p for ps in parts for p in ps]).cpu()  # the one sync of the call
+        out, at = [], 0
+        for (_, codes) in work:
+            n = codes.shape[0] * self.code2wav.total_upsample
+            out.append(flat[at: at + n].numpy())
+            at += n
         return out
+
+    def _call(self, rows: list[int], codes: torch.Tensor) -> torch.Tensor:
+        """rows: n pool rows, codes [n, K, t] (CPU) -> wav [n, t*1920] float32 on the device (a copy: a graph's
+        output is overwritten by its next replay)."""
+        n, t = codes.shape[0], codes.shape[2]
+        R = next((b for b in BATCH_BUCKETS if b >= n), None)
+        entry = self.graphs.get((R, t)) if self.use_graphs else None
+        if entry is None:
+            if self.use_graphs:
+                raise RuntimeError(f"no vocoder graph for {n} rows x {t} frames: call capture_graphs() first")
+            wav = self._run(torch.tensor(rows, device=self.device), codes.to(self.device))
+            return wav.to(torch.float32, copy=True)
+        graph, idx, codes_in, wav = entry
+        idx.copy_(torch.tensor(rows + [self.scratch] * (R - n)))
+        codes_in[:n].copy_(codes)
+        graph.replay()
+        return wav[:n].to(torch.float32, copy=True)
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def capture_graphs(self) -> int:
+        """One graph per (rows bucket up to max_rows, piece size up to max_piece), sharing one memory pool.
+        The warm-up runs (compilation, cuDNN/cuBLAS plans) write only the scratch row."""
+        if not self.use_graphs:
+            return 0
+        top = next(b for b in BATCH_BUCKETS if b >= self.max_rows)
+        keys = [(R, 1 << i) for R in BATCH_BUCKETS if R <= top for i in range(self.max_piece.bit_length())]
+        static = {k: (torch.full((k[0],), self.scratch, device=self.device),
+                      torch.zeros(k[0], self.K, k[1], dtype=torch.long, device=self.device)) for k in keys}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for k in keys:
+                self._run(*static[k])
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = None
+        for k in sorted(keys, reverse=True):  # the largest first: the shared pool is sized by it
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                wav = self._run(*static[k])
+            pool = g.pool()
+            self.graphs[k] = (g, *static[k], wav)
+        torch.cuda.synchronize()
+        return len(self.graphs)

@@ -318,7 +318,7 @@ class Code2WavState:
     """What a stream carries between `decode_step` calls; row b is one request (slot).
 
     Code2Wav never mutates a state in place: decode_step / warm / reset_rows return a new one, so an
-    old state stays a valid snapshot (e.g. to retry a chunk).
+    old state stays a valid snapshot (e.g. to retry a chunk). Only its owner writes into it (assign_rows_).
     """
 
     tails: list[Tensor]  # per stateful conv i: [B, C_in_i, context_i] its last inputs (zeros at start)
@@ -336,12 +336,14 @@ class Code2WavState:
         return Code2WavState([t[idx] for t in self.tails], self.keys[:, idx], self.values[:, idx],
                              self.pos[idx], self.frames_processed)
 
-    def assign_rows(self, idx: Tensor, src: Code2WavState) -> Code2WavState:
-        """A copy whose rows idx ([n] int64) are the rows of src (e.g. a request warmed on its own)."""
-        def put(dst: Tensor, s: Tensor, dim: int = 0) -> Tensor:
-            return dst.index_copy(dim, idx, s)
-        return Code2WavState([put(t, s) for t, s in zip(self.tails, src.tails)], put(self.keys, src.keys, 1),
-                             put(self.values, src.values, 1), put(self.pos, src.pos), self.frames_processed)
+    def assign_rows_(self, idx: Tensor, src: Code2WavState) -> None:
+        """In place: rows idx ([n] int64) := the rows of src (e.g. a request warmed on its own). The one
+        mutation of a state, for a pool whose tensors must keep their addresses (CUDA graphs read them)."""
+        for dst, s in zip(self.tails, src.tails):
+            dst.index_copy_(0, idx, s)
+        self.keys.index_copy_(1, idx, src.keys)
+        self.values.index_copy_(1, idx, src.values)
+        self.pos.index_copy_(0, idx, src.pos)
 
 
 class Code2Wav(nn.Module):

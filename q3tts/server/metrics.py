@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -12,7 +13,8 @@ RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 class Metrics:
     """Args:
-        engine_stats: () -> object with queue_depth, active_slots, max_slots (read at scrape time).
+        engine_stats: () -> object with queue_depth, active_slots, max_slots and counters (an
+            q3tts.engine.engine.EngineCounters), read at scrape time.
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -37,6 +39,28 @@ class Metrics:
         Gauge("q3tts_max_slots", "Engine slots (max concurrent streams)", registry=r).set_function(
             lambda: engine_stats().max_slots)
         self.ready = Gauge("q3tts_ready", "1 once the warm-up request has finished", registry=r)
+        r.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The engine's own cumulative counters: steps, time per step phase, admission wait."""
+
+    def __init__(self, engine_stats: Callable[[], object]):
+        self.engine_stats = engine_stats
+
+    def collect(self):
+        c = self.engine_stats().counters
+        yield CounterMetricFamily("q3tts_engine_steps", "Engine steps (one frame for every running stream each)",
+                                  value=c.steps)
+        phases = CounterMetricFamily("q3tts_engine_step_seconds", "Engine thread time by step phase: admit "
+                                     "(prefill of newcomers), decode (the frame), vocode (audio chunks)",
+                                     labels=["phase"])
+        for phase, seconds in c.phase_s.items():
+            phases.add_metric([phase], seconds)
+        yield phases
+        yield CounterMetricFamily("q3tts_admitted_requests", "Requests prefilled into a slot", value=c.admitted)
+        yield CounterMetricFamily("q3tts_admission_wait_seconds", "Summed over admitted requests: from arrival to "
+                                  "the start of their prefill", value=c.admission_wait_s)

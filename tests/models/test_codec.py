@@ -183,7 +183,7 @@ def test_warm_icl_reference_then_stream():
     # per request in a batch: warm each row alone (different reference lengths), then stream together
     state, idx = model.init_state(2), torch.arange(2)
     for row, R in enumerate((20, 11)):
-        state = state.assign_rows(idx[row:row + 1], model.warm(rand_codes(R, 300 + R), model.init_state(1)))
+        state.assign_rows_(idx[row:row + 1], model.warm(rand_codes(R, 300 + R), model.init_state(1)))
     assert state.pos.tolist() == [20, 11]
     out = torch.cat(stream(model, torch.cat([gen, gen]), [4, 26], state)[0], dim=-1)
     for row, R in enumerate((20, 11)):

@@ -266,6 +266,11 @@ def test_models_health_ready_metrics_and_page(cv_server):
                      "q3tts_time_to_first_audio_seconds_bucket", "q3tts_real_time_factor_bucket",
                      "q3tts_speech_requests_total", "q3tts_errors_total"):
             assert name in text, name
+        # the engine's counters: by now the warm-up and earlier tests have been admitted and stepped
+        assert cv_server.metric("q3tts_engine_steps_total") > 0
+        assert cv_server.metric("q3tts_admitted_requests_total") > 0
+        assert cv_server.metric("q3tts_admission_wait_seconds_total") > 0
+        assert all(cv_server.metric("q3tts_engine_step_seconds_total", phase=p) > 0 for p in ("admit", "decode", "vocode"))
         page = h.get("/")
         assert page.status_code == 200 and "<textarea" in page.text and "/v1/audio/speech" in page.text
         voices = h.get("/v1/audio/voices").json()["data"]

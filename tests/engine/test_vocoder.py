@@ -1,0 +1,76 @@
+"""StreamingVocoder: pooled per-request states, chunks cut into power-of-two pieces, batched across requests
+== one full decode of each request's codes (CPU, fp32, the tiny Code2Wav of tests/models/test_codec.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from q3tts.engine.vocoder import StreamingVocoder, pieces
+from tests.models.test_codec import SPF, TOL, rand_codes, tiny_model
+
+
+def test_pieces():
+    assert pieces(13, 16) == [8, 4, 1]
+    assert pieces(40, 16) == [16, 16, 8]
+    assert pieces(16, 16) == [16] and pieces(1, 4) == [1] and pieces(0, 16) == []
+    assert all(sum(pieces(n, m)) == n for n in range(1, 70) for m in (1, 2, 8, 16))
+
+
+def full(codes: torch.Tensor) -> np.ndarray:
+    with torch.no_grad():
+        return tiny_model()(codes)[0].numpy()  # codes [1, K, T] -> [T*1920]
+
+
+def test_interleaved_streams_equal_full_decodes():
+    """Three streams with different chunkings share calls (same-size pieces batch together); one of them
+    is ICL-warmed; a row freed by a finished stream is reused by a new one and starts fresh."""
+    voc = StreamingVocoder(tiny_model(), max_rows=3)
+    codes = {name: rand_codes(T, seed)[0].T for name, T, seed in (("a", 23, 1), ("b", 30, 2), ("c", 9, 3), ("d", 12, 4))}
+    ref = rand_codes(11, 5)[0].T  # [11, K]: ICL reference of stream b
+    chunks = {"a": [1, 2, 4, 16], "b": [1, 2, 4, 8, 15], "c": [3, 6], "d": [5, 7]}
+    rows = dict(zip("abc", voc.open([None, ref, None])))
+    out: dict[str, list[np.ndarray]] = {k: [] for k in chunks}
+    done = {k: 0 for k in chunks}
+    while rows:
+        work = []
+        for name, row in rows.items():
+            n = chunks[name][len(out[name])]
+            work.append((name, row, codes[name][done[name]: done[name] + n]))
+            done[name] += n
+        for (name, _, _), wav in zip(work, voc.decode([(row, c) for _, row, c in work])):
+            out[name].append(wav)
+        for name in [n for n in rows if len(out[n]) == len(chunks[n])]:
+            voc.close(rows.pop(name))
+            if name == "c":  # d takes c's row at once
+                rows["d"] = voc.open([None])[0]
+                assert rows["d"] == 2
+    assert not rows and sorted(voc.free_rows) == [0, 1, 2]
+    for name in "acd":
+        got = np.concatenate(out[name])
+        assert got.shape == (codes[name].shape[0] * SPF,)
+        assert np.abs(got - full(codes[name].T[None])).max() <= TOL, name
+    with_ref = full(torch.cat([ref, codes["b"]]).T[None])[ref.shape[0] * SPF:]  # the reference's audio is dropped
+    assert np.abs(np.concatenate(out["b"]) - with_ref).max() <= TOL
+
+
+@pytest.mark.gpu
+def test_graphs_equal_eager_on_gpu():
+    """The captured (rows bucket, piece) calls, padded with scratch rows, give the eager calls' audio."""
+    model = tiny_model().to("cuda")
+    try:
+        eager = StreamingVocoder(model, max_rows=5)
+        graphed = StreamingVocoder(model, max_rows=5, use_graphs=True)
+        assert graphed.capture_graphs() == 4 * 5  # rows 1, 2, 4, 8 x pieces 1, 2, 4, 8, 16
+        streams = [rand_codes(37, s)[0].T for s in range(3)]
+        res = []
+        for voc in (eager, graphed):
+            rows = voc.open([None, rand_codes(6, 9)[0].T, None])
+            outs = [[] for _ in streams]
+            for lo, hi in ((0, 1), (1, 3), (3, 10), (10, 37)):
+                for o, wav in zip(outs, voc.decode([(r, s[lo:hi]) for r, s in zip(rows, streams)])):
+                    o.append(wav)
+            res.append([np.concatenate(o) for o in outs])
+        for e, g in zip(*res):
+            assert np.abs(e - g).max() <= 1e-4
+    finally:
+        tiny_model().to("cpu")
