@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from q3tts.engine.engine import Engine
-from q3tts.engine.request import RequestStatus
+from q3tts.engine.request import RequestStatus, StreamOptions
 from q3tts.models.talker import embed_prompt
 from tests.golden import fixtures as fx
 
@@ -119,6 +119,40 @@ def test_batched_equals_alone_with_staggered_arrivals_and_a_cancel():
         got = torch.stack(h.frames)
         assert torch.equal(got, a), h.request_id
     assert eng.scheduler.num_running == 0 and len(eng.scheduler.free_slots) == 3
+
+
+def stream_alone(tts, p, opts):
+    eng = Engine(tts, max_slots=1, max_seq_len=256)
+    req = eng.add_request(p, opts)
+    chunks = eng.run_to_completion([req])
+    return torch.stack(req.frames), np.concatenate([c.audio for c in chunks])
+
+
+def test_voice_clone_mix_streamed_staggered_with_a_cancel():
+    """Base model: ICL clones with references of different lengths and an x-vector clone, streamed, arriving at
+    different frames, one cancelled mid-way, sharing batched prefills, frames and vocoder calls (and a vocoder
+    row freed by the cancel): each gets exactly its codes alone, and its audio alone."""
+    tts, ps = prepared_lengths("base06")  # ICL short ref, ICL long ref, x-vector
+    opts = StreamOptions(first_chunk_frames=1, chunk_frames=4)
+    alone = [stream_alone(tts, p, opts) for p in ps]
+    eng = Engine(tts, max_slots=3, max_seq_len=256)
+    handles = [eng.add_request(ps[0], opts)]
+    victim = eng.add_request(ps[1], opts, request_id="victim")
+    chunks = eng.step() + eng.step()
+    handles.append(eng.add_request(ps[1], opts))  # the long reference again, joining at frame 2
+    chunks += eng.step()
+    eng.abort("victim")
+    handles.append(eng.add_request(ps[2], opts))  # x-vector: takes the victim's slot and vocoder row, fresh
+    chunks += eng.run_to_completion(handles + [victim])
+    audio = {h.request_id: [] for h in handles}
+    for c in chunks:
+        audio.get(c.request_id, []).append(c.audio)
+    assert victim.status == RequestStatus.FINISHED_ABORTED and 0 < victim.num_frames < 9
+    for h, (codes, wav) in zip(handles, alone):
+        assert torch.equal(torch.stack(h.frames), codes), h.request_id
+        got = np.concatenate(audio[h.request_id])
+        assert got.shape == wav.shape and np.abs(got - wav).max() <= 1e-5, h.request_id
+    assert sorted(eng.vocoder.free_rows) == [0, 1, 2]
 
 
 def test_sampled_output_is_reproducible_from_the_seed():
