@@ -207,8 +207,6 @@ class Engine:
                 audio = next(decoded)
             else:
                 audio = np.zeros(0, dtype=np.float32)
-            if r.first_audio_time is None and n > 0:
-                r.first_audio_time = now
             chunks.append(AudioChunk(r.request_id, audio, self.tts.sample_rate, r.frames_vocoded, n, last,
                                      r.status.reason if last else None, now - r.arrival_time, r.error))
             r.frames_vocoded += n

@@ -54,7 +54,6 @@ class EngineRequest:
     chunks_emitted: int = 0
     vocoder_row: int | None = None  # its row of the StreamingVocoder's state pool while streaming
     stream_done: bool = False  # its last chunk has been emitted
-    first_audio_time: float | None = None
     error: str | None = None
 
     @property
@@ -64,10 +63,6 @@ class EngineRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prepared.layout)  # prefill positions L
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self.prepared.params.max_new_tokens
 
     def next_chunk_size(self) -> int:
         s = self.stream

@@ -29,6 +29,8 @@ from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+MIN_KV_SPAN = 64
+FUSED_CP_MAX_BATCH = 1  # the code-predictor step compiled whole: measured faster for one stream on an H200
 
 
 def compile_layers(talker: Talker) -> None:
@@ -54,8 +56,6 @@ def want_compile(device: torch.device, flag: bool | None) -> bool:
         return flag
     env = os.environ.get("Q3TTS_COMPILE")
     return env == "1" if env is not None else device.type == "cuda"
-MIN_KV_SPAN = 64
-FUSED_CP_MAX_BATCH = 1  # the code-predictor step compiled whole: measured faster for one stream on an H200
 
 
 @dataclass(slots=True)
@@ -76,7 +76,6 @@ class ModelRunner:
         self.max_len = max(MIN_KV_SPAN, 1 << (max_len - 1).bit_length())  # a power of two: the last length bucket
         self.use_graphs = (self.device.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
         # padded replays touch rows up to the next bucket: allocate them (they are free slots)
-        self.max_slots = max_slots
         S = next((b for b in BATCH_BUCKETS if b >= max_slots), max_slots) if self.use_graphs else max_slots
         self.num_rows = S
         dev, dt = self.device, self.dtype
