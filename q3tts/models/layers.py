@@ -140,10 +140,17 @@ def run_layers(layers: nn.ModuleList, norm: RMSNorm, x, cos, sin, kv: torch.Tens
 
 
 def fuse_projections(module: nn.Module) -> None:
-    """Concatenate q/k/v and gate/up weights once after loading: one GEMM instead of three / two.
-    The per-name parameters stay (checkpoint names are unchanged)."""
+    """Concatenate q/k/v and gate/up weights once after loading (on the final device and dtype): one GEMM
+    instead of three / two. The per-name parameters stay (checkpoint names are unchanged) as views into the
+    fused weight, so the weights are held once."""
     for m in module.modules():
         if isinstance(m, Attention):
-            m.qkv_weight = torch.cat([m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]).detach()
+            projs, name = (m.q_proj, m.k_proj, m.v_proj), "qkv_weight"
         elif isinstance(m, MLP):
-            m.gate_up_weight = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
+            projs, name = (m.gate_proj, m.up_proj), "gate_up_weight"
+        else:
+            continue
+        fused = torch.cat([p.weight.detach() for p in projs])
+        for p, view in zip(projs, fused.split([p.weight.shape[0] for p in projs])):
+            p.weight.data = view
+        setattr(m, name, fused)

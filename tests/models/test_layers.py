@@ -39,3 +39,31 @@ def test_interleaved_mrope_differs_when_streams_differ():
     q = torch.randn(1, 2, 2, 32)
     a = upstream_interleaved_mrope(q, torch.stack([cos[0], cos2[0], cos2[0]])[:, None], torch.stack([sin[0], sin2[0], sin2[0]])[:, None], [6, 5, 5])
     assert not torch.allclose(a, apply_rope(q, cos, sin))
+
+
+def test_fused_projections_hold_the_weights_once_and_compute_the_same():
+    from q3tts.config import DecoderLayerConfig
+    from q3tts.models.layers import AttnContext, DecoderLayer, fuse_projections
+    cfg = DecoderLayerConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=8)
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg).eval()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(2, 5, 32)
+    pos = torch.arange(5)[None].expand(2, -1)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(16, 10000.0), torch.float32)
+
+    def run():
+        kv = torch.zeros(2, 2, 2, 8, 16)
+        ctx = AttnContext(write_pos=pos, mask=(torch.arange(8)[None, :] <= torch.arange(5)[:, None])[None, None])
+        with torch.no_grad():
+            return layer(x, cos, sin, kv[0], kv[1], ctx)
+
+    plain = run()
+    fuse_projections(layer)
+    torch.testing.assert_close(run(), plain)
+    after = layer.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    attn, mlp = layer.self_attn, layer.mlp
+    for fused, projs in ((attn.qkv_weight, (attn.q_proj, attn.k_proj, attn.v_proj)), (mlp.gate_up_weight, (mlp.gate_proj, mlp.up_proj))):
+        assert all(p.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for p in projs)
