@@ -21,7 +21,6 @@ silent (RMS below min_rms, -80 dBFS by default).
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import math
 import os
@@ -108,17 +107,38 @@ def _fetch_url(url: str, limits: AudioLimits, what: str, timeout: float) -> byte
     return data
 
 
-def _b64decode(s: str, limits: AudioLimits, what: str) -> bytes:
+class Base64TooLarge(ValueError):
+    """decode_base64's refusal, before decoding, of data that would decode to more than its max_bytes."""
+
+    def __init__(self, size: int, max_bytes: int):
+        super().__init__(f"base64 input decodes to about {size} bytes, more than {max_bytes}")
+        self.size, self.max_bytes = size, max_bytes
+
+
+def decode_base64(s: str, max_bytes: int | None = None) -> bytes:
+    """Base64 text or a data URL ("data:audio/wav;base64,...") -> bytes. Whitespace is ignored, the URL-safe
+    alphabet ('-', '_') is accepted and padding may be left out.
+
+    Raises Base64TooLarge (before decoding) where the payload would decode to more than max_bytes bytes
+    (estimated as 3/4 of its length), ValueError (binascii.Error) where it is not base64."""
     payload = s.split(",", 1)[1] if s.startswith("data:") else s
-    if len(payload) * 3 // 4 > limits.max_bytes:
-        raise ValueError(f"{what}: base64 input decodes to about {len(payload) * 3 // 4} bytes, more than "
-                         f"max_bytes={limits.max_bytes}")
     payload = re.sub(r"\s+", "", payload)
+    if max_bytes is not None and len(payload) * 3 // 4 > max_bytes:
+        raise Base64TooLarge(len(payload) * 3 // 4, max_bytes)
+    padding = "=" * (-len(payload) % 4)
+    if "-" in payload or "_" in payload:
+        return base64.urlsafe_b64decode(payload + padding)
+    return base64.b64decode(payload + padding, validate=True)
+
+
+def _b64decode(s: str, limits: AudioLimits, what: str) -> bytes:
+    # the size estimate counts the payload as given, whitespace included (stricter than decode_base64's)
+    size = len(s.split(",", 1)[1] if s.startswith("data:") else s) * 3 // 4
+    if size > limits.max_bytes:
+        raise ValueError(f"{what}: base64 input decodes to about {size} bytes, more than max_bytes={limits.max_bytes}")
     try:
-        if "-" in payload or "_" in payload:
-            return base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
-        return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
-    except (binascii.Error, ValueError) as e:
+        return decode_base64(s)
+    except ValueError as e:  # binascii.Error included
         raise ValueError(f"{what}: invalid base64 data: {e}") from e
 
 
@@ -265,12 +285,16 @@ def load_reference(src: Any, sr: int = TARGET_SR, **kwargs) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- output
+def to_s16(audio: np.ndarray) -> np.ndarray:
+    """float samples in [-1, 1] -> 16-bit PCM, little-endian int16 (NaN -> 0, clipped, rounded)."""
+    return np.round(np.clip(np.nan_to_num(audio), -1.0, 1.0) * 32767.0).astype("<i2")
+
+
 def wav_bytes(wav: np.ndarray, sr: int) -> bytes:
     """float waveform [N] (or [N, C]) in [-1, 1] -> 16-bit PCM WAV file bytes (clipped, rounded)."""
     a = np.asarray(wav, dtype=np.float32)
     channels = 1 if a.ndim == 1 else a.shape[1]
-    pcm = np.clip(np.nan_to_num(a), -1.0, 1.0)
-    pcm = np.round(pcm * 32767.0).astype("<i2")
+    pcm = to_s16(a)
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(channels)

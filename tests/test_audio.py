@@ -17,6 +17,8 @@ import torch
 
 from q3tts.audio import (
     AudioLimits,
+    Base64TooLarge,
+    decode_base64,
     load_audio,
     load_reference,
     resample,
@@ -160,6 +162,21 @@ def test_missing_file():
 def test_invalid_base64():
     with pytest.raises(ValueError, match="invalid base64"):
         load_audio("data:audio/wav;base64,@@@not*base64@@@")
+
+
+def test_decode_base64_forms_and_limit():
+    data = bytes(range(256)) * 3 + b"\xfb\xff"  # '+' and '/' in standard base64, '-' and '_' in URL-safe
+    b64 = base64.b64encode(data).decode()
+    wrapped = " \n".join(b64[i:i + 76] for i in range(0, len(b64), 76))
+    urlsafe = base64.urlsafe_b64encode(data).decode().rstrip("=")
+    for s in (b64, b64.rstrip("="), "data:audio/wav;base64," + b64, wrapped, urlsafe):
+        assert decode_base64(s) == data
+    assert decode_base64(b64, max_bytes=len(data) + 2) == data
+    with pytest.raises(Base64TooLarge) as e:
+        decode_base64(b64, max_bytes=len(data) - 1)
+    assert e.value.size == len(b64) * 3 // 4
+    with pytest.raises(ValueError):
+        decode_base64("@@@not*base64@@@")
 
 
 def test_silent():

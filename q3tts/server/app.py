@@ -187,8 +187,8 @@ async def metrics(raw_request: Request):
 
 
 @router.get("/", include_in_schema=False)
-async def index():
-    return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+async def index(raw_request: Request):
+    return HTMLResponse(_state(raw_request).index_html)
 
 
 # --------------------------------------------------------------------------- errors
@@ -349,6 +349,7 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
     st = app.state
     st.tts, st.engine, st.metrics, st.voices, st.serving, st.settings = tts, engine, metrics, voices, serving, settings
     st.started = int(time.time())
+    st.index_html = (STATIC / "index.html").read_text(encoding="utf-8")  # the web page, read once
     _install_error_handlers(app)
     app.include_router(router)
     app.add_middleware(GuardMiddleware, settings=settings, metrics=metrics)

@@ -27,13 +27,10 @@ from typing import ClassVar
 
 import numpy as np
 
+from q3tts.audio import to_s16
+
 MEDIA_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac",
                "wav": "audio/wav", "pcm": "audio/pcm"}
-
-
-def to_s16(audio: np.ndarray) -> np.ndarray:
-    """float [-1, 1] -> int16 (clipped, rounded), as q3tts.audio.wav_bytes."""
-    return np.round(np.clip(np.nan_to_num(audio), -1.0, 1.0) * 32767.0).astype("<i2")
 
 
 def wav_stream_header(sample_rate: int, channels: int = 1, bits: int = 16) -> bytes:
@@ -148,8 +145,7 @@ class TimeStretch:
 
 # --------------------------------------------------------------------------- encoders
 class PcmEncoder:
-    def __init__(self, sample_rate: int):
-        self.sample_rate = sample_rate
+    """Raw s16le: no header, so no rate to declare."""
 
     def encode(self, audio: np.ndarray) -> bytes:
         return to_s16(audio).tobytes()
@@ -163,7 +159,6 @@ class PcmEncoder:
 
 class WavEncoder(PcmEncoder):
     def __init__(self, sample_rate: int):
-        super().__init__(sample_rate)
         self._header = wav_stream_header(sample_rate)
 
     def encode(self, audio: np.ndarray) -> bytes:
@@ -253,11 +248,11 @@ class AudioEncoder:
     def __init__(self, fmt: str, sample_rate: int, speed: float = 1.0):
         if fmt not in MEDIA_TYPES:
             raise ValueError(f"unknown response_format {fmt!r}; one of {sorted(MEDIA_TYPES)}")
-        self.fmt, self.sample_rate = fmt, sample_rate
+        self.sample_rate = sample_rate
         self.media_type = MEDIA_TYPES[fmt]
         self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
-        self.encoder = {"pcm": PcmEncoder, "wav": WavEncoder}.get(fmt, None)
-        self.encoder = self.encoder(sample_rate) if self.encoder else AvEncoder(fmt, sample_rate)
+        self.encoder = (PcmEncoder() if fmt == "pcm" else WavEncoder(sample_rate) if fmt == "wav"
+                        else AvEncoder(fmt, sample_rate))
         self.samples_out = 0  # audio samples encoded (after speed)
 
     @property

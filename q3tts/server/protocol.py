@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from q3tts.sampling import SamplingParams
+
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
 
@@ -55,10 +57,9 @@ class SpeechRequest(BaseModel):
     non_streaming_mode: bool | None = Field(None, description="Prompt text placement (the official meaning)")
 
     def gen_kwargs(self) -> dict[str, Any]:
-        """The sampling extensions that were given (the model's generation_config fills the rest)."""
-        names = ("seed", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_dosample",
-                 "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "max_new_tokens")
-        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        """The sampling extensions that were given (the model's generation_config fills the rest): every
+        SamplingParams field, which this request declares under the same name."""
+        return {k: getattr(self, k) for k in SamplingParams.names() if getattr(self, k) is not None}
 
     @property
     def voice_name(self) -> str | None:

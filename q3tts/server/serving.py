@@ -97,15 +97,18 @@ class SpeechServing:
         return self._call(self.tts.prepare_voice_clone, req.input, req.language, voice_clone_prompt=[item], **kw)
 
     def _speaker(self, name: str | None) -> str:
-        speakers = ", ".join(self.voices.builtin())
         if not name:
-            raise ApiError(400, f"voice is required: one of this model's speakers: {speakers}", param="voice",
+            raise ApiError(400, f"voice is required: one of this model's speakers: {self._speakers()}", param="voice",
                            code="missing_voice")
         try:
             return self.tts.builder.resolve_speaker(name)
         except ValueError:
-            raise ApiError(400, f"unknown voice {name!r}: this CustomVoice model's voices are {speakers}",
+            raise ApiError(400, f"unknown voice {name!r}: this CustomVoice model's voices are {self._speakers()}",
                            param="voice", code="voice_not_found") from None
+
+    def _speakers(self) -> str:
+        """The built-in speakers, for error messages."""
+        return ", ".join(self.voices.builtin())
 
     @staticmethod
     def _call(fn, *args, **kwargs):
@@ -139,7 +142,7 @@ class SpeechServing:
             raise
         if req.stream_format == "sse":
             return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc))
-        return SpeechStream(run.request_id, enc.media_type, self._audio(run, first, chunks, enc))
+        return SpeechStream(run.request_id, enc.media_type, self._encoded(run, first, chunks, enc))
 
     async def _encoded(self, run: _Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
                        enc: AudioEncoder) -> AsyncIterator[bytes]:
@@ -171,14 +174,6 @@ class SpeechServing:
             enc.close()
             await chunks.aclose()  # a no-op after the last chunk; else aborts the request and frees its slot
             self._book(run)
-
-    async def _audio(self, run, first, chunks, enc) -> AsyncIterator[bytes]:
-        gen = self._encoded(run, first, chunks, enc)
-        try:
-            async for data in gen:
-                yield data
-        finally:
-            await gen.aclose()
 
     async def _sse(self, run, first, chunks, enc) -> AsyncIterator[bytes]:
         gen = self._encoded(run, first, chunks, enc)

@@ -11,8 +11,6 @@ one voice file each (`<id>.safetensors`, q3tts.voice.Voice's format) plus a row 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hashlib
 import logging
 import os
@@ -24,6 +22,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
+from q3tts.audio import Base64TooLarge, decode_base64
 
 from .protocol import ApiError, VoiceDeleted, VoiceObject
 
@@ -154,16 +154,12 @@ class VoiceStore:
 # --------------------------------------------------------------------------- the service
 def decode_base64_audio(s: str, max_bytes: int, param: str) -> bytes:
     """base64 or a data URL -> bytes; 413 past max_bytes, 400 if not base64."""
-    payload = s.split(",", 1)[1] if s.startswith("data:") else s
-    payload = re.sub(r"\s+", "", payload)
-    if len(payload) * 3 // 4 > max_bytes + 2:
-        raise ApiError(413, f"{param}: about {len(payload) * 3 // 4} bytes of audio, more than this server's "
-                       f"limit of {max_bytes} bytes (--max-upload-bytes)", param=param, code="upload_too_large")
     try:
-        if "-" in payload or "_" in payload:
-            return base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
-        return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
-    except (binascii.Error, ValueError):
+        return decode_base64(s, max_bytes + 2)  # + 2: the estimate counts up to 2 bytes of padding
+    except Base64TooLarge as e:
+        raise ApiError(413, f"{param}: about {e.size} bytes of audio, more than this server's limit of {max_bytes} "
+                       "bytes (--max-upload-bytes)", param=param, code="upload_too_large") from None
+    except ValueError:  # binascii.Error included
         raise ApiError(400, f"{param}: not valid base64 (give the audio file's bytes as base64 or a data URL "
                        "like data:audio/wav;base64,...)", param=param, code="invalid_base64") from None
 
@@ -233,8 +229,8 @@ class VoiceService:
             raise ApiError(400, str(e), param="ref_audio", code="invalid_reference") from e
 
     async def inline_prompt_item(self, ref_audio: str, ref_text: str | None, xvec: bool):
-        """A request's own reference (base64 / data URL), cloned off the event loop; recent ones are cached."""
-        self._require_base()
+        """A request's own reference (base64 / data URL), cloned off the event loop; recent ones are cached.
+        Called for Base models only (serving.prepare's Base branch)."""
         audio = decode_base64_audio(ref_audio, self.max_upload_bytes, "ref_audio")
         key = hashlib.sha256(audio + b"\0" + (ref_text or "").encode() + (b"x" if xvec else b"i")).hexdigest()
         voice = self._inline.get(key)

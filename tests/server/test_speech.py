@@ -7,12 +7,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import pytest
-
-for _m in ("fastapi", "uvicorn", "openai", "av"):
-    pytest.importorskip(_m)
-
 import openai
+import pytest
 
 from .live import GREEDY, SPF, SR, declared_rate, decode, duration_tolerance, pcm_samples, speak
 
@@ -58,7 +54,8 @@ def num_frames(results):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_decodes_to_the_generated_duration(results, num_frames, fmt, mode):
     data, parts = results[(mode, fmt)]
-    assert declared_rate(fmt, data) == SR
+    if fmt != "pcm":  # raw PCM declares no rate
+        assert declared_rate(fmt, data) == SR
     if fmt == "pcm":
         samples, rate = pcm_samples(data), SR
     else:
