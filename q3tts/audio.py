@@ -151,8 +151,11 @@ def _is_url(s: str) -> bool:
 
 
 def _array_input(x: Any, sr: Any, what: str) -> tuple[np.ndarray, int]:
-    if hasattr(x, "detach"):  # torch.Tensor
-        x = x.detach().float().cpu().numpy()
+    if hasattr(x, "detach"):  # torch.Tensor: integer PCM keeps its dtype, to be scaled below as numpy's is
+        import torch
+        x = x.detach().cpu()
+        integer = not (x.is_floating_point() or x.is_complex()) and x.dtype != torch.bool
+        x = (x if integer else x.float()).numpy()
     a = np.asarray(x)
     if a.dtype.kind in "iu":  # integer PCM -> [-1, 1)
         info = np.iinfo(a.dtype)

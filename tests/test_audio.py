@@ -88,6 +88,17 @@ def test_integer_pcm_tuples_are_scaled():
     np.testing.assert_allclose(wav, x, atol=1e-2)
 
 
+def test_integer_pcm_torch_tensors_are_scaled_as_numpy_arrays():
+    i16 = np.tile(np.array([16384, -16384], np.int16), 8000)  # 1 s at 16 kHz
+    wav, _ = load_audio((torch.from_numpy(i16), 16000))
+    np.testing.assert_array_equal(wav, np.tile(np.array([0.5, -0.5], np.float32), 8000))
+    x = tone()
+    for a in (np.round(x * 32767).astype(np.int16), np.round(x * 127 + 128).astype(np.uint8)):
+        ref, _ = load_audio((a, 16000))
+        wav, _ = load_audio((torch.from_numpy(a), 16000))
+        np.testing.assert_array_equal(wav, ref, err_msg=str(a.dtype))
+
+
 def test_to_mono_takes_the_channel_axis():
     x = tone(channels=2)
     np.testing.assert_array_equal(to_mono(x), to_mono(x.T.copy()))
