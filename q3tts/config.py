@@ -150,6 +150,12 @@ class ModelConfig:
         return ["auto"] + sorted(k for k in self.talker.codec_language_id if "dialect" not in k)
 
 
+def dataclass_kwargs(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a JSON dict that are fields of dataclass cls, JSON lists turned into tuples."""
+    fields = cls.__dataclass_fields__
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields}
+
+
 def _layers(d: dict[str, Any], cls: type, **extra: Any) -> Any:
     return cls(
         hidden_size=d["hidden_size"],
@@ -198,8 +204,7 @@ def parse_model_config(d: dict[str, Any]) -> ModelConfig:
     spk = None
     if model_type == "base":
         s = d.get("speaker_encoder_config") or {}
-        spk = SpeakerEncoderConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()
-                                      if k in SpeakerEncoderConfig.__dataclass_fields__})
+        spk = SpeakerEncoderConfig(**dataclass_kwargs(SpeakerEncoderConfig, s))
     return ModelConfig(
         tts_model_type=model_type,
         tts_model_size=d.get("tts_model_size", ""),
@@ -213,8 +218,7 @@ def parse_model_config(d: dict[str, Any]) -> ModelConfig:
 
 def parse_speech_tokenizer_config(d: dict[str, Any]) -> SpeechTokenizerConfig:
     dec = d.get("decoder_config") or {}
-    fields = Code2WavConfig.__dataclass_fields__
-    decoder = Code2WavConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in dec.items() if k in fields})
+    decoder = Code2WavConfig(**dataclass_kwargs(Code2WavConfig, dec))
     return SpeechTokenizerConfig(
         decoder=decoder,
         encoder=d.get("encoder_config") or {},

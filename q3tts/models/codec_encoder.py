@@ -25,6 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import dataclass_kwargs
+from .codec import LayerScale
+from .layers import apply_rope, rope_cos_sin, rope_inv_freq
+
 
 @dataclass(slots=True)
 class CodecEncoderConfig:
@@ -72,8 +76,7 @@ class CodecEncoderConfig:
 
 def parse_codec_encoder_config(d: dict[str, Any]) -> CodecEncoderConfig:
     """From the `encoder_config` dict of speech_tokenizer/config.json (MimiConfig field names)."""
-    fields = CodecEncoderConfig.__dataclass_fields__
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields}
+    kw = dataclass_kwargs(CodecEncoderConfig, d)
     rate = d.get("frame_rate", d.get("_frame_rate"))
     if rate is None:  # MimiConfig: one frame per SEANet hop times the 2x downsample
         rate = kw.get("sampling_rate", 24000) / (math.prod(kw.get("upsampling_ratios", (8, 6, 5, 4))) * 2)
@@ -166,17 +169,12 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.H, self.hd).transpose(1, 2)  # [B, H, T, hd]
         k = self.k_proj(x).view(B, T, self.KV, self.hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.KV, self.hd).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.KV != self.H:
             k = k.repeat_interleave(self.H // self.KV, dim=1)
             v = v.repeat_interleave(self.H // self.KV, dim=1)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # full causal (see module doc)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.H * self.hd))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class MLP(nn.Module):
@@ -189,15 +187,6 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-class LayerScale(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
-
-
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: CodecEncoderConfig):
         super().__init__()
@@ -205,8 +194,8 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
-        self.mlp_layer_scale = LayerScale(cfg.hidden_size)
+        self.self_attn_layer_scale = LayerScale(cfg.hidden_size, 1.0)  # loaded from the checkpoint
+        self.mlp_layer_scale = LayerScale(cfg.hidden_size, 1.0)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin))
@@ -218,18 +207,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_hidden_layers))
-
-    def rope(self, T: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Default RoPE (rotate-half layout), positions 0..T-1, computed in fp32 as transformers does."""
-        hd = self.cfg.head_dim
-        exponent = torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd
-        inv_freq = 1.0 / (self.cfg.rope_theta ** exponent)
-        freqs = torch.arange(T, device=device).float()[:, None] * inv_freq[None, :]  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        self._inv_freq: torch.Tensor | None = None  # fp32 on the input's device, made once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rope(x.shape[1], x.device, x.dtype)
+        # default RoPE (rotate-half layout), positions 0..T-1, computed in fp32 as transformers does
+        if self._inv_freq is None or self._inv_freq.device != x.device:
+            self._inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta).to(x.device)
+        cos, sin = rope_cos_sin(torch.arange(x.shape[1], device=x.device)[None], self._inv_freq, x.dtype)  # [1, T, hd]
         for layer in self.layers:
             x = layer(x, cos, sin)
         return x
