@@ -282,15 +282,18 @@ class TTS:
         items = []
         for it in _as_list(voice_clone_prompt):
             if isinstance(it, (str, os.PathLike)):
-                it = self.load_voice(it)
-            if isinstance(it, Voice):
+                it = self.load_voice(it)  # Voice.load checks that it fits this model
+            elif isinstance(it, Voice):
                 it.check_model(self.cfg)
+            if isinstance(it, Voice):
                 it = it.to_prompt_item()
+            elif not isinstance(it, VoiceClonePromptItem):  # e.g. qwen_tts's item
+                it = VoiceClonePromptItem(
+                    ref_code=getattr(it, "ref_code", None), ref_spk_embedding=it.ref_spk_embedding,
+                    x_vector_only_mode=bool(it.x_vector_only_mode), icl_mode=bool(it.icl_mode),
+                    ref_text=getattr(it, "ref_text", None))
             items.append(it)
-        return [it if isinstance(it, VoiceClonePromptItem) else VoiceClonePromptItem(
-            ref_code=getattr(it, "ref_code", None), ref_spk_embedding=it.ref_spk_embedding,
-            x_vector_only_mode=bool(it.x_vector_only_mode), icl_mode=bool(it.icl_mode),
-            ref_text=getattr(it, "ref_text", None)) for it in items]
+        return items
 
     def _check_item(self, i: int, it: VoiceClonePromptItem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         D, K = self.cfg.talker.hidden_size, self.cfg.talker.num_code_groups

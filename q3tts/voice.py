@@ -42,7 +42,6 @@ from .config import (
 from .models.codec_encoder import CodecEncoder, parse_codec_encoder_config
 from .models.speaker_encoder import SpeakerEncoder
 from .weights import (
-    list_keys,
     load_module,
     read_tensors,
     resolve_model_dir,
@@ -246,11 +245,11 @@ class VoiceCloner:
 
     # ------------------------------------------------------------------ lazy modules
     def _load(self, files_stem: Path, prefix: str, module: torch.nn.Module, what: str) -> torch.nn.Module:
-        files = safetensors_files(files_stem)
-        if not any(k.startswith(prefix) for k in list_keys(files)):
+        tensors = read_tensors(safetensors_files(files_stem), prefix)
+        if not tensors:
             raise ValueError(f"{files_stem}.safetensors has no {prefix}* weights: this checkpoint cannot clone "
                              f"voices ({what} missing; voice cloning needs the official Base checkpoint)")
-        load_module(module, read_tensors(files, prefix), f"{files_stem}.safetensors ({prefix}*)")
+        load_module(module, tensors, f"{files_stem}.safetensors ({prefix}*)")
         return module.to(device=self.device, dtype=self.dtype).eval()
 
     @property
