@@ -35,7 +35,6 @@ def clip24(name: str) -> np.ndarray:
     return resample(wav, sr)
 
 
-@lru_cache(maxsize=None)
 def cloner():
-    from q3tts.voice import VoiceCloner
-    return VoiceCloner(fx.checkpoint("base06"))
+    """The base06 TTS's own (cached) VoiceCloner: same checkpoint and config, CPU, float32."""
+    return fx.tts("base06").voice_cloner()
