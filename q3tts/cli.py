@@ -72,7 +72,7 @@ def cmd_say(a) -> int:
 
 
 def cmd_clone(a) -> int:
-    from .voice import VoiceCloner, voice_summary
+    from .inputs.voice import VoiceCloner, voice_summary
     ref_text = a.ref_text
     if a.ref_text_file:
         ref_text = open(a.ref_text_file, encoding="utf-8").read().strip()

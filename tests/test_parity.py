@@ -30,7 +30,7 @@ def test_prompt_embeddings_equal_official(variant, name):
     official_trailing = t[f"{name}.trailing"]  # [B, S_max, D], padded with tts_pad
     for i, pr in enumerate(prepared):
         with torch.inference_mode():
-            pre, trail = embed_prompt(tts.talker, pr.layout, pr.speaker_embedding, pr.ref_codes)
+            pre, trail = embed_prompt(tts.ckpt.talker, pr.layout, pr.speaker_embedding, pr.ref_codes)
         ref = t[f"{name}.prefill.{i}"]
         assert pre.shape == ref.shape, f"row {i}: prefill length {pre.shape[0]} != official {ref.shape[0]}"
         torch.testing.assert_close(pre, ref, atol=1e-5, rtol=1e-5)
@@ -38,7 +38,7 @@ def test_prompt_embeddings_equal_official(variant, name):
         S = trail.shape[0]
         torch.testing.assert_close(trail, official_trailing[i, :S], atol=1e-5, rtol=1e-5)
         rest = official_trailing[i, S:]
-        torch.testing.assert_close(rest, tts.tts_pad_embed.expand_as(rest), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rest, tts.ckpt.tts_pad_embed.expand_as(rest), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant,name", CASES)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -95,7 +94,3 @@ class AsyncEngine:
             if not finished:
                 self.engine.abort(req.request_id)
                 self._wake.set()
-
-
-def now() -> float:
-    return time.perf_counter()

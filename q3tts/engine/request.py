@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..inputs.request import PreparedRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,13 +46,13 @@ class StreamOptions:
 @dataclass(slots=True, eq=False)
 class EngineRequest:
     request_id: str
-    prepared: Any  # q3tts.api.PreparedRequest (layout, speaker embedding, ref codes, sampling params)
+    prepared: PreparedRequest  # layout, speaker embedding, ref codes, sampling params
     stream: StreamOptions | None = None  # None: offline (codes only, decoded by the caller)
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
-    frames: list = field(default_factory=list)  # generated frames, each a [K] int64 CPU tensor
-    max_frames: int = 0  # set at admission: max_new_tokens - 1, capped by the KV cache
+    frames: list = field(default_factory=list)  # generated frames, each a [K] int64 tensor on the device
+    max_frames: int = 0  # max_new_tokens - 1, capped by the KV cache
     frames_vocoded: int = 0  # frames already turned into audio
     chunks_emitted: int = 0
     vocoder_row: int | None = None  # its row of the StreamingVocoder's state pool while streaming

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +25,7 @@ from ..kernels import MAX_ROWS, linear
 from ..models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
+from .scheduler import FrameResult
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_KV_SPAN = 64
@@ -56,12 +55,6 @@ def want_compile(device: torch.device, flag: bool | None) -> bool:
         return flag
     env = os.environ.get("Q3TTS_COMPILE")
     return env == "1" if env is not None else device.type == "cuda"
-
-
-@dataclass(slots=True)
-class FrameOutput:
-    codes: torch.Tensor  # [B, K] int64 (CPU): the frame just completed (code 0 from the previous step)
-    next_code0: list[int]  # [B]: sampled for the next frame (EOS ends the request)
 
 
 class ModelRunner:
@@ -136,11 +129,6 @@ class ModelRunner:
             t[dst] = t[src]
         self.position_cpu[dst] = n
         self.topk_ok_cpu[dst] = self.topk_ok_cpu[src]
-        self.free_slot(src)
-
-    def free_slot(self, slot: int) -> None:
-        self.position[slot] = 0  # padded replays of free rows then stay inside the cache
-        self.position_cpu[slot] = 0
 
     def kv_span(self, length: int) -> int:
         """Cache positions attended for sequences up to `length`: a power of two (one graph per bucket)."""
@@ -267,8 +255,8 @@ class ModelRunner:
         self._sample_code0(0, B, h, capped)
 
     @torch.inference_mode()
-    def decode_frame(self, B: int) -> FrameOutput:
-        """One whole frame for the running rows [0, B)."""
+    def decode_frame(self, B: int, prefill_code0: list[int]) -> FrameResult:
+        """One whole frame for the running rows [0, B) (prefill_code0: the newcomers', passed through)."""
         n = self.kv_span(max(self.position_cpu[:B]) + 1)
         capped = all(self.topk_ok_cpu[:B])
         if self.use_graphs:
@@ -276,15 +264,15 @@ class ModelRunner:
             graph = self.graphs.get((Bp, n, capped))
             if graph is None:
                 raise RuntimeError(f"no CUDA graph for batch {Bp} x length {n}: call capture_graphs() before serving")
-            graph.replay()
             if Bp > B:
-                self.position[B:Bp] = 0  # padding rows are free slots: keep them at position 0
+                self.position[B:Bp] = 0  # padding rows are free slots: position 0 keeps their writes in the cache
+            graph.replay()
         else:
             self._frame(B, n, capped)
         for s in range(B):
             self.position_cpu[s] += 1
-        codes = self.frame_codes[:B].to("cpu", copy=True)  # the one sync per frame (a copy: the buffer is reused)
-        return FrameOutput(codes=codes, next_code0=self.last_code0[:B].tolist())
+        codes = self.frame_codes[:B].clone()  # stays on the device for the vocoder (the buffer is reused)
+        return FrameResult(codes, self.last_code0[:B].tolist(), prefill_code0)  # the one sync per frame
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()

@@ -1,15 +1,16 @@
 """Continuous batching policy, pure Python: which requests join the batch this step.
 
-Requests join as soon as a slot is free and leave the moment they finish, fail or are cancelled. The
+Requests join as soon as a slot is free and leave the moment they finish or are cancelled. The
 newcomers of a step are prefilled in one padded batch [N, Lmax]: at most `max_prefills_per_step` of them
 and N * Lmax <= `max_prefill_tokens` (the first always goes), so a burst of arrivals does not stall the
-running streams for long.
+running streams for long. The engine's step is schedule() -> run (runner) -> update_from_output() -> vocode.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .request import EngineRequest, RequestStatus
 
@@ -20,18 +21,35 @@ class QueueFullError(RuntimeError):
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    prefill: list[EngineRequest] = field(default_factory=list)  # newly admitted, slot assigned
-    decode: list[EngineRequest] = field(default_factory=list)  # running before this step
+    moves: list[tuple[int, int]] = field(default_factory=list)  # compaction (src slot, dst slot), applied in order
+    aborted: list[EngineRequest] = field(default_factory=list)  # cancelled since the last step (slots freed)
+    decode: list[EngineRequest] = field(default_factory=list)  # running before this step, in rows [0, B)
+    prefill: list[EngineRequest] = field(default_factory=list)  # admitted now, in rows [B, B+N)
+
+    @property
+    def rows(self) -> list[EngineRequest]:
+        """The requests of this step's frame, row by row."""
+        return self.decode + self.prefill
+
+
+@dataclass(slots=True)
+class FrameResult:
+    """What the runner made for a SchedulerOutput's rows (see ModelRunner)."""
+
+    codes: Any  # [B, K] the frame each row completed (a device tensor: it stays there for the vocoder)
+    next_code0: list[int]  # [B] code 0 sampled for the next frame
+    prefill_code0: list[int]  # [N] code 0 of frame 0 of each newcomer
 
 
 class Scheduler:
     def __init__(self, max_slots: int, max_queue: int = 256, max_prefills_per_step: int = 16,
-                 max_prefill_tokens: int = 8192):
+                 max_prefill_tokens: int = 8192, eos: int = -1):
         self.max_slots, self.max_queue, self.max_prefills_per_step = max_slots, max_queue, max_prefills_per_step
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.eos = max_prefill_tokens, eos
         self.waiting: deque[EngineRequest] = deque()
         self.running: dict[int, EngineRequest] = {}  # slot -> request
         self.free_slots: list[int] = list(range(max_slots - 1, -1, -1))
+        self._aborts: list[str] = []
 
     @property
     def queue_depth(self) -> int:
@@ -42,7 +60,7 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._aborts)
 
     def add(self, req: EngineRequest) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -50,8 +68,21 @@ class Scheduler:
                                  f"{self.max_queue}); retry later")
         self.waiting.append(req)
 
+    def abort(self, request_id: str) -> None:
+        """Cancel at the next schedule() (a no-op for an unknown or finished request)."""
+        self._aborts.append(request_id)
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(decode=list(self.running.values()))
+        """Apply the cancellations, keep the running requests in rows [0, B) and admit newcomers into [B, B+N)."""
+        out = SchedulerOutput()
+        for rid in self._aborts:
+            req = self.find(rid)
+            if req is not None and not req.status.finished:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                out.aborted.append(req)
+        self._aborts.clear()
+        out.moves = self.compact()
+        out.decode = [self.running[s] for s in sorted(self.running)]
         self.free_slots.sort(reverse=True)
         max_len = 0  # Lmax of the padded prefill batch
         while self.waiting and self.free_slots and len(out.prefill) < self.max_prefills_per_step:
@@ -65,6 +96,22 @@ class Scheduler:
             out.prefill.append(req)
         return out
 
+    def update_from_output(self, sched: SchedulerOutput, out: FrameResult) -> None:
+        """Record each row's frame and finish the requests that are done: EOS sampled (a newcomer's frame-0 code
+        too), or max_frames reached. Their slots are free at once; the next schedule() closes the holes."""
+        for req, code0 in zip(sched.prefill, out.prefill_code0):
+            if code0 == self.eos:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.max_frames <= 0:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+        for row, req in enumerate(sched.rows):
+            if req.status.finished:
+                continue  # finished at its prefill: the frame made for its row is dropped
+            req.frames.append(out.codes[row])
+            if out.next_code0[row] == self.eos:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.num_frames >= req.max_frames:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
     def compact(self) -> list[tuple[int, int]]:
         """Keep the running requests in slots [0, num_running): move the highest into the lowest hole.
         Returns the (src, dst) moves for the runner to apply, in order."""

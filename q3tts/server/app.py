@@ -27,7 +27,6 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from q3tts.engine.async_engine import AsyncEngine
-from q3tts.engine.engine import Engine
 
 from .metrics import Metrics
 from .protocol import (
@@ -326,8 +325,8 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
         settings: limits, voice directory, API key, stream chunking (defaults: ServerSettings()).
     """
     settings = settings or ServerSettings()
-    engine = AsyncEngine(Engine(tts, max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
-                                max_queue=settings.max_queue))
+    engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
+                                          max_queue=settings.max_queue))
     metrics = Metrics(engine.stats)
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)
     serving = SpeechServing(tts, engine, voices, metrics, settings)
@@ -364,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from q3tts.api import TTS
     t0 = time.perf_counter()
-    tts = TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
-                              max_batch_size=settings.max_concurrent, max_seq_len=settings.max_seq_len)
+    tts = TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype)
     log.info("loaded %s (%s, %s) on %s in %.1f s", settings.model, tts.cfg.tts_model_type, tts.cfg.tts_model_size,
              tts.device, time.perf_counter() - t0)
     app = create_app(tts, settings)

@@ -11,7 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from q3tts.sampling import SamplingParams
+from q3tts.config import GenerationDefaults
+
+# the sampling extensions of a request: generation_config.json's fields plus a seed (q3tts.sampling.SamplingParams)
+SAMPLING_FIELDS = (*GenerationDefaults.__dataclass_fields__, "seed")
 
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
@@ -59,7 +62,7 @@ class SpeechRequest(BaseModel):
     def gen_kwargs(self) -> dict[str, Any]:
         """The sampling extensions that were given (the model's generation_config fills the rest): every
         SamplingParams field, which this request declares under the same name."""
-        return {k: getattr(self, k) for k in SamplingParams.names() if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
 
     @property
     def voice_name(self) -> str | None:

@@ -23,6 +23,7 @@ from q3tts.engine.async_engine import AsyncEngine
 from q3tts.engine.engine import AudioChunk
 from q3tts.engine.request import StreamOptions
 from q3tts.engine.scheduler import QueueFullError
+from q3tts.inputs.request import InputError, PreparedRequest, VoiceClonePromptItem
 
 from .encode import AudioEncoder
 from .metrics import Metrics
@@ -31,6 +32,9 @@ from .settings import ServerSettings
 from .voices import VoiceService
 
 log = logging.getLogger("q3tts.server")
+
+# the library's argument names -> this API's field names
+API_FIELDS = {"text": "input", "speaker": "voice", "instruct": "instructions"}
 
 
 @dataclass(slots=True)
@@ -63,59 +67,40 @@ class SpeechServing:
         self.warmup_error: str | None = None
 
     # ------------------------------------------------------------------ request -> PreparedRequest
-    async def prepare(self, req: SpeechRequest):
-        if not req.input.strip():
-            raise ApiError(400, "input is empty: give the text to speak", param="input", code="empty_input")
+    async def prepare(self, req: SpeechRequest) -> PreparedRequest:
+        """The request's fields -> one PreparedRequest; the InputProcessor checks them (a 400 naming the field)."""
         if len(req.input) > self.settings.max_text_length:
             raise ApiError(400, f"input is {len(req.input)} characters; this server accepts at most "
                            f"{self.settings.max_text_length} (--max-text-length)", param="input", code="input_too_long")
-        try:
-            self.tts.builder.resolve_language(req.language)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="language", code="unsupported_language") from e
         kw = req.gen_kwargs()
         if req.non_streaming_mode is not None:
             kw["non_streaming_mode"] = req.non_streaming_mode
         instructions = (req.instructions or "").strip() or None
-        if self.model_type == "custom_voice":
-            speaker = self._speaker(req.voice_name)
-            return self._call(self.tts.prepare_custom_voice, req.input, speaker, req.language, instructions, **kw)
-        if self.model_type == "voice_design":
-            if instructions is None:
-                raise ApiError(400, "instructions is required: this server runs a VoiceDesign model, which makes the "
-                               "voice from a description, e.g. \"A warm, low female voice, speaking slowly\"",
-                               param="instructions", code="missing_instructions")
-            return self._call(self.tts.prepare_voice_design, req.input, instructions, req.language, **kw)
-        if req.ref_audio:
-            item = await self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)
-        elif req.voice_name:
-            item = self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)
-        else:
-            raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored voice "
-                           f"({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
-                           code="missing_voice")
-        return self._call(self.tts.prepare_voice_clone, req.input, req.language, voice_clone_prompt=[item], **kw)
-
-    def _speaker(self, name: str | None) -> str:
-        if not name:
-            raise ApiError(400, f"voice is required: one of this model's speakers: {self._speakers()}", param="voice",
-                           code="missing_voice")
+        proc = self.tts.processor
         try:
-            return self.tts.builder.resolve_speaker(name)
-        except ValueError:
-            raise ApiError(400, f"unknown voice {name!r}: this CustomVoice model's voices are {self._speakers()}",
-                           param="voice", code="voice_not_found") from None
-
-    def _speakers(self) -> str:
-        """The built-in speakers, for error messages."""
-        return ", ".join(self.voices.builtin())
-
-    @staticmethod
-    def _call(fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)[0]
-        except ValueError as e:
-            raise ApiError(400, str(e), code="invalid_value") from e
+            if self.model_type == "custom_voice":
+                return proc.custom_voice(req.input, req.voice_name, req.language, instructions, **kw)[0]
+            if self.model_type == "voice_design":
+                if instructions is None:
+                    raise ApiError(400, "instructions is required: this server runs a VoiceDesign model, which makes "
+                                   "the voice from a description, e.g. \"A warm, low female voice, speaking slowly\"",
+                                   param="instructions", code="missing_instructions")
+                return proc.voice_design(req.input, instructions, req.language, **kw)[0]
+            proc.language(req.language)  # a bad language is answered before the reference is cloned
+            if req.ref_audio:
+                item = await self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)
+            elif req.voice_name:
+                item = self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)
+            else:
+                raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
+                               f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
+                               code="missing_voice")
+            return proc.voice_clone(req.input, [item], req.language, **kw)[0]
+        except InputError as e:  # its message starts with the argument's name where it is about one: use ours
+            field, msg = API_FIELDS.get(e.param, e.param), str(e)
+            if e.param and msg.startswith(e.param + " "):
+                msg = field + msg[len(e.param):]
+            raise ApiError(400, msg, param=field, code=e.code) from None
 
     # ------------------------------------------------------------------ generation
     async def create_speech(self, req: SpeechRequest) -> SpeechStream:
@@ -131,11 +116,12 @@ class SpeechServing:
                                       request_id=run.request_id, arrival_time=arrival)
         try:
             first = await chunks.__anext__()
-            if first.error:
-                raise ApiError(400, first.error, code="generation_failed")
         except QueueFullError as e:
             enc.close()
             raise ApiError(503, str(e), type="server_busy", code="queue_full") from e
+        except ValueError as e:  # the engine refused it (the prompt does not fit --max-seq-len)
+            enc.close()
+            raise ApiError(400, str(e), param="input", code="input_too_long") from e
         except BaseException:
             enc.close()
             await chunks.aclose()
@@ -208,8 +194,6 @@ class SpeechServing:
         if self.model_type == "voice_design":
             return self.tts.prepare_voice_design("Hello.", "A clear, calm voice.", **kw)[0]
         import torch
-
-        from q3tts.api import VoiceClonePromptItem
         item = VoiceClonePromptItem(ref_code=None, ref_spk_embedding=torch.zeros(self.tts.cfg.talker.hidden_size),
                                     x_vector_only_mode=True, icl_mode=False)
         return self.tts.prepare_voice_clone("Hello.", voice_clone_prompt=[item], **kw)[0]
