@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -111,21 +111,31 @@ class TTS:
         """Run the talker + code predictor for prepared requests -> codes [T_i, 16] each."""
         return self.engine.generate_codes(prepared)
 
-    def stream(self, prepared: list[PreparedRequest], first_chunk_frames: int = 1,
-               chunk_frames: int = 16) -> Iterator[AudioChunk]:
-        """Streaming synthesis of prepared requests: AudioChunks as frames are generated (exact stateful decoder)."""
+    def stream(self, prepared: list[PreparedRequest], first_chunk_frames: int = 1, chunk_frames: int = 16,
+               text_stream: Iterable[str] | None = None) -> Iterator[AudioChunk]:
+        """Streaming synthesis of prepared requests: AudioChunks as frames are generated (exact stateful decoder).
+        text_stream: the text of the one request prepared with text=None, read (in a thread) while audio is made."""
         start = time.perf_counter()
         eng = self.engine
         reqs = [eng.add_request(p, StreamOptions(first_chunk_frames, chunk_frames)) for p in prepared]
         ids = {r.request_id for r in reqs}
         for r in reqs:
             r.arrival_time = start  # time to first audio counts prompt processing too
+        failed: list[BaseException] = []
+        if text_stream is not None:
+            threading.Thread(target=_feed, args=(prepared[0].text, text_stream, failed), daemon=True).start()
         try:
             while not all(r.stream_done for r in reqs):
+                if failed and not prepared[0].text.error:  # the text source raised: so do we (an empty text
+                    raise failed[0]  # is the engine's to fail, below)
+                if not eng.has_work():
+                    eng.wake.wait(0.05)  # waiting for text
+                    eng.wake.clear()
+                    continue
                 for chunk in eng.step():
                     if chunk.request_id in ids:
                         if chunk.error:
-                            raise RuntimeError(chunk.error)
+                            raise ValueError(chunk.error)
                         yield chunk
         finally:
             for r in reqs:
@@ -148,6 +158,18 @@ class TTS:
                 w = w[int(r.shape[0] / max(c.shape[0], 1) * w.shape[0]):]  # upstream's proportional cut
             out.append(w)
         return out
+
+    def _stream(self, prepare, text, text_stream, non_streaming_mode, default_nsm: bool, first_chunk_frames: int,
+                chunk_frames: int, args: tuple, kwargs: dict) -> Iterator[AudioChunk]:
+        """A *_stream call: the whole text, or text_stream (then the streamed-text layout unless non_streaming_mode
+        is given: it reads one text token per frame, so speech starts after the first words)."""
+        if (text is None) == (text_stream is None):
+            raise ValueError("give the text (text=) or an iterable of text pieces (text_stream=), not both")
+        nsm = non_streaming_mode if non_streaming_mode is not None else (False if text_stream is not None else default_nsm)
+        if text_stream is not None and isinstance(text_stream, str):
+            text_stream = [text_stream]
+        return self.stream(prepare(text, *args, non_streaming_mode=nsm, **kwargs), first_chunk_frames, chunk_frames,
+                           text_stream)
 
     def _synthesize(self, prepared: list[PreparedRequest]) -> tuple[list[np.ndarray], int]:
         return self.decode(self.generate_codes(prepared), [p.ref_codes for p in prepared]), self.sample_rate
@@ -184,31 +206,39 @@ class TTS:
                                                          voice_clone_prompt, non_streaming_mode, **kwargs))
 
     # ------------------------------------------------------------------ streaming variants
-    def generate_custom_voice_stream(self, text, speaker, language=None, instruct=None, non_streaming_mode: bool = True,
-                                     first_chunk_frames: int = 1, chunk_frames: int = 16, **kwargs) -> Iterator[AudioChunk]:
+    def generate_custom_voice_stream(self, text=None, speaker=None, language=None, instruct=None,
+                                     non_streaming_mode: bool | None = None, first_chunk_frames: int = 1,
+                                     chunk_frames: int = 16, text_stream: Iterable[str] | None = None,
+                                     **kwargs) -> Iterator[AudioChunk]:
         """As generate_custom_voice, yielding AudioChunks (audio, sample_rate, frame_index, elapsed_s, ...) as
         frames are generated. The concatenated chunks equal the offline audio (exact stateful decoder).
 
         Args:
             first_chunk_frames: frames in the first chunk (80 ms each): small for low time to first audio.
             chunk_frames: the largest chunk; chunks double from the first one up to it.
+            text_stream: instead of text, any iterable of str pieces (an LLM's tokens), read as it yields:
+                speech starts after the first words and equals that of the whole text.
         """
-        return self.stream(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs),
-                           first_chunk_frames, chunk_frames)
+        return self._stream(self.prepare_custom_voice, text, text_stream, non_streaming_mode, True, first_chunk_frames,
+                            chunk_frames, (speaker, language, instruct), kwargs)
 
-    def generate_voice_design_stream(self, text, instruct, language=None, non_streaming_mode: bool = True,
-                                     first_chunk_frames: int = 1, chunk_frames: int = 16, **kwargs) -> Iterator[AudioChunk]:
+    def generate_voice_design_stream(self, text=None, instruct=None, language=None,
+                                     non_streaming_mode: bool | None = None, first_chunk_frames: int = 1,
+                                     chunk_frames: int = 16, text_stream: Iterable[str] | None = None,
+                                     **kwargs) -> Iterator[AudioChunk]:
         """As generate_voice_design, streaming (see generate_custom_voice_stream)."""
-        return self.stream(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs),
-                           first_chunk_frames, chunk_frames)
+        return self._stream(self.prepare_voice_design, text, text_stream, non_streaming_mode, True, first_chunk_frames,
+                            chunk_frames, (instruct, language), kwargs)
 
-    def generate_voice_clone_stream(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
-                                    voice_clone_prompt=None, non_streaming_mode: bool = False, first_chunk_frames: int = 1,
-                                    chunk_frames: int = 16, **kwargs) -> Iterator[AudioChunk]:
+    def generate_voice_clone_stream(self, text=None, language=None, ref_audio=None, ref_text=None,
+                                    x_vector_only_mode=False, voice_clone_prompt=None,
+                                    non_streaming_mode: bool | None = None, first_chunk_frames: int = 1,
+                                    chunk_frames: int = 16, text_stream: Iterable[str] | None = None,
+                                    **kwargs) -> Iterator[AudioChunk]:
         """As generate_voice_clone, streaming; ICL reference codes warm the decoder once and are never emitted."""
-        return self.stream(self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
-                                                    voice_clone_prompt, non_streaming_mode, **kwargs),
-                           first_chunk_frames, chunk_frames)
+        return self._stream(self.prepare_voice_clone, text, text_stream, non_streaming_mode, False,
+                            first_chunk_frames, chunk_frames,
+                            (language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt), kwargs)
 
     # ------------------------------------------------------------------ voices
     def voice_cloner(self) -> VoiceCloner:
@@ -239,3 +269,13 @@ class TTS:
     def load_voice(self, path) -> Voice:
         """Load a voice file made for this model (a voice made for another model size is rejected)."""
         return Voice.load(path, model=self.cfg)
+
+
+def _feed(text, pieces: Iterable[str], failed: list) -> None:
+    """Read the text source into the request (a thread: the source may block, as an LLM does)."""
+    try:
+        for piece in pieces:
+            text.append(piece)
+        text.close()
+    except BaseException as e:
+        failed.append(e)

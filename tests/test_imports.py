@@ -18,11 +18,17 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path) -> set[str]:
-    """Every q3tts module a file imports, at the top or inside a function (lazy imports count too)."""
+    """Every q3tts module a file imports, at the top or inside a function (lazy imports count too; imports for
+    type checkers only do not)."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If) and ast.unparse(t.test) == "TYPE_CHECKING"
+                   for n in ast.walk(t)}  # `if TYPE_CHECKING:` imports never run
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("q3tts")}
         elif isinstance(node, ast.ImportFrom):

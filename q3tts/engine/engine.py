@@ -11,6 +11,10 @@ so nothing of it can leak into the others.
 
 Offline requests (stream=None) only collect codes; the caller decodes them with upstream's decoder
 for parity. Streaming requests get AudioChunks from the exact stateful decoder (q3tts.engine.vocoder).
+
+Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
+then every newly committed text token is handed to its row; frame k runs once token k is there (or the
+text is complete), so the frames equal those of the whole text whatever the pace of the text.
 """
 
 from __future__ import annotations
@@ -67,7 +71,9 @@ class Engine:
                                         compile=self.runner.compiled)
         self.vocoder.capture_graphs()
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # add/abort may come from another thread than step()
+        self._lock = threading.Lock()  # add/abort/text may come from another thread than step()
+        self.wake = threading.Event()  # set when there may be new work: a request, a cancellation, text
+        self._text_news = False
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ requests in
@@ -76,32 +82,79 @@ class Engine:
         """Queue a prepared request. stream=None: offline, codes only. ValueError if it cannot fit the cache."""
         if stream is not None:
             stream.validate()
-        lay = prepared.layout
-        self.runner.check_prompt(len(lay), len(lay.trailing_ids))
         req = EngineRequest(request_id=request_id or f"req-{next(self._ids)}", prepared=prepared, stream=stream)
-        req.max_frames = min(prepared.params.max_new_tokens - 1, self.runner.max_len - len(lay))
+        if prepared.layout is not None:
+            self._set_prompt(req, prepared.layout)
+        else:
+            prepared.text.on_change = self._on_text
         with self._lock:
             self.scheduler.add(req)
+        self.wake.set()
         return req
+
+    def _set_prompt(self, req: EngineRequest, lay) -> None:
+        self.runner.check_prompt(len(lay), len(lay.trailing_ids))
+        req.prepared.layout = lay
+        req.max_frames = min(req.prepared.params.max_new_tokens - 1, self.runner.max_len - len(lay))
+        req.text_fed = len(lay.trailing_ids)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self.scheduler.abort(request_id)
+        self.wake.set()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._text_news or self.scheduler.has_work()
+
+    def _on_text(self) -> None:
+        self._text_news = True
+        self.wake.set()
+
+    def _feed_text(self) -> list[EngineRequest]:
+        """Streamed texts: lay out the prompt of a waiting request once its text suffices, and hand the running
+        ones their newly committed text. A text that cannot be spoken (empty, too long) fails its request;
+        those are returned."""
+        self._text_news = False
+        failed = []
+        for req in [r for r in self.scheduler.waiting if r.prepared.text is not None and not r.prompt_ready]:
+            text = req.prepared.text
+            try:
+                if text.error:
+                    raise ValueError(text.error)
+                lay = text.layout()
+                if lay is not None:
+                    self._set_prompt(req, lay)
+                    req.text_done = text.closed
+            except ValueError as e:
+                failed.append(req)
+                req.error = str(e)
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        for req in [r for r in self.scheduler.running.values() if r.prepared.text is not None and not r.text_done]:
+            ids, req.text_done = req.prepared.text.take()
+            if req.text_fed + len(ids) > self.runner.max_len:
+                failed.append(req)
+                req.error = (f"the text is too long: more than {self.runner.max_len} streamed text tokens for the "
+                             "engine's max_seq_len; send shorter utterances")
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            elif ids:
+                with torch.inference_mode():
+                    emb = self.ckpt.talker.embed_text(torch.tensor(ids, device=self.ckpt.device))
+                self.runner.append_trailing(req.slot, req.text_fed, emb)
+                req.text_fed += len(ids)
+        return failed
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[AudioChunk]:
         t0 = time.perf_counter()
         with self._lock:
+            failed = self._feed_text()
             sched = self.scheduler.schedule()
         codes0 = self._admit(sched)
         t1 = time.perf_counter()
-        if sched.rows:
-            self.scheduler.update_from_output(sched, self.runner.decode_frame(len(sched.rows), codes0))
+        frame = self.runner.decode_frame(len(sched.rows), sched.active) if any(sched.active) else None
+        self.scheduler.update_from_output(sched, codes0, frame)
         t2 = time.perf_counter()
-        chunks = self._vocode([r for r in sched.aborted + sched.rows if r.stream is not None])
+        chunks = self._vocode([r for r in failed + sched.aborted + sched.rows if r.stream is not None])
         c = self.counters
         c.steps += 1
         for phase, dt in zip(("admit", "decode", "vocode"), (t1 - t0, t2 - t1, time.perf_counter() - t2)):
@@ -170,6 +223,9 @@ class Engine:
         chunks = []
         while any(not r.status.finished for r in reqs):
             chunks += self.step()
+            if not self.has_work():  # only streamed text can move it on: wait for some
+                self.wake.wait(0.05)
+                self.wake.clear()
         return chunks
 
     def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:

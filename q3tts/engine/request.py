@@ -56,6 +56,8 @@ class EngineRequest:
     frames_vocoded: int = 0  # frames already turned into audio
     chunks_emitted: int = 0
     vocoder_row: int | None = None  # its row of the StreamingVocoder's state pool while streaming
+    text_fed: int = 0  # streamed text: trailing text tokens handed to its row so far
+    text_done: bool = False  # streamed text: all of it (and tts_eos) handed over
     stream_done: bool = False  # its last chunk has been emitted
     error: str | None = None
 
@@ -66,6 +68,16 @@ class EngineRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prepared.layout)  # prefill positions L
+
+    @property
+    def prompt_ready(self) -> bool:
+        return self.prepared.layout is not None  # a streamed text builds it once enough text has come
+
+    @property
+    def can_run(self) -> bool:
+        """Its next frame may run: frame k reads trailing text token k, so with streamed text that token must
+        have arrived, or the text be complete (then tts_eos and tts_pad follow)."""
+        return self.prepared.text is None or self.text_done or self.text_fed > self.num_frames
 
     def next_chunk_size(self) -> int:
         s = self.stream

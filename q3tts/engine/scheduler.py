@@ -25,6 +25,7 @@ class SchedulerOutput:
     aborted: list[EngineRequest] = field(default_factory=list)  # cancelled since the last step (slots freed)
     decode: list[EngineRequest] = field(default_factory=list)  # running before this step, in rows [0, B)
     prefill: list[EngineRequest] = field(default_factory=list)  # admitted now, in rows [B, B+N)
+    active: list[bool] = field(default_factory=list)  # per row: its frame can run (streamed text has arrived)
 
     @property
     def rows(self) -> list[EngineRequest]:
@@ -38,7 +39,6 @@ class FrameResult:
 
     codes: Any  # [B, K] the frame each row completed (a device tensor: it stays there for the vocoder)
     next_code0: list[int]  # [B] code 0 sampled for the next frame
-    prefill_code0: list[int]  # [N] code 0 of frame 0 of each newcomer
 
 
 class Scheduler:
@@ -60,7 +60,9 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._aborts)
+        """Something a step would do: a cancellation, a newcomer whose prompt is ready, a row that can run."""
+        return bool(self._aborts or any(r.prompt_ready for r in self.waiting)
+                    or any(r.can_run for r in self.running.values()))
 
     def add(self, req: EngineRequest) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -73,7 +75,8 @@ class Scheduler:
         self._aborts.append(request_id)
 
     def schedule(self) -> SchedulerOutput:
-        """Apply the cancellations, keep the running requests in rows [0, B) and admit newcomers into [B, B+N)."""
+        """Apply the cancellations, keep the running requests in rows [0, B) and admit newcomers into [B, B+N)
+        (requests whose streamed text is not yet enough for their prompt wait, without holding up the others)."""
         out = SchedulerOutput()
         for rid in self._aborts:
             req = self.find(rid)
@@ -85,28 +88,32 @@ class Scheduler:
         out.decode = [self.running[s] for s in sorted(self.running)]
         self.free_slots.sort(reverse=True)
         max_len = 0  # Lmax of the padded prefill batch
-        while self.waiting and self.free_slots and len(out.prefill) < self.max_prefills_per_step:
-            max_len = max(max_len, self.waiting[0].num_prompt_tokens)
+        for req in [r for r in self.waiting if r.prompt_ready]:
+            if not self.free_slots or len(out.prefill) == self.max_prefills_per_step:
+                break
+            max_len = max(max_len, req.num_prompt_tokens)
             if out.prefill and (len(out.prefill) + 1) * max_len > self.max_prefill_tokens:
                 break  # first come, first served: the next one waits for the next step
-            req = self.waiting.popleft()
+            self.waiting.remove(req)
             req.slot = self.free_slots.pop()  # the lowest free slot: after compaction, rows [B, B+N)
             req.status = RequestStatus.RUNNING
             self.running[req.slot] = req
             out.prefill.append(req)
+        out.active = [r.can_run for r in out.rows]
         return out
 
-    def update_from_output(self, sched: SchedulerOutput, out: FrameResult) -> None:
-        """Record each row's frame and finish the requests that are done: EOS sampled (a newcomer's frame-0 code
-        too), or max_frames reached. Their slots are free at once; the next schedule() closes the holes."""
-        for req, code0 in zip(sched.prefill, out.prefill_code0):
+    def update_from_output(self, sched: SchedulerOutput, prefill_code0: list[int], out: FrameResult | None) -> None:
+        """Record each active row's frame (out is None when no row was active) and finish the requests that are
+        done: EOS sampled (a newcomer's frame-0 code too), or max_frames reached. Their slots are free at once;
+        the next schedule() closes the holes."""
+        for req, code0 in zip(sched.prefill, prefill_code0):
             if code0 == self.eos:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.max_frames <= 0:
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
         for row, req in enumerate(sched.rows):
-            if req.status.finished:
-                continue  # finished at its prefill: the frame made for its row is dropped
+            if out is None or req.status.finished or not sched.active[row]:
+                continue  # sat the frame out, or finished at its prefill: the frame made for its row is dropped
             req.frames.append(out.codes[row])
             if out.next_code0[row] == self.eos:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)

@@ -3,7 +3,7 @@ sampling parameters are resolved and checked, and turned into PreparedRequests (
 server both call it; nothing below it validates user input again).
 
 Arguments follow `qwen_tts.Qwen3TTSModel`: a text or a list of texts (a batch), and per-text arguments
-given once (broadcast) or once per text.
+given once (broadcast) or once per text. A text of None is streamed in: the request gets a TextStream.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ..config import GenerationDefaults, ModelConfig
 from ..sampling import SamplingParams
 from .prompt import PromptBuilder, PromptSpec
 from .request import InputError, PreparedRequest, VoiceClonePromptItem
+from .text import TextStream
 from .voice import Voice
 
 log = logging.getLogger("q3tts")
@@ -132,7 +133,10 @@ class InputProcessor:
         out = []
         for i, (text, spec, e, r) in enumerate(zip(texts, specs, embs, refs)):
             p = dataclasses.replace(params, seed=params.seed + i)  # distinct noise per row, reproducible from one seed
-            out.append(PreparedRequest(self.builder.build(spec, self.builder.text_ids(text)), e, r, p))
+            if text is None:  # streamed in: the engine lays the prompt out once enough text has come
+                out.append(PreparedRequest(None, e, r, p, TextStream(self.builder, spec)))
+            else:
+                out.append(PreparedRequest(self.builder.build(spec, self.builder.text_ids(text)), e, r, p))
         return out
 
     # ------------------------------------------------------------------ voices

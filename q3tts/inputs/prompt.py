@@ -66,9 +66,24 @@ class TextTokenizer:
                                special=t.get("special", False))
             (tok.add_special_tokens if t.get("special") else tok.add_tokens)([token])
         self._tok = tok
+        specials = [t["content"] for _, t in added]
+        self.special_prefixes = {c[:k] for c in specials for k in range(1, len(c))}  # for incremental text
+        self.max_special_len = max(map(len, specials), default=0)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """ids and each id's (start, end) character span in text (NFC text: spans are not moved by normalizing)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def normalize(self, text: str) -> str:
+        return self._tok.normalizer.normalize_str(text)
+
+    def piece_starts(self, text: str) -> list[int]:
+        """Where each pre-tokenizer piece of (NFC) text starts: BPE never merges across them."""
+        return [span[0] for _, span in self._tok.pre_tokenizer.pre_tokenize_str(text)]
 
     def token_id(self, token: str) -> int:
         i = self._tok.token_to_id(token)

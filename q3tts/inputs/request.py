@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..models.talker import NONE
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .text import TextStream
 
 
 class InputError(ValueError):
@@ -55,7 +59,8 @@ class VoiceClonePromptItem:
 class PreparedRequest:
     """A request ready for the engine: its prompt layout and what fills the layout's slots."""
 
-    layout: PromptLayout
+    layout: PromptLayout | None  # None until a streamed text has filled the prompt (the engine builds it)
     speaker_embedding: torch.Tensor | None  # [D] x-vector (voice clone)
     ref_codes: torch.Tensor | None  # [T, 16] ICL reference frames (decoded in front, then cut)
     params: SamplingParams
+    text: TextStream | None = None  # the text streamed in: append pieces to it, then close it

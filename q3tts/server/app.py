@@ -20,7 +20,7 @@ import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -40,6 +40,7 @@ from .protocol import (
     VoiceList,
 )
 from .serving import SpeechServing
+from .session import SpeechSession
 from .settings import ServerSettings, parse_args
 from .voices import VoiceService, decode_base64_audio
 
@@ -101,6 +102,12 @@ async def create_speech(body: SpeechRequest, raw_request: Request):
     stream = await _state(raw_request).serving.create_speech(body)
     headers = {"X-Request-Id": stream.request_id, "Cache-Control": "no-cache"}
     return AudioStreamingResponse(stream.body, media_type=stream.media_type, headers=headers)
+
+
+@router.websocket("/v1/audio/speech/stream")
+async def speech_stream(websocket: WebSocket):
+    """Text in as it is written, PCM out as it is made (q3tts.server.session)."""
+    await SpeechSession(websocket.app.state.serving, websocket).run()
 
 
 @router.get("/v1/audio/voices")

@@ -26,20 +26,18 @@ class VoiceRef(BaseModel):
     id: str = Field(min_length=1, max_length=128)
 
 
-class SpeechRequest(BaseModel):
+class SpeechOptions(BaseModel):
+    """How to speak: the /v1/audio/speech fields but the text and the output format."""
+
     # NOTE: unknown fields are refused (a misspelt "temprature" must not be silently ignored)
     model_config = ConfigDict(extra="forbid")
 
     # ---- OpenAI fields
     model: str | None = Field(None, max_length=256, description="Any name: this server serves one model")
-    input: str = Field(description="The text to speak (at most --max-text-length characters)")
     voice: str | VoiceRef | None = Field(
         None, description="CustomVoice: a built-in speaker; Base: a stored voice id or name; VoiceDesign: ignored")
     instructions: str | None = Field(
         None, max_length=4096, description="CustomVoice 1.7B: a style instruction; VoiceDesign: the voice in words")
-    response_format: ResponseFormat = "mp3"
-    speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
-    stream_format: Literal["audio", "sse"] = "audio"
 
     # ---- extensions
     language: str | None = Field(None, max_length=64, description='"Auto" (default) or a supported language')
@@ -57,7 +55,8 @@ class SpeechRequest(BaseModel):
     subtalker_top_k: int | None = Field(None, ge=0)
     subtalker_top_p: float | None = Field(None, gt=0, le=1)
     max_new_tokens: int | None = Field(None, ge=1, le=65536, description="Cap on codec frames + 1 (12.5 per second)")
-    non_streaming_mode: bool | None = Field(None, description="Prompt text placement (the official meaning)")
+    non_streaming_mode: bool | None = Field(
+        None, description="Prompt text placement (the official meaning); the WebSocket's default is False")
 
     def gen_kwargs(self) -> dict[str, Any]:
         """The sampling extensions that were given (the model's generation_config fills the rest): every
@@ -67,6 +66,21 @@ class SpeechRequest(BaseModel):
     @property
     def voice_name(self) -> str | None:
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+
+class SpeechRequest(SpeechOptions):
+    """OpenAI's /v1/audio/speech body plus Qwen3-TTS extensions."""
+
+    input: str = Field(description="The text to speak (at most --max-text-length characters)")
+    response_format: ResponseFormat = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
+    stream_format: Literal["audio", "sse"] = "audio"
+
+
+class SessionConfig(SpeechOptions):
+    """The WebSocket's session.config message: how the session's next utterances are spoken (PCM s16le)."""
+
+    type: Literal["session.config"]
 
 
 class CreateVoiceRequest(BaseModel):

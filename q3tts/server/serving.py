@@ -27,7 +27,7 @@ from q3tts.inputs.request import InputError, PreparedRequest, VoiceClonePromptIt
 
 from .encode import AudioEncoder
 from .metrics import Metrics
-from .protocol import ApiError, SpeechAudioDelta, SpeechAudioDone, SpeechRequest, Usage
+from .protocol import ApiError, SpeechAudioDelta, SpeechAudioDone, SpeechOptions, SpeechRequest, Usage
 from .settings import ServerSettings
 from .voices import VoiceService
 
@@ -45,7 +45,7 @@ class SpeechStream:
 
 
 @dataclass(slots=True)
-class _Run:
+class Run:
     """One generation's bookkeeping for metrics and usage."""
 
     request_id: str
@@ -67,25 +67,27 @@ class SpeechServing:
         self.warmup_error: str | None = None
 
     # ------------------------------------------------------------------ request -> PreparedRequest
-    async def prepare(self, req: SpeechRequest) -> PreparedRequest:
-        """The request's fields -> one PreparedRequest; the InputProcessor checks them (a 400 naming the field)."""
-        if len(req.input) > self.settings.max_text_length:
-            raise ApiError(400, f"input is {len(req.input)} characters; this server accepts at most "
+    async def prepare(self, req: SpeechOptions, text: str | None) -> PreparedRequest:
+        """The request's fields -> one PreparedRequest; the InputProcessor checks them (a 400 naming the field).
+        text None: streamed in (prepared.text), laid out for streamed text unless non_streaming_mode is set."""
+        if text is not None and len(text) > self.settings.max_text_length:
+            raise ApiError(400, f"input is {len(text)} characters; this server accepts at most "
                            f"{self.settings.max_text_length} (--max-text-length)", param="input", code="input_too_long")
         kw = req.gen_kwargs()
-        if req.non_streaming_mode is not None:
-            kw["non_streaming_mode"] = req.non_streaming_mode
+        nsm = req.non_streaming_mode if req.non_streaming_mode is not None else (False if text is None else None)
+        if nsm is not None:
+            kw["non_streaming_mode"] = nsm
         instructions = (req.instructions or "").strip() or None
         proc = self.tts.processor
         try:
             if self.model_type == "custom_voice":
-                return proc.custom_voice(req.input, req.voice_name, req.language, instructions, **kw)[0]
+                return proc.custom_voice(text, req.voice_name, req.language, instructions, **kw)[0]
             if self.model_type == "voice_design":
                 if instructions is None:
                     raise ApiError(400, "instructions is required: this server runs a VoiceDesign model, which makes "
                                    "the voice from a description, e.g. \"A warm, low female voice, speaking slowly\"",
                                    param="instructions", code="missing_instructions")
-                return proc.voice_design(req.input, instructions, req.language, **kw)[0]
+                return proc.voice_design(text, instructions, req.language, **kw)[0]
             proc.language(req.language)  # a bad language is answered before the reference is cloned
             if req.ref_audio:
                 item = await self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)
@@ -95,7 +97,7 @@ class SpeechServing:
                 raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
-            return proc.voice_clone(req.input, [item], req.language, **kw)[0]
+            return proc.voice_clone(text, [item], req.language, **kw)[0]
         except InputError as e:  # its message starts with the argument's name where it is about one: use ours
             field, msg = API_FIELDS.get(e.param, e.param), str(e)
             if e.param and msg.startswith(e.param + " "):
@@ -108,9 +110,9 @@ class SpeechServing:
 
         Raises ApiError (400 bad request, 503 queue full); cancelling this coroutine (client gone) aborts."""
         arrival = time.perf_counter()
-        prepared = await self.prepare(req)
+        prepared = await self.prepare(req, req.input)
         enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
-        run = _Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
+        run = Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
         chunks = self.engine.generate(prepared, StreamOptions(self.settings.first_chunk_frames,
                                                               self.settings.chunk_frames),
                                       request_id=run.request_id, arrival_time=arrival)
@@ -130,7 +132,7 @@ class SpeechServing:
             return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc))
         return SpeechStream(run.request_id, enc.media_type, self._encoded(run, first, chunks, enc))
 
-    async def _encoded(self, run: _Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
+    async def _encoded(self, run: Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
                        enc: AudioEncoder) -> AsyncIterator[bytes]:
         """Encoded bytes as chunks arrive, then the encoder's tail; books the run when it ends either way."""
         try:
@@ -159,7 +161,7 @@ class SpeechServing:
         finally:
             enc.close()
             await chunks.aclose()  # a no-op after the last chunk; else aborts the request and frees its slot
-            self._book(run)
+            self.book(run)
 
     async def _sse(self, run, first, chunks, enc) -> AsyncIterator[bytes]:
         gen = self._encoded(run, first, chunks, enc)
@@ -174,7 +176,7 @@ class SpeechServing:
                                                          total_tokens=run.input_tokens + out),
                                              finish_reason=run.finish_reason, audio_seconds=round(enc.seconds_out, 4)))
 
-    def _book(self, run: _Run) -> None:
+    def book(self, run: Run) -> None:
         m = self.metrics
         m.speech.labels(run.outcome, run.fmt).inc()
         seconds = run.frames * self.tts.samples_per_frame / self.tts.sample_rate

@@ -9,7 +9,7 @@ from q3tts.engine.scheduler import QueueFullError, Scheduler
 
 
 def req(i, num_prompt_tokens=10):
-    return EngineRequest(request_id=f"r{i}", prepared=SimpleNamespace(layout=range(num_prompt_tokens)))
+    return EngineRequest(request_id=f"r{i}", prepared=SimpleNamespace(layout=range(num_prompt_tokens), text=None))
 
 
 def test_admits_up_to_free_slots_and_reuses_freed_slots():
