@@ -2,6 +2,7 @@
 
 Only `_loop` iterates over step outputs; each request has its own asyncio.Queue fed thread-safely.
 Cancelling a consumer (client disconnect) aborts its request, which frees its slot at the next step.
+A step that raises fails only the requests it held (running or being admitted); queued ones go on.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from .engine import AudioChunk, Engine, EngineCounters
-from .request import StreamOptions
+from .request import EngineRequest, StreamOptions
 
 
 @dataclass(slots=True)
@@ -27,7 +28,8 @@ class EngineStats:
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> (its consumer's loop, its chunk queue, the EngineRequest)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, EngineRequest]] = {}
         self._wake = threading.Event()
         self._stop = False
         self.last_error: str | None = None  # last step failure (a device assert poisons the CUDA context)
@@ -54,17 +56,33 @@ class AsyncEngine:
                 continue
             try:
                 chunks = self.engine.step()
-            except Exception as e:  # a bug or device error: fail every waiting consumer, keep serving
+            except Exception as e:  # a bug or device error: fail the requests the step held, keep serving
                 self.last_error = f"{type(e).__name__}: {e}"
-                for rid, (loop, q) in list(self._queues.items()):
-                    loop.call_soon_threadsafe(q.put_nowait, e)
-                    self.engine.abort(rid)
+                self._fail_touched(e)
                 continue
             for c in chunks:
                 target = self._queues.get(c.request_id)
                 if target is not None:
-                    loop, q = target
+                    loop, q, _ = target
                     loop.call_soon_threadsafe(q.put_nowait, c)
+
+    def _fail_touched(self, e: Exception) -> None:
+        """After a failed step: fail the requests it may have touched, i.e. every live request that is no
+        longer waiting (running, admitted this step, or finished in it before its last chunk went out); the
+        queued ones never entered the step and go on. Each failed request is aborted (slot freed at the next
+        step); one that already finished inside the failed step is out of the scheduler, so its vocoder row
+        is handed back here (else the pool would shrink by one row per such failure)."""
+        eng = self.engine
+        with eng._lock:
+            waiting = {id(r) for r in eng.scheduler.waiting}
+        for rid, (loop, q, req) in list(self._queues.items()):
+            if id(req) in waiting or req.stream_done:  # queued, or already had its last chunk
+                continue
+            loop.call_soon_threadsafe(q.put_nowait, e)
+            eng.abort(rid)
+            if req.status.finished and not req.stream_done and req.vocoder_row is not None:
+                eng.vocoder.close(req.vocoder_row)
+                req.vocoder_row = None
 
     async def generate(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None,
                        arrival_time: float | None = None) -> AsyncIterator[AudioChunk]:
@@ -78,7 +96,7 @@ class AsyncEngine:
         req = self.engine.add_request(prepared, stream, request_id)
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self._queues[req.request_id] = (loop, q)
+        self._queues[req.request_id] = (loop, q, req)
         self._wake.set()
         finished = False
         try:
