@@ -116,7 +116,16 @@ async def get_voice(voice_id: str, raw_request: Request):
     return _state(raw_request).voices.get(voice_id)
 
 
-@router.post("/v1/audio/voices")
+# the route reads the raw request (multipart or JSON), so its body is described here for clients and fuzzers
+_VOICE_UPLOAD_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": CreateVoiceRequest.model_json_schema()},
+    "multipart/form-data": {"schema": {"type": "object", "required": ["name", "audio_sample"], "properties": {
+        "name": {"type": "string"}, "audio_sample": {"type": "string", "format": "binary"},
+        "ref_text": {"type": "string"}, "x_vector_only_mode": {"type": "boolean"}, "consent": {"type": "string"}}}},
+}}}
+
+
+@router.post("/v1/audio/voices", openapi_extra=_VOICE_UPLOAD_BODY)
 async def create_voice(raw_request: Request):
     """multipart/form-data (OpenAI's: name, audio_sample file, consent; plus ref_text, x_vector_only_mode)
     or JSON (CreateVoiceRequest, audio_sample as base64 / data URL)."""
