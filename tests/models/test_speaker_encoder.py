@@ -24,6 +24,9 @@ SPK_REL_TOL = 1e-4
 def test_mel_filterbank_equals_librosa():
     ours, ref = mel_filterbank(24000, 1024, 128, 0.0, 12000.0), outputs()["mel_filterbank"].numpy()
     assert ours.shape == ref.shape == (128, 513) and ours.dtype == np.float32
+    # librosa builds the filterbank in float64 and casts to float32, as we do: the same float64 values round to
+    # the same float32 ones, except where a few float64 ulps of difference (other libm) straddle a float32
+    # rounding boundary: one float32 ulp of weights < 0.01, i.e. < 2^-30 ~ 9.3e-10
     assert np.abs(ours - ref).max() <= 1e-9
 
 
@@ -89,6 +92,10 @@ def test_resampled_waveform_matches_librosa(clip):
     ref = outputs()[f"{clip}.wav24"].numpy()
     ours = clip24(clip)
     assert ours.shape == ref.shape
+    # soxr's polyphase filter (float32, SIMD): each output is a dot product of ~n = 1e3 taps with |taps| summing
+    # to ~1.1 and |x| <= 1: rounding <= n u sum|h||x| ~ 6.6e-5 worst case; SIMD lanes reorder the sum but
+    # libsoxr's same code path runs on every CPU, and a random-walk bound sqrt(n) u ~ 2e-6 covers reordering
+    # at the 1e-6 level the other tests assume (RESAMPLE_TOL)
     assert np.abs(ours - ref).max() <= 1e-6
 
 
@@ -97,6 +104,9 @@ def test_speaker_embedding_matches_official(clip):
     emb = cloner().speaker_embedding(clip24(clip))
     ref = outputs()[f"{clip}.spk"]
     assert emb.shape == ref.shape and emb.dtype == torch.float32
+    # the mel bound above (up to ~1e-2 in quiet bins, ~1e-3 in loud ones) goes through ECAPA's convolutions
+    # and attentive statistics pooling, which averages over ~120 frames and 128 mels: the embedding's relative
+    # error is the mel error weighted by energy, ~1e-4 at most (measured ~1.5e-7 where the mels agree to 0)
     assert ((emb - ref).norm() / ref.norm()).item() <= SPK_REL_TOL
 
 
@@ -108,4 +118,6 @@ def test_embedding_is_independent_of_batch_and_deterministic():
     mels = mel_spectrogram(torch.from_numpy(w)[None]).transpose(1, 2)
     with torch.inference_mode():
         two = enc(torch.cat([mels, mels]))
+    # the same input in a batch of 2: MKL/oneDNN may pick another convolution kernel (summation order) for
+    # B=2; each of ~15 layers adds ~sqrt(n) u relative (n = C_in k <= 3 * 1536), ~4e-6 over the net: rtol 1e-5
     torch.testing.assert_close(two[1], a, atol=1e-6, rtol=1e-5)
