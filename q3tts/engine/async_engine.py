@@ -3,7 +3,8 @@
 Only `_loop` iterates over step outputs; each request has its own asyncio.Queue fed thread-safely.
 Cancelling a consumer (client disconnect) aborts its request, which frees its slot at the next step.
 A request's text may be streamed in: an async iterable of pieces (`generate(text_stream=...)`), or pieces
-appended to `prepared.text` by the caller (`submit`).
+appended to `prepared.text` by the caller (`submit`). A step that raises fails only the requests it held
+(Engine.step finishes them; their consumers get the exception); queued ones go on.
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ class AsyncEngine:
                 continue
             try:
                 chunks = self.engine.step()
-            except Exception as e:  # a bug or device error: fail every waiting consumer, keep serving
+            except Exception as e:  # a bug or device error: fail the requests the step held, keep serving
                 self.last_error = f"{type(e).__name__}: {e}"
-                for rid, (loop, q) in list(self._queues.items()):
-                    loop.call_soon_threadsafe(q.put_nowait, e)
-                    self.engine.abort(rid)
+                for rid in self.engine.failed_ids:
+                    target = self._queues.get(rid)
+                    if target is not None:
+                        target[0].call_soon_threadsafe(target[1].put_nowait, e)
                 continue
             for c in chunks:
                 target = self._queues.get(c.request_id)

@@ -74,6 +74,8 @@ class Engine:
         self._lock = threading.Lock()  # add/abort/text may come from another thread than step()
         self.wake = threading.Event()  # set when there may be new work: a request, a cancellation, text
         self._text_news = False
+        self._held: list[EngineRequest] = []  # the requests of the step in progress
+        self.failed_ids: list[str] = []  # the requests a step that raised held (it finished them with an error)
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ requests in
@@ -145,10 +147,27 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[AudioChunk]:
+        """One step. If it raises (a bug, a device error), the requests it held are finished with the error and
+        their slots and vocoder rows freed (failed_ids); queued requests were not touched and go on."""
+        self._held = []
+        try:
+            return self._step()
+        except Exception as e:
+            with self._lock:
+                for req in self._held:
+                    req.error = req.error or f"{type(e).__name__}: {e}"
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                    self._release_vocoder(req)
+                    req.stream_done = True
+            self.failed_ids = [r.request_id for r in self._held]
+            raise
+
+    def _step(self) -> list[AudioChunk]:
         t0 = time.perf_counter()
         with self._lock:
             failed = self._feed_text()
             sched = self.scheduler.schedule()
+            self._held = [r for r in failed + sched.aborted + sched.rows if not r.stream_done]
         codes0 = self._admit(sched)
         t1 = time.perf_counter()
         frame = self.runner.decode_frame(len(sched.rows), sched.active) if any(sched.active) else None

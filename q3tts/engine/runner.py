@@ -23,6 +23,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..inputs.request import InputError
 from ..kernels import MAX_ROWS, linear
 from ..models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
@@ -143,8 +144,9 @@ class ModelRunner:
         """ValueError unless a prompt of num_positions (+ num_trailing streamed text tokens) fits the cache.
         Checked per request before the batched prefill, so one bad request does not fail the others."""
         if num_positions >= self.max_len or num_trailing > self.max_len:
-            raise ValueError(f"prompt too long: {num_positions} positions (+{num_trailing} streamed text tokens) "
-                             f"for the engine's max_seq_len {self.max_len}; shorten the text")
+            raise InputError(f"prompt too long: {num_positions} positions (+{num_trailing} streamed text tokens) "
+                             f"for the engine's max_seq_len {self.max_len}; shorten the text", param="text",
+                             code="input_too_long")
 
     @torch.inference_mode()
     def prefill_batch(self, lo: int, prefills: list[torch.Tensor], trailings: list[torch.Tensor],

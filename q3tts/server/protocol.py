@@ -167,7 +167,8 @@ class ApiError(Exception):
     """An error answer: raised anywhere below the router, turned into ErrorResponse JSON by app.py."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers  # extra response headers, e.g. Retry-After on a 503

@@ -32,6 +32,9 @@ from .settings import ServerSettings
 from .voices import VoiceService
 
 log = logging.getLogger("q3tts.server")
+# Retry-After on a 503 (queue full): a slot frees when a stream ends, and streams last seconds, so one
+# second is the soonest a retry can find room; clients back off further on repeated 503s.
+RETRY_AFTER_S = 1
 
 # the library's argument names -> this API's field names
 API_FIELDS = {"text": "input", "speaker": "voice", "instruct": "instructions"}
@@ -108,7 +111,8 @@ class SpeechServing:
     async def create_speech(self, req: SpeechRequest) -> SpeechStream:
         """Validate, queue, wait for the first chunk, then hand back the byte stream.
 
-        Raises ApiError (400 bad request, 503 queue full); cancelling this coroutine (client gone) aborts."""
+        Raises ApiError (400 bad request, 503 queue full + Retry-After, 500 engine failure before the first
+        chunk); cancelling this coroutine (client gone) aborts."""
         arrival = time.perf_counter()
         prepared = await self.prepare(req, req.input)
         enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
@@ -120,11 +124,17 @@ class SpeechServing:
             first = await chunks.__anext__()
         except QueueFullError as e:
             enc.close()
-            raise ApiError(503, str(e), type="server_busy", code="queue_full") from e
-        except ValueError as e:  # the engine refused it (the prompt does not fit --max-seq-len)
+            raise ApiError(503, str(e), type="server_busy", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except InputError as e:  # the engine refused it (the prompt does not fit --max-seq-len): the client's
             enc.close()
-            raise ApiError(400, str(e), param="input", code="input_too_long") from e
-        except BaseException:
+            raise ApiError(400, str(e), param="input", code=e.code) from e
+        except Exception as e:  # an engine step failed while it held this request: ours, not the client's
+            enc.close()
+            await chunks.aclose()
+            raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
+                           code="engine_error") from e
+        except BaseException:  # cancelled (client gone)
             enc.close()
             await chunks.aclose()
             raise

@@ -32,6 +32,7 @@ from q3tts.audio import to_s16
 from q3tts.engine.async_engine import RequestHandle
 from q3tts.engine.request import StreamOptions
 from q3tts.engine.scheduler import QueueFullError
+from q3tts.inputs.request import InputError
 from q3tts.inputs.text import TextStream
 
 from .protocol import ApiError, SessionConfig
@@ -150,8 +151,8 @@ class SpeechSession:
                                                 request_id=run.request_id, arrival_time=arrival)
         except QueueFullError as e:
             raise ApiError(503, str(e), type="server_busy", code="queue_full") from e
-        except ValueError as e:
-            raise ApiError(400, str(e), code="invalid_request") from e
+        except InputError as e:
+            raise ApiError(400, str(e), code=e.code) from e
         utt = Utterance(prepared.text, handle, run)
         self.live.add(utt)
         self.outbox.put_nowait(utt)

@@ -121,8 +121,21 @@ class VoiceStore:
 
 
 # --------------------------------------------------------------------------- the service
+# "scheme://...": a URL, never base64 (whose alphabet has no ':'); data: URLs have no "//" and are decoded
+URL_RE = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def check_not_url(s: str, param: str) -> None:
+    """400 for an http(s):// (or any scheme://) reference: this server never fetches (no SSRF, no slow or
+    huge downloads holding a request), and saying so beats a base64 decoding error."""
+    if URL_RE.match(s):
+        raise ApiError(400, f"{param}: URLs are not fetched by this server: send the clip as base64 or a data URL "
+                       "(data:audio/wav;base64,...)", param=param, code="url_not_supported")
+
+
 def decode_base64_audio(s: str, max_bytes: int, param: str) -> bytes:
-    """base64 or a data URL -> bytes; 413 past max_bytes, 400 if not base64."""
+    """base64 or a data URL -> bytes; 413 past max_bytes, 400 if a URL or not base64."""
+    check_not_url(s, param)
     try:
         return decode_base64(s, max_bytes + 2)  # + 2: the estimate counts up to 2 bytes of padding
     except Base64TooLarge as e:
