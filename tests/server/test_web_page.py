@@ -292,6 +292,8 @@ def test_live_typing_speaks_before_the_text_is_finished(cv_server, browser, arti
     d = browser
     open_page(d, cv_server)
     total = js(d, "return LLM_TEXT.length")
+    # a cap above the paragraph's ~60 text tokens, so each sentence's text is all read before the cap ends it
+    set_text(d, "max-seconds", "6")
     set_text(d, "llm-rate", "8")  # 8 tokens of 4 characters a second: the paragraph takes ~7 s to write
     by_id(d, "llm-sim").click()
     # audio arrives while the 'LLM' is still writing
