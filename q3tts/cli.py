@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, IsADirectoryError) as e:
         print(f"q3tts: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before any audio (loading); say/design handle it themselves once writing
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return 1
 
 

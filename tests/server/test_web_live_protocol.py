@@ -20,7 +20,7 @@ if not ((shutil.which("chromium") or shutil.which("chromium-browser")) and shuti
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-from .test_web_page import browser, by_id, js  # noqa: E402, F401  (browser: the module's Chromium fixture)
+from .test_web_page import artifacts, browser, by_id, js, shot  # noqa: E402, F401  (fixtures: Chromium, PNG dir)
 
 SPF = 1920
 
@@ -103,7 +103,7 @@ def sent(log, kind):
     return [m for m in log if m.get("type") == kind]
 
 
-def test_page_speaks_the_live_protocol(stand_in, browser):  # noqa: F811
+def test_page_speaks_the_live_protocol(stand_in, browser, artifacts):  # noqa: F811
     url, log = stand_in
     d = browser
     d.get(url + "/")
@@ -130,6 +130,8 @@ def test_page_speaks_the_live_protocol(stand_in, browser):  # noqa: F811
     # every frame the stand-in sent was received and counted
     assert js(d, "return out.samples") == len(texts) * SPF
     assert by_id(d, "audio-s").text == f"{len(texts) * SPF / 24000:.2f} s" and by_id(d, "ttfa").text.endswith(" ms")
+    d.execute_script("document.getElementById('live-h').scrollIntoView()")
+    shot(d, artifacts, "live-typing-stand-in")
 
     # typing by hand: each key is a delta; Enter ends the sentence; the next text starts the next one
     n = len(texts)
