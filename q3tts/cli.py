@@ -1,20 +1,30 @@
-"""Command line: q3tts say | design | clone | serve | bench.
+"""Command line: q3tts say | design | clone | voices | serve | bench.
 
     q3tts say "Hello there." -o hello.wav                      # default model, speaker vivian
     q3tts say "你好" --speaker dylan --language chinese -o hi.wav
     q3tts design "Hello." --instruct "A calm old man" -o x.wav  # VoiceDesign model
     q3tts clone --ref-audio me.wav --ref-text "what I said" --save me.safetensors   # Base model
     q3tts say "Cloned." --model Qwen/Qwen3-TTS-12Hz-0.6B-Base --voice me.safetensors -o c.wav
+    q3tts say --text-file story.txt --play -o story.wav        # hear it while it is made
+    echo "From a pipe." | q3tts say -o pipe.wav
+    q3tts voices list                                           # a running server's stored voices
+    q3tts voices add me --ref-audio me.wav --ref-text "what I said"
     q3tts serve --model Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice
+
+say / design stream: the WAV file grows chunk by chunk (valid at every moment), a progress line on a terminal
+shows audio seconds, real-time factor and time left when --max-new-tokens bounds the length.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
+from pathlib import Path
 
-from .audio import write_wav
+from .cli_media import Player, Progress, WavWriter
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 DEFAULT_DESIGN_MODEL = "Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign"
@@ -24,16 +34,26 @@ def _gen_kwargs(a) -> dict:
     kw = {"seed": a.seed, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature}
     if a.greedy:
         kw.update(do_sample=False, subtalker_dosample=False)
+    if a.non_streaming_mode is not None:
+        kw["non_streaming_mode"] = a.non_streaming_mode == "true"
     return kw
 
 
 def _common(p: argparse.ArgumentParser, default_model: str) -> None:
-    p.add_argument("text", help="the words to speak")
-    p.add_argument("-o", "--output", default="out.wav", help="output WAV file (default out.wav)")
+    p.add_argument("text", nargs="?", default=None,
+                   help="the words to speak; '-' (or nothing, with text piped in) reads standard input")
+    p.add_argument("--text-file", default=None, help="read the text from this file (UTF-8)")
+    p.add_argument("-o", "--output", default="out.wav",
+                   help="output WAV file (default out.wav), written as the audio is made: an interrupted run keeps "
+                        "what was made")
+    p.add_argument("--play", action="store_true", help="also play the audio as it is made (needs: pip install "
+                                                       "'q3tts[play]', and a sound device)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line (it is drawn only on a terminal)")
     p.add_argument("--model", default=default_model, help=f"hub id or local directory (default {default_model})")
     p.add_argument("--language", default="Auto", help="Auto (default) or a language name, e.g. English, Chinese")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (reproducible output)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="cap on generated frames + 1 (12.5 frames/s)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="cap on generated frames + 1 (12.5 frames/s); with it the progress line shows time left")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--greedy", action="store_true", help="greedy decoding (no sampling)")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
@@ -42,32 +62,87 @@ def _common(p: argparse.ArgumentParser, default_model: str) -> None:
                    help="text placement in the prompt (official meaning); default as the official API")
 
 
+def _read_text(a) -> str:
+    """The text from --text-file, '-' / piped standard input, or the argument."""
+    if a.text_file and a.text:
+        raise ValueError("give the text either as an argument or with --text-file, not both")
+    if a.text_file:
+        text = sys.stdin.read() if a.text_file == "-" else Path(a.text_file).read_text(encoding="utf-8")
+    elif a.text == "-" or (a.text is None and not sys.stdin.isatty()):
+        text = sys.stdin.read()
+    elif a.text is None:
+        raise ValueError("no text: give it as an argument, with --text-file FILE, or on standard input ('-')")
+    else:
+        text = a.text
+    text = text.strip()
+    if not text:
+        raise ValueError("the text is empty")
+    return text
+
+
 def _load(a):
     from .api import TTS
     # one utterance: CUDA graphs yes, a minute of torch.compile no
     return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=1, compile=False)
 
 
-def cmd_say(a) -> int:
-    tts = _load(a)
-    t0 = time.perf_counter()
-    kw = _gen_kwargs(a)
-    if a.non_streaming_mode is not None:
-        kw["non_streaming_mode"] = a.non_streaming_mode == "true"
+def _voice(tts, a):
+    """--voice: a voice file, or the name / id of a voice stored in --voice-dir."""
+    if os.path.exists(a.voice) or not a.voice_dir:
+        return tts.load_voice(a.voice)
+    from .server.voices import VoiceStore
+    store = VoiceStore(a.voice_dir, tts.cfg)
+    rec = store.find(a.voice)
+    if rec is None:
+        names = ", ".join(r.name for r in store.list()) or "(none)"
+        raise ValueError(f"no voice file {a.voice!r} and no voice of that name in {a.voice_dir} (stored: {names})")
+    return store.voice(rec)
+
+
+def _stream(tts, a, text: str):
+    """The AudioChunk stream for this model type (first chunk of one frame: low latency for --play)."""
+    kw = dict(_gen_kwargs(a), first_chunk_frames=1, chunk_frames=16)
     if tts.tts_model_type == "custom_voice":
-        wavs, sr = tts.generate_custom_voice(a.text, speaker=a.speaker, language=a.language, instruct=a.instruct, **kw)
-    elif tts.tts_model_type == "voice_design":
+        return tts.generate_custom_voice_stream(text, speaker=a.speaker, language=a.language, instruct=a.instruct, **kw)
+    if tts.tts_model_type == "voice_design":
         if not a.instruct:
             raise ValueError("this is a VoiceDesign model: describe the voice with --instruct")
-        wavs, sr = tts.generate_voice_design(a.text, instruct=a.instruct, language=a.language, **kw)
-    else:
-        if not a.voice:
-            raise ValueError(f"{a.model} is a Base (voice clone) model: pass --voice voice.safetensors "
-                             "(make one with `q3tts clone`)")
-        wavs, sr = tts.generate_voice_clone(a.text, language=a.language, voice_clone_prompt=[tts.load_voice(a.voice)], **kw)
-    write_wav(a.output, wavs[0], sr)
-    dur = len(wavs[0]) / sr
-    print(f"wrote {a.output}: {dur:.2f} s of audio in {time.perf_counter() - t0:.2f} s", file=sys.stderr)
+        return tts.generate_voice_design_stream(text, instruct=a.instruct, language=a.language, **kw)
+    if not a.voice:
+        raise ValueError(f"{a.model} is a Base (voice clone) model: pass --voice voice.safetensors "
+                         "(make one with `q3tts clone`) or a stored voice's name with --voice-dir")
+    return tts.generate_voice_clone_stream(text, language=a.language, voice_clone_prompt=[_voice(tts, a)], **kw)
+
+
+def cmd_say(a) -> int:
+    """say / design: stream the audio into the WAV file (and the sound device), with a progress line."""
+    text = _read_text(a)
+    total_s = (a.max_new_tokens - 1) / 12.5 if a.max_new_tokens else None
+    progress = Progress(label=a.cmd, total_s=total_s, enabled=False if a.quiet else None)
+    progress.stage(f"loading {a.model}…")
+    tts = _load(a)
+    progress.stage("preparing…")
+    stream = _stream(tts, a, text)
+    t0 = time.perf_counter()
+    progress.t0 = t0
+    wav = None
+    try:
+        with Player.maybe(a.play, tts.sample_rate) as player, WavWriter(a.output, tts.sample_rate) as wav:
+            for chunk in stream:
+                wav.write(chunk.audio)
+                player.write(chunk.audio)
+                progress.update(wav.seconds)
+            progress.update(wav.seconds, force=True)
+    except KeyboardInterrupt:
+        progress.close()
+        kept = f"kept {wav.seconds:.2f} s of audio in {a.output}" if wav is not None else "nothing written"
+        print(f"interrupted: {kept}", file=sys.stderr)
+        return 130
+    progress.close()
+    wall = time.perf_counter() - t0
+    first = f", first audio after {progress.first_s:.2f} s" if progress.first_s is not None else ""
+    print(f"wrote {a.output}: {wav.seconds:.2f} s of audio in {wall:.2f} s ({wav.seconds / wall:.2f}x real time"
+          f"{first})", file=sys.stderr)
     return 0
 
 
@@ -76,18 +151,20 @@ def cmd_clone(a) -> int:
     ref_text = a.ref_text
     if a.ref_text_file:
         ref_text = open(a.ref_text_file, encoding="utf-8").read().strip()
+    progress = Progress(label="clone", enabled=False if a.quiet else None)
+    progress.stage(f"loading the encoders of {a.model}…")
     cloner = VoiceCloner.from_pretrained(a.model, device=a.device or "cpu")
+    progress.stage(f"encoding {a.ref_audio}…")
     voice = cloner.create_voice(a.ref_audio, ref_text, x_vector_only_mode=a.x_vector_only, name=a.name,
                                 append_silence=not a.no_append_silence)
     voice.save(a.save)
+    progress.close()
     print(f"saved {a.save}: {voice_summary(voice)}", file=sys.stderr)
     return 0
 
 
 def cmd_bench(a) -> int:
     """Random-weight checkpoint at the real dimensions -> our benchmark (+ the peers) -> one JSON."""
-    import json
-    import os
     import subprocess
     import tempfile
     try:
@@ -97,16 +174,24 @@ def cmd_bench(a) -> int:
     import torch
     if not torch.cuda.is_available():
         raise ValueError("q3tts bench needs a CUDA GPU")
+    steps = 3 if a.peers else 2
+    progress = Progress(label="bench", enabled=False if a.quiet else None)
     tmp = tempfile.mkdtemp(prefix="q3tts-bench-")
     ckpt = os.path.join(tmp, a.model)
+    progress.stage(f"[1/{steps}] making a random {a.model} checkpoint…")
     make(a.model, ckpt)
+    progress.close()
     gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
     out = a.out or f"bench/results/{gpu}-{time.strftime('%Y-%m-%d')}-{a.model}.json"
     run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd], check=True)  # noqa: E731
+    if progress.enabled:  # the runners print their own lines below this one
+        print(f"bench  [2/{steps}] q3tts: {a.frames} frames x {a.repeats} repeats, batch up to {a.batch}", file=sys.stderr)
     run("bench.ours", "--ckpt", ckpt, "--frames", str(a.frames), "--repeats", str(a.repeats), "--batch", str(a.batch),
         "--out", os.path.join(tmp, "ours.json"))
     result = {"command": " ".join(sys.argv), "model": a.model, "q3tts": json.load(open(os.path.join(tmp, "ours.json")))}
     if a.peers:
+        if progress.enabled:
+            print("bench  [3/3] peers (official qwen-tts, faster-qwen3-tts)", file=sys.stderr)
         run("bench.peers", "--ckpt", ckpt, "--frames", str(a.frames), "--repeats", str(a.repeats),
             "--out", os.path.join(tmp, "peers.json"))
         result["peers"] = json.load(open(os.path.join(tmp, "peers.json")))
@@ -114,6 +199,98 @@ def cmd_bench(a) -> int:
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------- voices
+class _ServerVoices:
+    """The voice store of a running `q3tts serve` (/v1/audio/voices), as the web page uses it."""
+
+    def __init__(self, url: str, api_key: str | None):
+        import httpx
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url, self.http = url.rstrip("/"), httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=300)
+
+    def _call(self, method: str, path: str, **kw):
+        import httpx
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise ValueError(f"cannot reach the server at {self.url} ({e}); start one with `q3tts serve`, or use "
+                             "--voice-dir DIR --model M for a local voice directory") from None
+        if r.status_code >= 400:
+            try:
+                msg = r.json()["error"]["message"]
+            except Exception:
+                msg = r.text[:200]
+            raise ValueError(f"server: {msg}")
+        return r.json()
+
+    def list(self) -> list[dict]:
+        return self._call("GET", "/v1/audio/voices")["data"]
+
+    def add(self, name: str, audio: bytes, filename: str, ref_text: str | None, xvec: bool) -> dict:
+        data = {"name": name, "x_vector_only_mode": "true" if xvec else "false"}
+        if ref_text:
+            data["ref_text"] = ref_text
+        return self._call("POST", "/v1/audio/voices", data=data, files={"audio_sample": (filename, audio)})
+
+    def delete(self, key: str) -> dict:
+        return self._call("DELETE", f"/v1/audio/voices/{key}")
+
+
+class _LocalVoices:
+    """A voice directory used directly (the server's store: one safetensors file per voice + an SQLite index)."""
+
+    def __init__(self, voice_dir: str, tts):
+        from .server.voices import VoiceService
+        self.service = VoiceService(tts, voice_dir, max_upload_bytes=64 * 1024 * 1024)
+
+    def _call(self, fn, *args):
+        from .server.protocol import ApiError
+        try:
+            return fn(*args)
+        except ApiError as e:
+            raise ValueError(str(e)) from None
+
+    def list(self) -> list[dict]:
+        return [v.model_dump() for v in self._call(self.service.list)]
+
+    def add(self, name: str, audio: bytes, filename: str, ref_text: str | None, xvec: bool) -> dict:
+        import asyncio
+        return self._call(lambda: asyncio.run(self.service.create(name, audio, ref_text, xvec))).model_dump()
+
+    def delete(self, key: str) -> dict:
+        return self._call(self.service.delete, key).model_dump()
+
+
+def cmd_voices(a) -> int:
+    if a.voice_dir:
+        if not a.model:
+            raise ValueError("--voice-dir needs --model: the Base model the voices are made for")
+        store = _LocalVoices(a.voice_dir, _load(a))
+    else:
+        store = _ServerVoices(a.server, a.api_key)
+    if a.action == "list":
+        voices = store.list()
+        if a.json:
+            print(json.dumps(voices, indent=1))
+        elif not voices:
+            print("(no voices)", file=sys.stderr)
+        for v in voices if not a.json else []:
+            ref = v.get("ref_text") or ""
+            ref = f"  \"{ref[:40]}{'…' if len(ref) > 40 else ''}\"" if ref else ""
+            print(f"{v['id']}\t{v['name']}\t{v.get('mode', '')}{ref}")
+        return 0
+    if a.action == "add":
+        ref_text = Path(a.ref_text_file).read_text(encoding="utf-8").strip() if a.ref_text_file else a.ref_text
+        audio = Path(a.ref_audio).read_bytes()
+        v = store.add(a.name, audio, os.path.basename(a.ref_audio), ref_text, a.x_vector_only)
+        print(f"added {v['name']} ({v['id']}, {v['mode']})", file=sys.stderr)
+        print(v["id"])
+        return 0
+    v = store.delete(a.name)
+    print(f"deleted {v['id']}", file=sys.stderr)
     return 0
 
 
@@ -132,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     _common(say, DEFAULT_MODEL)
     say.add_argument("--speaker", default="vivian", help="CustomVoice speaker (default vivian)")
     say.add_argument("--instruct", default=None, help="style instruction (1.7B CustomVoice, VoiceDesign)")
-    say.add_argument("--voice", default=None, help="voice file from `q3tts clone` (Base models)")
+    say.add_argument("--voice", default=None,
+                     help="Base models: a voice file from `q3tts clone`, or a stored voice's name with --voice-dir")
+    say.add_argument("--voice-dir", default=None, help="a voice directory (as `q3tts serve --voice-dir`)")
     design = sub.add_parser("design", help="synthesize with a voice described in words (VoiceDesign model)")
     _common(design, DEFAULT_DESIGN_MODEL)
     design.add_argument("--instruct", required=True, help="the voice, in words")
@@ -146,6 +325,22 @@ def main(argv: list[str] | None = None) -> int:
     clone.add_argument("--name", default=None)
     clone.add_argument("--device", default=None)
     clone.add_argument("--save", required=True, help="output voice file (.safetensors)")
+    clone.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    voices = sub.add_parser("voices", help="list, add and delete stored voices (a server's, or a voice directory)")
+    voices.add_argument("action", choices=["list", "add", "delete"])
+    voices.add_argument("name", nargs="?", help="add: the new voice's name; delete: a voice's name or id")
+    voices.add_argument("--server", default=os.environ.get("Q3TTS_SERVER", "http://127.0.0.1:8000"),
+                        help="a running `q3tts serve` (default $Q3TTS_SERVER or http://127.0.0.1:8000)")
+    voices.add_argument("--api-key", default=os.environ.get("Q3TTS_API_KEY"), help="its API key ($Q3TTS_API_KEY)")
+    voices.add_argument("--voice-dir", default=None, help="use this voice directory directly instead of a server")
+    voices.add_argument("--model", default=None, help="with --voice-dir: the Base model (hub id or directory)")
+    voices.add_argument("--device", default=None)
+    voices.add_argument("--dtype", default=None)
+    voices.add_argument("--ref-audio", help="add: the reference recording (wav, flac, ogg, mp3), 1-60 s")
+    voices.add_argument("--ref-text", default=None, help="add: its transcript (needed unless --x-vector-only)")
+    voices.add_argument("--ref-text-file", default=None, help="add: read the transcript from a file")
+    voices.add_argument("--x-vector-only", action="store_true", help="add: speaker embedding only")
+    voices.add_argument("--json", action="store_true", help="list: print the voices as JSON")
     sub.add_parser("serve", help="OpenAI-compatible speech server (q3tts serve --help)")
     bench = sub.add_parser("bench", help="GPU benchmark on a random-weight checkpoint at the real dimensions")
     bench.add_argument("--model", default="0.6B-CustomVoice", choices=["0.6B-CustomVoice", "1.7B-CustomVoice"])
@@ -154,19 +349,29 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--batch", type=int, default=16)
     bench.add_argument("--peers", action="store_true", help="also run the official package and faster-qwen3-tts")
     bench.add_argument("--out", default=None, help="result JSON (default bench/results/<gpu>-<date>-<model>.json)")
+    bench.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     a = ap.parse_args(argv)
     try:
         if a.cmd in ("say", "design"):
             if a.cmd == "design":
-                a.speaker, a.voice = None, None
+                a.speaker, a.voice, a.voice_dir = None, None, None
             return cmd_say(a)
+        if a.cmd == "voices":
+            if a.action != "list" and not a.name:
+                voices.error(f"voices {a.action} needs a voice name")
+            if a.action == "add" and not a.ref_audio:
+                voices.error("voices add needs --ref-audio")
+            return cmd_voices(a)
         if a.cmd == "clone":
             return cmd_clone(a)
         if a.cmd == "bench":
             return cmd_bench(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, IsADirectoryError) as e:
         print(f"q3tts: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before any audio (loading); say/design handle it themselves once writing
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     return 1
 
 

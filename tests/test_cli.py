@@ -1,5 +1,6 @@
 """The command line end to end on tiny checkpoints (CPU)."""
 
+import json
 import wave
 
 import pytest
@@ -43,3 +44,207 @@ def test_clone_then_say_with_the_voice(tmp_path):
     assert frames_in(out) == 7
     with pytest.raises(SystemExit):
         main(["clone", "--model", ckpt])  # --ref-audio and --save are required
+
+
+# --------------------------------------------------------------------------- streaming output, input, voices
+import io  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def samples(path) -> np.ndarray:
+    with wave.open(str(path)) as f:
+        return np.frombuffer(f.readframes(f.getnframes()), "<i2")
+
+
+def say_args(out, *extra, frames=8):
+    return ["say", "--model", str(fx.checkpoint("cv06")), "-o", str(out), "--speaker", "ryan", "--greedy",
+            "--max-new-tokens", str(frames + 1), *extra]
+
+
+def test_text_from_stdin_and_file_equals_the_argument(tmp_path, monkeypatch):
+    text = "Text from somewhere else."
+    assert main(say_args(tmp_path / "arg.wav", text)) == 0
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text + "\n"))
+    assert main(say_args(tmp_path / "dash.wav", "-")) == 0
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))  # not a terminal and no text argument: read it
+    assert main(say_args(tmp_path / "piped.wav")) == 0
+    (tmp_path / "t.txt").write_text(text + "\n", encoding="utf-8")
+    assert main(say_args(tmp_path / "file.wav", "--text-file", str(tmp_path / "t.txt"))) == 0
+    ref = samples(tmp_path / "arg.wav")
+    assert len(ref) == 8 * 1920  # greedy: the same text gives the same audio, whichever way it came in
+    for name in ("dash", "piped", "file"):
+        assert np.array_equal(samples(tmp_path / f"{name}.wav"), ref), name
+
+
+def test_text_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("   \n"))
+    assert main(say_args(tmp_path / "x.wav", "-")) == 2
+    assert "the text is empty" in capsys.readouterr().err
+    assert main(say_args(tmp_path / "x.wav", "both", "--text-file", "f.txt")) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+class FakeSoundDevice:
+    """sounddevice's OutputStream as the Player uses it, recording what it is given."""
+
+    played: list = []
+
+    class OutputStream:
+        def __init__(self, samplerate, channels, dtype):
+            assert (samplerate, channels, dtype) == (24000, 1, "float32")
+
+        def start(self):
+            pass
+
+        def write(self, block):
+            assert block.shape[1] == 1 and block.dtype == np.float32
+            FakeSoundDevice.played.append(block[:, 0].copy())
+
+        def stop(self):
+            pass
+
+        def close(self):
+            pass
+
+
+def test_play_sends_every_chunk_to_the_device(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sounddevice", None)  # not installed -> a clear message
+    assert main(say_args(tmp_path / "p.wav", "Played.", "--play")) == 2
+    assert "pip install 'q3tts[play]'" in capsys.readouterr().err
+    FakeSoundDevice.played = []
+    monkeypatch.setitem(sys.modules, "sounddevice", FakeSoundDevice)
+    assert main(say_args(tmp_path / "p.wav", "Played.", "--play")) == 0
+    played = np.concatenate(FakeSoundDevice.played)
+    from q3tts.audio import to_s16
+    # the device got the float chunks the file was written from (the file holds them rounded to 16 bits)
+    assert len(FakeSoundDevice.played) > 1 and np.array_equal(to_s16(played), samples(tmp_path / "p.wav"))
+
+
+def _cli(args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "q3tts.cli", *args], cwd=ROOT, stdin=subprocess.DEVNULL, **kw)
+
+
+def test_progress_line():
+    from q3tts.cli_media import Progress
+    p = Progress(label="say", total_s=3.2, stream=io.StringIO(), width=8)
+    # 1 s of 3.2 s made in 0.5 s: 2x real time, 2.2 s of audio left -> 1.1 s of wall time at that rate
+    assert p.line(1.0, 0.5) == "say  [##......]  31%    1.00 s audio   2.00x real time  <= 1.1 s left"
+    assert Progress(stream=io.StringIO()).line(0.0, 2.0) == "  0.00 s audio    2.0 s"
+    quiet = Progress(total_s=1.0, stream=io.StringIO())  # StringIO is no terminal: nothing is drawn
+    quiet.update(0.5, force=True)
+    quiet.stage("loading")
+    quiet.close()
+    assert quiet.stream.getvalue() == "" and quiet.first_s is not None
+
+
+def _read_all(master: int) -> bytes:
+    out = b""
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        out += data
+    os.close(master)
+    return out
+
+
+def test_progress_on_a_terminal(tmp_path):
+    import pty
+    master, slave = pty.openpty()
+    p = _cli(say_args(tmp_path / "t.wav", "Progress on a terminal.", frames=20), stdout=subprocess.DEVNULL,
+             stderr=slave)
+    os.close(slave)
+    try:
+        out = _read_all(master)
+        assert p.wait(timeout=240) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    text = out.decode()
+    lines = [seg for seg in text.replace("\n", "\r").split("\r") if "s audio" in seg]
+    assert lines, text
+    last = lines[-1]  # the final redraw: the whole length, as a bar at 100% (20 frames = 1.6 s)
+    assert "[########################] 100%" in last and "1.60 s audio" in last and "x real time" in last, last
+    assert "\x1b[K" in text and "wrote " in text
+
+
+
+def test_no_progress_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    assert main(say_args(tmp_path / "p.wav", "No progress into a pipe.", frames=20)) == 0
+    err = capsys.readouterr().err  # pytest's capture is no terminal, as a pipe or a file is not
+    assert "\r" not in err and "\x1b" not in err and "s audio" not in err
+    assert err.startswith("wrote ") and "1.60 s of audio" in err, err
+
+
+def _data_frames(path) -> int:
+    try:
+        with wave.open(str(path)) as f:
+            return f.getnframes()
+    except (wave.Error, EOFError, FileNotFoundError):
+        return 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupted_say_keeps_a_valid_wav(tmp_path, sig):
+    out = tmp_path / "long.wav"
+    # 2000 frames: minutes on CPU, so the run is stopped long before it ends
+    p = _cli(say_args(out, "A long text that is interrupted.", frames=2000), stdout=subprocess.DEVNULL,
+             stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 240
+        while _data_frames(out) < 3 * 1920:  # chunks of 1 and 2 frames written (chunks double from 1 frame)
+            assert p.poll() is None and time.time() < deadline, "no audio written"
+            time.sleep(0.05)
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    n = _data_frames(out)
+    size = os.path.getsize(out)
+    # a valid file: the header's sizes cover whole frames that are all in the file
+    assert n >= 3 * 1920 and n % 1920 == 0 and 44 + 2 * n <= size
+    assert n < 2000 * 1920
+    if sig == signal.SIGINT:
+        assert p.returncode == 130 and f"interrupted: kept {n / 24000:.2f} s of audio" in err.decode()
+        assert size == 44 + 2 * n  # closed cleanly: nothing after the counted data
+    else:
+        assert p.returncode == -signal.SIGKILL
+
+
+def test_voices_in_a_local_directory(tmp_path, capsys):
+    from tests.server.test_voices import REF_TEXT, reference_wav
+    clip = tmp_path / "ref.wav"
+    clip.write_bytes(reference_wav())
+    ckpt = str(fx.checkpoint("base06"))
+    vdir = str(tmp_path / "voices")
+    local = ["--voice-dir", vdir, "--model", ckpt]
+    assert main(["voices", "add", "carol", "--ref-audio", str(clip), "--ref-text", REF_TEXT, *local]) == 0
+    vid = capsys.readouterr().out.strip()
+    assert vid.startswith("voice_")
+    assert main(["voices", "list", "--json", *local]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(v["id"], v["name"], v["mode"]) for v in listed] == [(vid, "carol", "icl")]
+    out = tmp_path / "c.wav"
+    assert main(["say", "By name.", "--model", ckpt, "--voice", "carol", "--voice-dir", vdir, "-o", str(out),
+                 "--greedy", "--max-new-tokens", "6"]) == 0 and frames_in(out) == 5
+    assert main(["voices", "add", "carol", "--ref-audio", str(clip), "--x-vector-only", *local]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["voices", "delete", "carol", *local]) == 0
+    assert main(["voices", "list", *local]) == 0
+    assert "(no voices)" in capsys.readouterr().err
+    assert main(["voices", "delete", "carol", *local]) == 2
+    assert "no voice 'carol'" in capsys.readouterr().err

@@ -172,6 +172,7 @@ async def list_models(raw_request: Request) -> ModelList:
     s = _state(raw_request)
     tts = s.tts
     card = ModelCard(id=s.settings.model_id, created=s.started, tts_model_type=tts.cfg.tts_model_type,
+                     tts_model_size=tts.cfg.tts_model_size,
                      sample_rate=tts.sample_rate, languages=list(tts.get_supported_languages() or []),
                      voices=s.voices.builtin())
     return ModelList(data=[card])

@@ -124,6 +124,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "q3tts"
     tts_model_type: str  # custom_voice | voice_design | base
+    tts_model_size: str | None = None  # "0b6" | "1b7" (CustomVoice instructions need 1b7)
     sample_rate: int
     languages: list[str]
     voices: list[str]  # built-in speakers (CustomVoice)
