@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -101,10 +102,9 @@ class SpeechServing:
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
             return proc.voice_clone(text, [item], req.language, **kw)[0]
-        except InputError as e:  # its message starts with the argument's name where it is about one: use ours
-            field, msg = API_FIELDS.get(e.param, e.param), str(e)
-            if e.param and msg.startswith(e.param + " "):
-                msg = field + msg[len(e.param):]
+        except InputError as e:  # it names the library's argument: name this API's field instead
+            field = API_FIELDS.get(e.param, e.param)
+            msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)
             raise ApiError(400, msg, param=field, code=e.code) from None
 
     # ------------------------------------------------------------------ generation
