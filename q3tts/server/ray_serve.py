@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from ray import serve
 
-from .settings import ServerSettings
+from .settings import ServerSettings, parse_args
 
 log = logging.getLogger("q3tts.server")
 
@@ -150,13 +150,14 @@ def build_app(args: dict):
 
     `args` holds ServerSettings fields (model, voice_dir, max_concurrent, ...) and the deployment's knobs
     (replicas, max_replicas, num_cpus, num_gpus, target_ongoing_requests); a config's `deployments:` entry
-    for "Q3TTS" overrides the latter the usual Serve way.
+    for "Q3TTS" overrides the latter the usual Serve way. Settings not in `args` come from the Q3TTS_*
+    environment variables (e.g. Q3TTS_API_KEY from a Kubernetes Secret), then the defaults.
     """
     names = {f.name for f in fields(ServerSettings)}
     unknown = sorted(set(args) - names - set(_APP_ARGS))
     if unknown:
         raise ValueError(f"unknown q3tts args {unknown}; accepted: {sorted(names | set(_APP_ARGS))}")
-    settings = ServerSettings(**{k: v for k, v in args.items() if k in names})
+    settings = replace(parse_args([]), **{k: v for k, v in args.items() if k in names})
     return deployment(settings, **{k: args[k] for k in _APP_ARGS if k in args})
 
 
@@ -190,12 +191,20 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def _stop_on_signals() -> None:
+    # SIGTERM's default would leave a local Ray running; SIGINT is ignored in a shell script's background job;
+    # ray.init installs handlers of its own: so (re)install ours, for both
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
 def serve_main(settings: ServerSettings) -> int:
     """`q3tts serve --replicas N`: start, serve until SIGINT / SIGTERM, stop (also when stopped mid-start)."""
-    signal.signal(signal.SIGTERM, _interrupt)  # a plain SIGTERM would leave a local Ray running
+    _stop_on_signals()
     t0 = time.perf_counter()
     try:
         start(settings)
+        _stop_on_signals()
         if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("serving on %s without an API key (--api-key)", settings.host)
         log.info("Ray Serve: %d replica(s)%s of %s on http://%s:%d, up in %.1f s", max(1, settings.replicas),

@@ -224,3 +224,44 @@ def test_stopping_the_server_stops_ray(rs):
         socket.create_connection((host, int(port)), timeout=2).close()
     with pytest.raises(httpx.TransportError):  # and so is the proxy
         httpx.get(rs.base_url + "/ready", timeout=2)
+
+
+# --------------------------------------------------------------------------- deploy/ files (no Ray started)
+def _serve_configs() -> list[dict]:
+    """deploy/serve_config.yaml and the serveConfigV2 inside the KubeRay RayService manifest."""
+    import yaml
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "kuberay-rayservice.yaml").read_text()))
+    service = next(d for d in docs if d["kind"] == "RayService")
+    assert service["apiVersion"] == "ray.io/v1"
+    pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # the voice store every replica reads
+    return [yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text()),
+            yaml.safe_load(service["spec"]["serveConfigV2"])]
+
+
+def test_deploy_configs_are_valid_serve_configs_that_build():
+    from ray.serve.schema import ServeDeploySchema
+    for cfg in _serve_configs():
+        schema = ServeDeploySchema.model_validate(cfg)
+        (app,) = schema.applications
+        module, _, name = app.import_path.partition(":")
+        build = getattr(__import__(module, fromlist=[name]), name)
+        d = build(app.args)._bound_deployment  # what Serve would deploy (no Ray needed to build it)
+        settings, _ = d.init_args
+        assert settings.voice_dir == app.args["voice_dir"] and settings.model == app.args["model"]
+        assert d.ray_actor_options == {"num_cpus": app.args["num_cpus"], "num_gpus": 1}
+        auto = d._deployment_config.autoscaling_config
+        assert (auto.min_replicas, auto.max_replicas) == (app.args["replicas"], app.args["max_replicas"])
+        assert auto.target_ongoing_requests == app.args["target_ongoing_requests"]
+        assert d._deployment_config.max_ongoing_requests == app.args["max_concurrent"]
+
+
+def test_build_app_checks_its_args():
+    from q3tts.server.ray_serve import build_app
+    with pytest.raises(ValueError, match="unknown q3tts args \\['replica'\\].*accepted"):
+        build_app({"model": "m", "replica": 2})
+    with pytest.raises(ValueError, match="max_replicas \\(1\\) must be >= replicas \\(2\\)"):
+        build_app({"model": "m", "replicas": 2, "max_replicas": 1, "num_gpus": 0})
+    d = build_app({"model": "m", "replicas": 3, "num_cpus": 2, "num_gpus": 0})._bound_deployment
+    assert d._deployment_config.num_replicas == 3 and d._deployment_config.autoscaling_config is None
+    assert d.init_args[1] == 2  # torch threads on a CPU replica: its CPUs
