@@ -25,7 +25,8 @@ pytest.importorskip("ray.serve", reason="Ray Serve not installed: pip install 'q
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from q3tts.server.ray_serve import APP_NAME, DEPLOYMENT_NAME  # noqa: E402
+from fastapi import FastAPI, WebSocket  # noqa: E402 (module level: FastAPI resolves the handler's annotations here)
+from q3tts.server.ray_serve import APP_NAME, DEPLOYMENT_NAME, ReplicaHeaderMiddleware  # noqa: E402
 from tests.golden import fixtures as fx  # noqa: E402
 
 from .live import SPF  # noqa: E402
@@ -214,6 +215,44 @@ def test_replica_killed_mid_load(rs):
     assert [s.error for s in after] == [None] * len(after)
     assert len({s.nbytes for s in after}) == 1 and after[0].nbytes > 0
     assert victim not in seen and len(seen) == 2, seen
+
+
+@serve.ingress()
+class WebSocketProbe:
+    """A FastAPI app with a WebSocket echo behind ReplicaHeaderMiddleware, as Q3TTSReplica builds its app."""
+
+    def __init__(self):
+        app = FastAPI()
+
+        @app.websocket("/echo")
+        async def echo(ws: WebSocket):
+            await ws.accept()
+            async for text in ws.iter_text():
+                await ws.send_text(text.upper())
+
+        app.add_middleware(ReplicaHeaderMiddleware, replica=serve.get_replica_context().replica_tag)
+        self._probe_app = app
+
+    def __serve_build_asgi_app__(self):
+        return self._probe_app
+
+
+def test_websocket_through_the_proxy_names_the_replica(rs):
+    """create_app's WebSocket routes reach clients the same way: Ray's proxy carries the upgrade, the
+    messages both ways, and the replica header on the handshake."""
+    from websockets.sync.client import connect
+    serve.run(serve.deployment(WebSocketProbe).options(ray_actor_options={"num_cpus": 0}).bind(),
+              name="ws-probe", route_prefix="/ws-probe")
+    try:
+        with connect(f"ws://127.0.0.1:{rs.port}/ws-probe/echo", open_timeout=30) as ws:
+            replica = ws.response.headers["x-q3tts-replica"]
+            for word in ("one", "two"):
+                ws.send(word)
+                assert ws.recv(timeout=30) == word.upper()
+        (probe,) = serve.status().applications["ws-probe"].deployments.values()
+        assert probe.replica_states == {"RUNNING": 1} and replica not in rs.replicas
+    finally:
+        serve.delete("ws-probe")
 
 
 def test_stopping_the_server_stops_ray(rs):
