@@ -2,15 +2,15 @@
 # Build .scratch/raydeps.tar.xz on a machine with pip (not the GPU machine): Ray Serve and the server's Python
 # dependencies for the GPU machine (CPython 3.12, manylinux x86_64), resolved together, unpacked, packed small.
 #
-#   bash bench/ray_deps.sh            # repo root; then carry .scratch/raydeps.tar.xz to bench/ray_load.sh
+#   bash bench/ray_deps.sh            # repo root; then carry .scratch/raydeps.tar.xz (alone) to bench/ray_load.sh
 #
 # The ray wheel is ~79 MB, more than a device call may carry (64 MiB): its Java jar (ray/jars, 32 MB packed,
 # used only by Java workers) is left out and the rest is packed with xz. numpy / torch / CUDA are the image's.
 set -euo pipefail
 RAY=${RAY:-2.60.0}
-DL=.scratch/raydeps-wheels; DST=.scratch/raydeps
+DL=${DL:-/tmp/raydeps-wheels}; DST=/tmp/raydeps   # outside the repo: only the tarball travels
 rm -rf "$DST" .scratch/raydeps.tar.xz
-mkdir -p "$DL" "$DST"
+mkdir -p "$DL" "$DST" .scratch
 if ! ls "$DL"/ray-"$RAY"-*.whl >/dev/null 2>&1; then
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
@@ -32,5 +32,5 @@ rm -rf "$DST"/ray/jars "$DST"/ray/rllib
 strip --strip-unneeded "$DST"/ray/_raylet.so
 strip "$DST"/ray/core/src/ray/gcs/gcs_server "$DST"/ray/core/src/ray/raylet/raylet
 chmod +x "$DST"/ray/core/src/ray/gcs/gcs_server "$DST"/ray/core/src/ray/raylet/raylet
-XZ_OPT=${XZ_OPT:--6 -T0} tar -C .scratch -cJf .scratch/raydeps.tar.xz raydeps
+XZ_OPT=${XZ_OPT:--6 -T0} tar -C /tmp -cJf .scratch/raydeps.tar.xz raydeps
 echo "$(wc -l < "$DST/WHEELS.txt") wheels -> .scratch/raydeps.tar.xz: $(du -m .scratch/raydeps.tar.xz | cut -f1) MB"
