@@ -42,12 +42,12 @@ def main():
     from q3tts.models.layers import fuse_projections
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     tts = TTS.from_pretrained(a.ckpt, max_batch_size=64, max_seq_len=512)
-    talker = tts.talker
+    talker = tts.ckpt.talker
     fuse_projections(talker)
     n = 256
 
     def new_runner(compile):
-        return ModelRunner(talker, tts.tts_pad_embed, max_slots=64, max_len=512, compile=compile)
+        return ModelRunner(talker, tts.ckpt.tts_pad_embed, max_slots=64, max_len=512, compile=compile)
 
     def cp_times(r, tag):
         with torch.inference_mode():
@@ -99,10 +99,10 @@ def main():
 
       if "vocoder" in secs:
         # vocoder: one decode_step, eager and graphed
-        c2w = tts.code2wav
+        c2w = tts.ckpt.code2wav
         voc = {}
         for B, t in ((1, 16), (16, 1), (64, 1)):
-            st = c2w.init_state(B, "cuda", tts.dtype)
+            st = c2w.init_state(B, "cuda", tts.ckpt.dtype)
             codes = torch.randint(0, 2048, (B, 16, t), device="cuda")
             for _ in range(3):
                 c2w.decode_step(codes, st)
@@ -123,12 +123,12 @@ def main():
         shapes = []
         hooks = [m.register_forward_hook(lambda m, i, o: shapes.append((m, i[0].shape)))
                  for m in c2w.modules() if isinstance(m, torch.nn.Conv1d)]
-        c2w.decode_step(torch.randint(0, 2048, (64, 16, 1), device="cuda"), c2w.init_state(64, "cuda", tts.dtype))
+        c2w.decode_step(torch.randint(0, 2048, (64, 16, 1), device="cuda"), c2w.init_state(64, "cuda", tts.ckpt.dtype))
         for h in hooks:
             h.remove()
         convs = []
         for m, shp in shapes:
-            x = torch.randn(shp, device="cuda", dtype=tts.dtype)
+            x = torch.randn(shp, device="cuda", dtype=tts.ckpt.dtype)
             g = graph_of(lambda: m(x))
             convs.append((round(replay_ms(g, 10) * 1000, 1), f"{m} in {tuple(shp)}"))
         res["vocoder_convs_b64_t1_us"] = sorted(convs, reverse=True)[:12]

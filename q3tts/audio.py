@@ -281,12 +281,6 @@ def resample(wav: np.ndarray, orig_sr: int, target_sr: int = TARGET_SR) -> np.nd
     return np.asarray(y, dtype=np.float32)
 
 
-def load_reference(src: Any, sr: int = TARGET_SR, **kwargs) -> np.ndarray:
-    """load_audio + resample -> mono float32 at `sr` (24 kHz)."""
-    wav, orig = load_audio(src, **kwargs)
-    return resample(wav, orig, sr)
-
-
 # --------------------------------------------------------------------------- output
 def to_s16(audio: np.ndarray) -> np.ndarray:
     """float samples in [-1, 1] -> 16-bit PCM, little-endian int16 (NaN -> 0, clipped, rounded)."""

@@ -20,7 +20,6 @@ from q3tts.audio import (
     Base64TooLarge,
     decode_base64,
     load_audio,
-    load_reference,
     resample,
     to_mono,
     validate_audio,
@@ -53,7 +52,8 @@ def test_formats_decode(name, sr, channels):
     assert got_sr == sr and wav.dtype == np.float32 and wav.ndim == 1
     assert abs(len(wav) / sr - 1.3) < 0.01
     raw, _ = sf.read(str(CLIPS / name), dtype="float32", always_2d=True)
-    # lossy decoders (mpg123) may differ in the last bit between read calls
+    # lossy decoders (mpg123) may differ in the last bit between read calls; the stereo mean is one float32
+    # add and halving (<= 1 ulp); |x| < 1 so an ulp is <= 2^-24 and 1e-6 is ~16 ulps of decoder slack
     np.testing.assert_allclose(wav, raw.mean(axis=1) if channels == 2 else raw[:, 0], rtol=0, atol=1e-6)
 
 
@@ -75,6 +75,8 @@ def test_every_input_form_gives_the_same_waveform():
     for what, src in forms.items():
         wav, got_sr = load_audio(src)
         assert got_sr == sr, what
+        # the same bytes through the same decoder; the array forms are the float32 samples (float64 -> float32
+        # rounds to the same values), averaged as stereo: <= 1 ulp of |x| < 0.5, i.e. <= 2^-25 < 1e-7
         np.testing.assert_allclose(wav, ref, atol=1e-7, err_msg=what)
 
 
@@ -82,9 +84,12 @@ def test_integer_pcm_tuples_are_scaled():
     x = tone()
     i16 = np.round(x * 32767).astype(np.int16)
     wav, _ = load_audio((i16, 16000))
+    # quantisation, not rounding: round(x * 32767) / 32768 differs from x by <= 0.5/32768 (rounding) +
+    # |x|/32768 (scale 32767 vs 32768) <= (0.5 + 0.39)/32768 = 2.7e-5 for this tone (|x| <= 0.39)
     np.testing.assert_allclose(wav, x, atol=1e-4)
     u8 = np.round(x * 127 + 128).astype(np.uint8)
     wav, _ = load_audio((u8, 16000))
+    # likewise for 8 bits: <= (0.5 + |x|)/128 <= 0.89/128 = 7e-3
     np.testing.assert_allclose(wav, x, atol=1e-2)
 
 
@@ -102,6 +107,7 @@ def test_integer_pcm_torch_tensors_are_scaled_as_numpy_arrays():
 def test_to_mono_takes_the_channel_axis():
     x = tone(channels=2)
     np.testing.assert_array_equal(to_mono(x), to_mono(x.T.copy()))
+    # (x + 0.5 x) / 2 vs 0.75 x in float32: two roundings of values < 0.4, <= 2 ulps = 2^-24 < 1e-7
     np.testing.assert_allclose(to_mono(x), 0.75 * x[:, 0], atol=1e-7)
 
 
@@ -109,9 +115,11 @@ def test_resample_lengths_and_identity():
     x = tone(1.3, 22050)
     assert resample(x, 22050, 24000).shape[0] == 31201  # librosa: ceil(N * (24000 / 22050)) in float
     assert resample(x, 24000, 24000) is not None and np.array_equal(resample(x, 24000, 24000), x)
-    y = load_reference((tone(2.0, 48000), 48000))
+    y = resample(*load_audio((tone(2.0, 48000), 48000)), 24000)
     assert y.shape == (48000,) and y.dtype == np.float32
-    # band-limited: a 220 Hz tone keeps its level
+    # band-limited: a 220 Hz tone keeps its level (soxr_hq's passband ripple is < 0.01 dB, i.e. < 1.2e-3
+    # relative, times a peak of 0.39 = 4.5e-4 < 1e-3; the peak sample also moves with the new sampling grid by
+    # at most 1 - cos(pi * 220 / 24000) of it = 1.6e-4)
     assert abs(np.abs(y[4000:-4000]).max() - np.abs(tone(2.0, 48000)).max()) < 1e-3
 
 

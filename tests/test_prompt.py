@@ -2,7 +2,7 @@
 
 import pytest
 
-from q3tts.prompt import TextTokenizer
+from q3tts.inputs.prompt import TextTokenizer
 from tests.golden import fixtures as fx
 
 

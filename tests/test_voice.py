@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from q3tts.config import parse_model_config
-from q3tts.voice import (
+from q3tts.inputs.voice import (
     ICL_SILENCE_SECONDS,
     RefTextWarning,
     Voice,
@@ -46,7 +46,7 @@ def assert_item(item, spk_key: str, code_key: str | None):
 
 
 # --------------------------------------------------------------------------- prompt items vs official
-@pytest.mark.filterwarnings("error::q3tts.voice.RefTextWarning")
+@pytest.mark.filterwarnings("error::q3tts.inputs.voice.RefTextWarning")
 @pytest.mark.parametrize("name", sorted(MANIFEST["clips"]))
 def test_prompt_item_matches_official(name):
     item, = cloner().create_voice_clone_prompt(clip(name), ref_text=ref_text(name), append_silence=False)

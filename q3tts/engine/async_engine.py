@@ -2,14 +2,16 @@
 
 Only `_loop` iterates over step outputs; each request has its own asyncio.Queue fed thread-safely.
 Cancelling a consumer (client disconnect) aborts its request, which frees its slot at the next step.
+A request's text may be streamed in: an async iterable of pieces (`generate(text_stream=...)`), or pieces
+appended to `prepared.text` by the caller (`submit`). A step that raises fails only the requests it held
+(Engine.step finishes them; their consumers get the exception); queued ones go on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 from .engine import AudioChunk, Engine, EngineCounters
@@ -28,7 +30,6 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
         self._stop = False
         self.last_error: str | None = None  # last step failure (a device assert poisons the CUDA context)
         self._thread = threading.Thread(target=self._loop, name="q3tts-engine", daemon=True)
@@ -43,22 +44,23 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._stop = True
-        self._wake.set()
+        self.engine.wake.set()
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
         while not self._stop:
             if not self.engine.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
+                self.engine.wake.wait(0.05)
+                self.engine.wake.clear()
                 continue
             try:
                 chunks = self.engine.step()
-            except Exception as e:  # a bug or device error: fail every waiting consumer, keep serving
+            except Exception as e:  # a bug or device error: fail the requests the step held, keep serving
                 self.last_error = f"{type(e).__name__}: {e}"
-                for rid, (loop, q) in list(self._queues.items()):
-                    loop.call_soon_threadsafe(q.put_nowait, e)
-                    self.engine.abort(rid)
+                for rid in self.engine.failed_ids:
+                    target = self._queues.get(rid)
+                    if target is not None:
+                        target[0].call_soon_threadsafe(target[1].put_nowait, e)
                 continue
             for c in chunks:
                 target = self._queues.get(c.request_id)
@@ -66,36 +68,72 @@ class AsyncEngine:
                     loop, q = target
                     loop.call_soon_threadsafe(q.put_nowait, c)
 
+    def submit(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None,
+               arrival_time: float | None = None) -> RequestHandle:
+        """Queue a request now (QueueFullError / ValueError at once); its chunks come from handle.chunks()."""
+        req = self.engine.add_request(prepared, stream or StreamOptions(), request_id)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req.request_id] = (asyncio.get_running_loop(), q)
+        return RequestHandle(self, req.request_id, q)
+
     async def generate(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[AudioChunk]:
+                       arrival_time: float | None = None,
+                       text_stream: AsyncIterable[str] | None = None) -> AsyncIterator[AudioChunk]:
         """Chunks of one request until its last one. Raises QueueFullError at once if the queue is full.
 
         Always streams internally (exact decoder); pass large chunk sizes for non-streaming responses.
+        text_stream: the text as it is written (prepared from text=None), read while audio is made.
         """
-        stream = stream or StreamOptions()
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        req = self.engine.add_request(prepared, stream, request_id)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        self._queues[req.request_id] = (loop, q)
-        self._wake.set()
-        finished = False
+        handle = self.submit(prepared, stream, request_id, arrival_time)
+        feeder = asyncio.ensure_future(_feed(prepared.text, text_stream, handle)) if text_stream is not None else None
         try:
-            while True:
-                item = await q.get()
+            async for chunk in handle.chunks():
+                yield chunk
+            if feeder is not None and feeder.done() and feeder.exception() is not None:
+                raise feeder.exception()
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+
+
+async def _feed(text, pieces: AsyncIterable[str], handle: RequestHandle) -> None:
+    try:
+        async for piece in pieces:
+            text.append(piece)
+        text.close()
+    except BaseException:
+        handle.cancel()  # the text source failed: end the request (the error is raised by generate)
+        raise
+
+
+class RequestHandle:
+    """One queued request of the AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+        self.engine, self.request_id, self._q = engine, request_id, queue
+        self.finished = False
+
+    async def chunks(self) -> AsyncIterator[AudioChunk]:
+        """Its chunks until the last one; leaving early (or being cancelled) aborts the request."""
+        try:
+            while not self.finished:
+                item = await self._q.get()
                 if isinstance(item, Exception):
                     raise item
+                self.finished = item.is_last
                 yield item
-                if item.is_last:
-                    finished = True
-                    return
         finally:
-            self._queues.pop(req.request_id, None)
-            if not finished:
-                self.engine.abort(req.request_id)
-                self._wake.set()
+            self.close()
 
+    def cancel(self) -> None:
+        """Abort the request (a no-op once it finished); its slot is free at the next step, and chunks() ends
+        with a last chunk (finish_reason "abort")."""
+        if not self.finished:
+            self.engine.engine.abort(self.request_id)
 
-def now() -> float:
-    return time.perf_counter()
+    def close(self) -> None:
+        """Cancel, and drop whatever it still sends: nobody reads it."""
+        self.cancel()
+        self.engine._queues.pop(self.request_id, None)

@@ -1,6 +1,7 @@
 """The engine: continuous batching of talker frames, streaming vocoding, per-request outputs.
 
-    step():  schedule -> run (prefill the newcomers in one batch, one frame for everyone running) -> vocode + update
+    step():  schedule (cancel, compact, admit) -> run (prefill the newcomers in one batch, one frame for every
+             row) -> update (record frames, finish on EOS / length) -> vocode (the chunks that are due)
 
 A request stops when it samples EOS (allowed from its third code on) or when it has sampled
 `max_new_tokens` codes; as upstream, the code 0 sampled last is dropped, so at most
@@ -10,6 +11,10 @@ so nothing of it can leak into the others.
 
 Offline requests (stream=None) only collect codes; the caller decodes them with upstream's decoder
 for parity. Streaming requests get AudioChunks from the exact stateful decoder (q3tts.engine.vocoder).
+
+Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
+then every newly committed text token is handed to its row; frame k runs once token k is there (or the
+text is complete), so the frames equal those of the whole text whatever the pace of the text.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..inputs.request import PreparedRequest
+from ..models.loaders import Checkpoint
 from ..models.talker import embed_prompt
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .vocoder import StreamingVocoder
 
 
@@ -53,148 +60,165 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, tts, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256,
+    def __init__(self, ckpt: Checkpoint, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256,
                  use_cuda_graphs: bool | None = None, compile: bool | None = None):
-        self.tts = tts
-        self.runner = ModelRunner(tts.talker, tts.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
-                                  use_cuda_graphs=use_cuda_graphs,
-                                  compile=compile if compile is not None else tts.compile)
+        self.ckpt = ckpt
+        self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
+                                  use_cuda_graphs=use_cuda_graphs, compile=compile)
         self.runner.capture_graphs()
-        self.scheduler = Scheduler(max_slots, max_queue)
-        self.vocoder = StreamingVocoder(tts.code2wav, max_slots, use_graphs=self.runner.use_graphs,
+        self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id)
+        self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs,
                                         compile=self.runner.compiled)
         self.vocoder.capture_graphs()
-        self.eos = tts.cfg.talker.codec_eos_token_id
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # add/abort may come from another thread than step()
-        self._aborts: list[str] = []
+        self._lock = threading.Lock()  # add/abort/text may come from another thread than step()
+        self.wake = threading.Event()  # set when there may be new work: a request, a cancellation, text
+        self._text_news = False
+        self._held: list[EngineRequest] = []  # the requests of the step in progress
+        self.failed_ids: list[str] = []  # the requests a step that raised held (it finished them with an error)
         self.counters = EngineCounters()
 
     # ------------------------------------------------------------------ requests in
-    def add_request(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None) -> EngineRequest:
-        """Queue a prepared request (q3tts.api.PreparedRequest). stream=None: offline, codes only."""
+    def add_request(self, prepared: PreparedRequest, stream: StreamOptions | None = None,
+                    request_id: str | None = None) -> EngineRequest:
+        """Queue a prepared request. stream=None: offline, codes only. ValueError if it cannot fit the cache."""
         if stream is not None:
             stream.validate()
-        req = EngineRequest(request_id=request_id or f"req-{next(self._ids)}", prepared=prepared,
-                            stream=stream)
+        req = EngineRequest(request_id=request_id or f"req-{next(self._ids)}", prepared=prepared, stream=stream)
+        if prepared.layout is not None:
+            self._set_prompt(req, prepared.layout)
+        else:
+            prepared.text.on_change = self._on_text
         with self._lock:
             self.scheduler.add(req)
+        self.wake.set()
         return req
+
+    def _set_prompt(self, req: EngineRequest, lay) -> None:
+        self.runner.check_prompt(len(lay), len(lay.trailing_ids))
+        req.prepared.layout = lay
+        req.max_frames = min(req.prepared.params.max_new_tokens - 1, self.runner.max_len - len(lay))
+        req.text_fed = len(lay.trailing_ids)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._aborts.append(request_id)
+            self.scheduler.abort(request_id)
+        self.wake.set()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._aborts)
+        return self._text_news or self.scheduler.has_work()
+
+    def _on_text(self) -> None:
+        self._text_news = True
+        self.wake.set()
+
+    def _feed_text(self) -> list[EngineRequest]:
+        """Streamed texts: lay out the prompt of a waiting request once its text suffices, and hand the running
+        ones their newly committed text. A text that cannot be spoken (empty, too long) fails its request;
+        those are returned."""
+        self._text_news = False
+        failed = []
+        for req in [r for r in self.scheduler.waiting if r.prepared.text is not None and not r.prompt_ready]:
+            text = req.prepared.text
+            try:
+                if text.error:
+                    raise ValueError(text.error)
+                lay = text.layout()
+                if lay is not None:
+                    self._set_prompt(req, lay)
+                    req.text_done = text.closed
+            except ValueError as e:
+                failed.append(req)
+                req.error = str(e)
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        for req in [r for r in self.scheduler.running.values() if r.prepared.text is not None and not r.text_done]:
+            ids, req.text_done = req.prepared.text.take()
+            if req.text_fed + len(ids) > self.runner.max_len:
+                failed.append(req)
+                req.error = (f"the text is too long: more than {self.runner.max_len} streamed text tokens for the "
+                             "engine's max_seq_len; send shorter utterances")
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            elif ids:
+                with torch.inference_mode():
+                    emb = self.ckpt.talker.embed_text(torch.tensor(ids, device=self.ckpt.device))
+                self.runner.append_trailing(req.slot, req.text_fed, emb)
+                req.text_fed += len(ids)
+        return failed
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[AudioChunk]:
-        aborted = []
-        with self._lock:
-            aborts, self._aborts = self._aborts, []
-            for rid in aborts:
-                req = self.scheduler.find(rid)
-                if req is not None and not req.status.finished:
-                    self._finish(req, RequestStatus.FINISHED_ABORTED)  # frees the slot now
-                    self._release_vocoder(req)  # nothing more is decoded for it
-                    aborted.append(req)
+        """One step. If it raises (a bug, a device error), the requests it held are finished with the error and
+        their slots and vocoder rows freed (failed_ids); queued requests were not touched and go on."""
+        self._held = []
+        try:
+            return self._step()
+        except Exception as e:
+            with self._lock:
+                for req in self._held:
+                    req.error = req.error or f"{type(e).__name__}: {e}"
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+                    self._release_vocoder(req)
+                    req.stream_done = True
+            self.failed_ids = [r.request_id for r in self._held]
+            raise
+
+    def _step(self) -> list[AudioChunk]:
         t0 = time.perf_counter()
-        self._compact()  # running requests fill rows [0, B), so the newcomers get rows [B, B+N)
         with self._lock:
+            failed = self._feed_text()
             sched = self.scheduler.schedule()
-        self._admit(sched.prefill)
-        self._compact()  # newcomers that finished at once (EOS, length, error) leave holes
+            self._held = [r for r in failed + sched.aborted + sched.rows if not r.stream_done]
+        codes0 = self._admit(sched)
         t1 = time.perf_counter()
-        running = sorted(self.scheduler.running.values(), key=lambda r: r.slot)
-        if running:
-            self._decode(running)
+        frame = self.runner.decode_frame(len(sched.rows), sched.active) if any(sched.active) else None
+        self.scheduler.update_from_output(sched, codes0, frame)
         t2 = time.perf_counter()
-        touched = [r for r in aborted + sched.prefill + sched.decode if r.stream is not None]
-        chunks = self._vocode(list(dict.fromkeys(touched)))
+        chunks = self._vocode([r for r in failed + sched.aborted + sched.rows if r.stream is not None])
         c = self.counters
         c.steps += 1
         for phase, dt in zip(("admit", "decode", "vocode"), (t1 - t0, t2 - t1, time.perf_counter() - t2)):
             c.phase_s[phase] += dt
         return chunks
 
+    def _admit(self, sched: SchedulerOutput) -> list[int]:
+        """Close up the rows (compaction), release cancelled streams, then embed the newcomers' prompts and prefill
+        them in one batched talker forward -> their code 0 of frame 0."""
+        for src, dst in sched.moves:
+            self.runner.move_slot(src, dst)
+        for req in sched.aborted:
+            self._release_vocoder(req)  # nothing more is decoded for it
+        if not sched.prefill:
+            return []
+        now = time.perf_counter()
+        self.counters.admitted += len(sched.prefill)
+        self.counters.admission_wait_s += sum(now - r.arrival_time for r in sched.prefill)
+        with torch.inference_mode():
+            embeds = [embed_prompt(self.ckpt.talker, r.prepared.layout, r.prepared.speaker_embedding,
+                                   r.prepared.ref_codes) for r in sched.prefill]
+        lo = len(sched.decode)
+        assert [r.slot for r in sched.prefill] == list(range(lo, lo + len(sched.prefill))), "newcomers: rows [B, B+N)"
+        codes0 = self.runner.prefill_batch(lo, [e[0] for e in embeds], [e[1] for e in embeds],
+                                           [r.prepared.params for r in sched.prefill])
+        streaming = [r for r in sched.prefill if r.stream is not None]
+        for req, row in zip(streaming, self.vocoder.open([r.prepared.ref_codes for r in streaming])):
+            req.vocoder_row = row
+        return codes0
+
     def _release_vocoder(self, req: EngineRequest) -> None:
         if req.vocoder_row is not None:
             self.vocoder.close(req.vocoder_row)
             req.vocoder_row = None
 
-    def _finish(self, req: EngineRequest, status: RequestStatus) -> None:
-        slot = req.slot
-        self.scheduler.finish(req, status)
-        if slot is not None:
-            self.runner.free_slot(slot)
-
-    def _compact(self) -> None:
-        with self._lock:
-            moves = self.scheduler.compact()
-        for src, dst in moves:
-            self.runner.move_slot(src, dst)
-
-    def _admit(self, reqs: list[EngineRequest]) -> None:
-        """Embed each newcomer's prompt (per request), then prefill them all in one batched talker forward.
-        A request that fails (bad prompt, too long) finishes with an error alone; the others go on."""
-        admitted = []  # (request, prefill [L, D], trailing [S, D])
-        for req in reqs:
-            pr = req.prepared
-            try:
-                with torch.inference_mode():
-                    pre, trail = embed_prompt(self.tts.talker, pr.layout, pr.speaker_embedding, pr.ref_codes)
-                self.runner.check_prompt(pre.shape[0], trail.shape[0])
-            except ValueError as e:
-                req.error = str(e)
-                self._finish(req, RequestStatus.FINISHED_ERROR)
-                continue
-            admitted.append((req, pre, trail))
-        if not admitted:
-            return
-        now = time.perf_counter()
-        self.counters.admitted += len(admitted)
-        self.counters.admission_wait_s += sum(now - a[0].arrival_time for a in admitted)
-        if len(admitted) < len(reqs):
-            # close up the failed requests' rows; the moved newcomers hold nothing yet (position 0, so no KV
-            # moves) and prefill_batch overwrites their state
-            self._compact()
-            admitted.sort(key=lambda a: a[0].slot)
-        lo = self.scheduler.num_running - len(admitted)
-        assert [a[0].slot for a in admitted] == list(range(lo, lo + len(admitted))), "newcomers: rows [B, B+N)"
-        codes0 = self.runner.prefill_batch(lo, [a[1] for a in admitted], [a[2] for a in admitted],
-                                           [a[0].prepared.params for a in admitted])
-        streaming = [a[0] for a in admitted if a[0].stream is not None]
-        for req, row in zip(streaming, self.vocoder.open([r.prepared.ref_codes for r in streaming])):
-            req.vocoder_row = row
-        for (req, pre, _), code0 in zip(admitted, codes0):
-            pr = req.prepared
-            req.max_frames = min(pr.params.max_new_tokens - 1, self.runner.max_len - pre.shape[0])
-            if code0 == self.eos:
-                self._finish(req, RequestStatus.FINISHED_STOPPED)
-            elif req.max_frames <= 0:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)
-
-    def _decode(self, reqs: list[EngineRequest]) -> None:
-        assert [r.slot for r in reqs] == list(range(len(reqs))), "running requests must fill rows [0, B)"
-        out = self.runner.decode_frame(len(reqs))
-        for row, r in enumerate(reqs):
-            r.frames.append(out.codes[row])
-            if out.next_code0[row] == self.eos:
-                self._finish(r, RequestStatus.FINISHED_STOPPED)
-            elif r.num_frames >= r.max_frames:
-                self._finish(r, RequestStatus.FINISHED_LENGTH)
-
     def _vocode(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
         """Decode every chunk that is due: full chunks while running, the remainder at the end."""
         work, meta = [], []
         for r in reqs:
-            if r.status == RequestStatus.FINISHED_ABORTED:
-                meta.append((r, 0, True))  # nothing more is decoded for a cancelled request
-                continue
-            pending = r.num_frames - r.frames_vocoded
             last = r.status.finished
-            n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
+            if r.status == RequestStatus.FINISHED_ABORTED:
+                n = 0  # nothing more is decoded for a cancelled request
+            else:
+                pending = r.num_frames - r.frames_vocoded
+                n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
             if n > 0:
                 work.append((r.vocoder_row, torch.stack(r.frames[r.frames_vocoded: r.frames_vocoded + n])))
             if n > 0 or last:
@@ -203,11 +227,8 @@ class Engine:
         now = time.perf_counter()
         chunks = []
         for r, n, last in meta:
-            if n > 0:
-                audio = next(decoded)
-            else:
-                audio = np.zeros(0, dtype=np.float32)
-            chunks.append(AudioChunk(r.request_id, audio, self.tts.sample_rate, r.frames_vocoded, n, last,
+            audio = next(decoded) if n > 0 else np.zeros(0, dtype=np.float32)
+            chunks.append(AudioChunk(r.request_id, audio, self.ckpt.sample_rate, r.frames_vocoded, n, last,
                                      r.status.reason if last else None, now - r.arrival_time, r.error))
             r.frames_vocoded += n
             r.chunks_emitted += 1
@@ -219,16 +240,16 @@ class Engine:
     # ------------------------------------------------------------------ offline
     def run_to_completion(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
         chunks = []
-        while any(not r.status.finished for r in reqs) or self._aborts:
+        while any(not r.status.finished for r in reqs):
             chunks += self.step()
+            if not self.has_work():  # only streamed text can move it on: wait for some
+                self.wake.wait(0.05)
+                self.wake.clear()
         return chunks
 
-    def generate_codes(self, prepared: list) -> list[torch.Tensor]:
-        """Offline: codes [T_i, K] for each prepared request (queued beyond max_slots as needed)."""
+    def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
+        """Offline: codes [T_i, K] (CPU) for each prepared request (queued beyond max_slots as needed)."""
         reqs = [self.add_request(p) for p in prepared]
         self.run_to_completion(reqs)
-        for r in reqs:
-            if r.status == RequestStatus.FINISHED_ERROR:
-                raise ValueError(r.error)
         K = self.runner.K
-        return [torch.stack(r.frames) if r.frames else torch.zeros(0, K, dtype=torch.long) for r in reqs]
+        return [torch.stack(r.frames).cpu() if r.frames else torch.zeros(0, K, dtype=torch.long) for r in reqs]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..inputs.request import PreparedRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,16 +46,18 @@ class StreamOptions:
 @dataclass(slots=True, eq=False)
 class EngineRequest:
     request_id: str
-    prepared: Any  # q3tts.api.PreparedRequest (layout, speaker embedding, ref codes, sampling params)
+    prepared: PreparedRequest  # layout, speaker embedding, ref codes, sampling params
     stream: StreamOptions | None = None  # None: offline (codes only, decoded by the caller)
     arrival_time: float = field(default_factory=time.perf_counter)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
-    frames: list = field(default_factory=list)  # generated frames, each a [K] int64 CPU tensor
-    max_frames: int = 0  # set at admission: max_new_tokens - 1, capped by the KV cache
+    frames: list = field(default_factory=list)  # generated frames, each a [K] int64 tensor on the device
+    max_frames: int = 0  # max_new_tokens - 1, capped by the KV cache
     frames_vocoded: int = 0  # frames already turned into audio
     chunks_emitted: int = 0
     vocoder_row: int | None = None  # its row of the StreamingVocoder's state pool while streaming
+    text_fed: int = 0  # streamed text: trailing text tokens handed to its row so far
+    text_done: bool = False  # streamed text: all of it (and tts_eos) handed over
     stream_done: bool = False  # its last chunk has been emitted
     error: str | None = None
 
@@ -63,6 +68,16 @@ class EngineRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prepared.layout)  # prefill positions L
+
+    @property
+    def prompt_ready(self) -> bool:
+        return self.prepared.layout is not None  # a streamed text builds it once enough text has come
+
+    @property
+    def can_run(self) -> bool:
+        """Its next frame may run: frame k reads trailing text token k, so with streamed text that token must
+        have arrived, or the text be complete (then tts_eos and tts_pad follow)."""
+        return self.prepared.text is None or self.text_done or self.text_fed > self.num_frames
 
     def next_chunk_size(self) -> int:
         s = self.stream

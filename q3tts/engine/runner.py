@@ -10,6 +10,8 @@ One frame (`_frame(B, n)`) for rows [0, B), attending over the first n cache pos
   1. code predictor: fresh 2-token prefill [h, codec_embedding(code0)] -> code 1, then 14 steps -> codes 2..15
   2. talker input = embed_codes(frame) + trailing_text[frame] (tts_pad once the text is used up)
   3. talker step at each row's position -> hidden h' -> codec_head -> rules -> sample next code 0
+A row whose text is streamed in and whose next token has not arrived sits the frame out (`active` False):
+it is computed with the others but its state is left as it was, so it runs the same frame later.
 It has fixed shapes for fixed (B, n), reads no host value, and syncs nothing, so on CUDA it is
 captured once per (batch bucket, length bucket) as one CUDA graph and replayed with padding rows.
 """
@@ -18,15 +20,15 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from ..inputs.request import InputError
 from ..kernels import MAX_ROWS, linear
 from ..models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
+from .scheduler import FrameResult
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_KV_SPAN = 64
@@ -56,12 +58,6 @@ def want_compile(device: torch.device, flag: bool | None) -> bool:
         return flag
     env = os.environ.get("Q3TTS_COMPILE")
     return env == "1" if env is not None else device.type == "cuda"
-
-
-@dataclass(slots=True)
-class FrameOutput:
-    codes: torch.Tensor  # [B, K] int64 (CPU): the frame just completed (code 0 from the previous step)
-    next_code0: list[int]  # [B]: sampled for the next frame (EOS ends the request)
 
 
 class ModelRunner:
@@ -101,6 +97,8 @@ class ModelRunner:
         self.params.update({n: torch.zeros(S, dtype=torch.long, device=dev) for n in ("top_k", "subtalker_top_k")})
         self.params.update({n: torch.zeros(S, dtype=torch.bool, device=dev) for n in ("do_sample", "subtalker_dosample")})
         self.frame_codes = torch.zeros(S, self.K, dtype=torch.long, device=dev)  # output of the last frame
+        self.active = torch.ones(S, dtype=torch.bool, device=dev)  # rows whose frame counts (see module doc)
+        self.active_cpu = [True] * S
         self.key_pos = torch.arange(self.max_len, device=dev)
         self.cp_pos = torch.arange(self.K, device=dev)
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(dev)
@@ -136,11 +134,6 @@ class ModelRunner:
             t[dst] = t[src]
         self.position_cpu[dst] = n
         self.topk_ok_cpu[dst] = self.topk_ok_cpu[src]
-        self.free_slot(src)
-
-    def free_slot(self, slot: int) -> None:
-        self.position[slot] = 0  # padded replays of free rows then stay inside the cache
-        self.position_cpu[slot] = 0
 
     def kv_span(self, length: int) -> int:
         """Cache positions attended for sequences up to `length`: a power of two (one graph per bucket)."""
@@ -151,8 +144,9 @@ class ModelRunner:
         """ValueError unless a prompt of num_positions (+ num_trailing streamed text tokens) fits the cache.
         Checked per request before the batched prefill, so one bad request does not fail the others."""
         if num_positions >= self.max_len or num_trailing > self.max_len:
-            raise ValueError(f"prompt too long: {num_positions} positions (+{num_trailing} streamed text tokens) "
-                             f"for the engine's max_seq_len {self.max_len}; shorten the text")
+            raise InputError(f"prompt too long: {num_positions} positions (+{num_trailing} streamed text tokens) "
+                             f"for the engine's max_seq_len {self.max_len}; shorten the text", param="text",
+                             code="input_too_long")
 
     @torch.inference_mode()
     def prefill_batch(self, lo: int, prefills: list[torch.Tensor], trailings: list[torch.Tensor],
@@ -195,8 +189,9 @@ class ModelRunner:
         return self.last_code0[r].tolist()
 
     # ------------------------------------------------------------------ the frame
-    def _sample_code0(self, lo: int, hi: int, h: torch.Tensor, capped: bool) -> None:
-        """h: [B, D] final talker hidden of rows [lo, hi) -> last_code0; updates history and counters."""
+    def _sample_code0(self, lo: int, hi: int, h: torch.Tensor, capped: bool, act: torch.Tensor | None = None) -> None:
+        """h: [B, D] final talker hidden of rows [lo, hi) -> last_code0; updates history and counters
+        (act [B] bool: only of those rows)."""
         t, p, r = self.cfg, self.params, slice(lo, hi)
         logits = linear(h, self.talker.codec_head.weight).float()
         logits = self._rules(logits, self.seen[r], p["repetition_penalty"][r], self.num_generated[r],
@@ -204,9 +199,14 @@ class ModelRunner:
         noise = uniform_noise(self.seed[r], self.num_generated[r], 0, logits.shape[-1])
         code0 = (self._sample_topk if capped else self._sample)(logits, p["do_sample"][r], p["temperature"][r],
                                                                 p["top_k"][r], p["top_p"][r], noise)
-        self.seen[r].scatter_(1, code0[:, None], True)
-        self.num_generated[r] += 1
-        self.last_code0[r] = code0
+        if act is None:
+            self.seen[r].scatter_(1, code0[:, None], True)
+            self.num_generated[r] += 1
+            self.last_code0[r] = code0
+        else:
+            self.seen[r].scatter_(1, code0[:, None], act[:, None] | self.seen[r].gather(1, code0[:, None]))
+            self.num_generated[r] += act
+            self.last_code0[r] = torch.where(act, code0, self.last_code0[r])
 
     def _code_predictor(self, B: int, h: torch.Tensor, code0: torch.Tensor, capped: bool) -> torch.Tensor:
         """C2: h [B, D] talker hidden, code0 [B] -> codes 1..K-1 [B, K-1]."""
@@ -262,13 +262,24 @@ class ModelRunner:
         ctx = AttnContext(write_pos=pos, mask=self.key_pos[None, None, None, :n] <= pos[:, None, :, None])
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
         h = self.talker(x[:, None], cos, sin, self.kv[:, :, r], ctx)[:, -1]
-        self.position[r] += 1
-        self.last_hidden[r] = h
-        self._sample_code0(0, B, h, capped)
+        act = self.active[r]  # NOTE: a row that sits out writes K/V at its position, rewritten when it runs
+        self.position[r] += act
+        self.last_hidden[r] = torch.where(act[:, None], h, self.last_hidden[r])
+        self._sample_code0(0, B, h, capped, act)
+
+    def append_trailing(self, slot: int, start: int, text: torch.Tensor) -> None:
+        """Streamed text: the next embedded text tokens [n, D] of the row in `slot`, at trailing[start:]."""
+        n = text.shape[0]
+        assert start + n <= self.max_len, "the engine checks the room"
+        self.trailing[slot, start:start + n] = text.to(self.dtype)
+        self.trailing_len[slot] = start + n
 
     @torch.inference_mode()
-    def decode_frame(self, B: int) -> FrameOutput:
-        """One whole frame for the running rows [0, B)."""
+    def decode_frame(self, B: int, active: list[bool]) -> FrameResult:
+        """One whole frame for the running rows [0, B); a row with active[row] False sits it out."""
+        if active != self.active_cpu[:B]:
+            self.active[:B] = torch.tensor(active, device=self.device)
+            self.active_cpu[:B] = active
         n = self.kv_span(max(self.position_cpu[:B]) + 1)
         capped = all(self.topk_ok_cpu[:B])
         if self.use_graphs:
@@ -276,15 +287,15 @@ class ModelRunner:
             graph = self.graphs.get((Bp, n, capped))
             if graph is None:
                 raise RuntimeError(f"no CUDA graph for batch {Bp} x length {n}: call capture_graphs() before serving")
-            graph.replay()
             if Bp > B:
-                self.position[B:Bp] = 0  # padding rows are free slots: keep them at position 0
+                self.position[B:Bp] = 0  # padding rows are free slots: position 0 keeps their writes in the cache
+            graph.replay()
         else:
             self._frame(B, n, capped)
         for s in range(B):
-            self.position_cpu[s] += 1
-        codes = self.frame_codes[:B].to("cpu", copy=True)  # the one sync per frame (a copy: the buffer is reused)
-        return FrameOutput(codes=codes, next_code0=self.last_code0[:B].tolist())
+            self.position_cpu[s] += active[s]
+        codes = self.frame_codes[:B].clone()  # stays on the device for the vocoder (the buffer is reused)
+        return FrameResult(codes, self.last_code0[:B].tolist())  # the one sync per frame
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -328,4 +339,6 @@ class ModelRunner:
                 t.fill_(1.0)
         self.position_cpu = [0] * self.num_rows
         self.topk_ok_cpu = [True] * self.num_rows
+        self.active.fill_(True)
+        self.active_cpu = [True] * self.num_rows
         return len(self.graphs)

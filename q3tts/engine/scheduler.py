@@ -1,15 +1,16 @@
 """Continuous batching policy, pure Python: which requests join the batch this step.
 
-Requests join as soon as a slot is free and leave the moment they finish, fail or are cancelled. The
+Requests join as soon as a slot is free and leave the moment they finish or are cancelled. The
 newcomers of a step are prefilled in one padded batch [N, Lmax]: at most `max_prefills_per_step` of them
 and N * Lmax <= `max_prefill_tokens` (the first always goes), so a burst of arrivals does not stall the
-running streams for long.
+running streams for long. The engine's step is schedule() -> run (runner) -> update_from_output() -> vocode.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from .request import EngineRequest, RequestStatus
 
@@ -20,18 +21,35 @@ class QueueFullError(RuntimeError):
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    prefill: list[EngineRequest] = field(default_factory=list)  # newly admitted, slot assigned
-    decode: list[EngineRequest] = field(default_factory=list)  # running before this step
+    moves: list[tuple[int, int]] = field(default_factory=list)  # compaction (src slot, dst slot), applied in order
+    aborted: list[EngineRequest] = field(default_factory=list)  # cancelled since the last step (slots freed)
+    decode: list[EngineRequest] = field(default_factory=list)  # running before this step, in rows [0, B)
+    prefill: list[EngineRequest] = field(default_factory=list)  # admitted now, in rows [B, B+N)
+    active: list[bool] = field(default_factory=list)  # per row: its frame can run (streamed text has arrived)
+
+    @property
+    def rows(self) -> list[EngineRequest]:
+        """The requests of this step's frame, row by row."""
+        return self.decode + self.prefill
+
+
+@dataclass(slots=True)
+class FrameResult:
+    """What the runner made for a SchedulerOutput's rows (see ModelRunner)."""
+
+    codes: Any  # [B, K] the frame each row completed (a device tensor: it stays there for the vocoder)
+    next_code0: list[int]  # [B] code 0 sampled for the next frame
 
 
 class Scheduler:
     def __init__(self, max_slots: int, max_queue: int = 256, max_prefills_per_step: int = 16,
-                 max_prefill_tokens: int = 8192):
+                 max_prefill_tokens: int = 8192, eos: int = -1):
         self.max_slots, self.max_queue, self.max_prefills_per_step = max_slots, max_queue, max_prefills_per_step
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.eos = max_prefill_tokens, eos
         self.waiting: deque[EngineRequest] = deque()
         self.running: dict[int, EngineRequest] = {}  # slot -> request
         self.free_slots: list[int] = list(range(max_slots - 1, -1, -1))
+        self._aborts: list[str] = []
 
     @property
     def queue_depth(self) -> int:
@@ -42,7 +60,9 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something a step would do: a cancellation, a newcomer whose prompt is ready, a row that can run."""
+        return bool(self._aborts or any(r.prompt_ready for r in self.waiting)
+                    or any(r.can_run for r in self.running.values()))
 
     def add(self, req: EngineRequest) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -50,21 +70,55 @@ class Scheduler:
                                  f"{self.max_queue}); retry later")
         self.waiting.append(req)
 
+    def abort(self, request_id: str) -> None:
+        """Cancel at the next schedule() (a no-op for an unknown or finished request)."""
+        self._aborts.append(request_id)
+
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(decode=list(self.running.values()))
+        """Apply the cancellations, keep the running requests in rows [0, B) and admit newcomers into [B, B+N)
+        (requests whose streamed text is not yet enough for their prompt wait, without holding up the others)."""
+        out = SchedulerOutput()
+        for rid in self._aborts:
+            req = self.find(rid)
+            if req is not None and not req.status.finished:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                out.aborted.append(req)
+        self._aborts.clear()
+        out.moves = self.compact()
+        out.decode = [self.running[s] for s in sorted(self.running)]
         self.free_slots.sort(reverse=True)
         max_len = 0  # Lmax of the padded prefill batch
-        while self.waiting and self.free_slots and len(out.prefill) < self.max_prefills_per_step:
-            max_len = max(max_len, self.waiting[0].num_prompt_tokens)
+        for req in [r for r in self.waiting if r.prompt_ready]:
+            if not self.free_slots or len(out.prefill) == self.max_prefills_per_step:
+                break
+            max_len = max(max_len, req.num_prompt_tokens)
             if out.prefill and (len(out.prefill) + 1) * max_len > self.max_prefill_tokens:
                 break  # first come, first served: the next one waits for the next step
-            req = self.waiting.popleft()
+            self.waiting.remove(req)
             req.slot = self.free_slots.pop()  # the lowest free slot: after compaction, rows [B, B+N)
             req.status = RequestStatus.RUNNING
             self.running[req.slot] = req
             out.prefill.append(req)
+        out.active = [r.can_run for r in out.rows]
         return out
 
+    def update_from_output(self, sched: SchedulerOutput, prefill_code0: list[int], out: FrameResult | None) -> None:
+        """Record each active row's frame (out is None when no row was active) and finish the requests that are
+        done: EOS sampled (a newcomer's frame-0 code too), or max_frames reached. Their slots are free at once;
+        the next schedule() closes the holes."""
+        for req, code0 in zip(sched.prefill, prefill_code0):
+            if code0 == self.eos:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.max_frames <= 0:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
+        for row, req in enumerate(sched.rows):
+            if out is None or req.status.finished or not sched.active[row]:
+                continue  # sat the frame out, or finished at its prefill: the frame made for its row is dropped
+            req.frames.append(out.codes[row])
+            if out.next_code0[row] == self.eos:
+                self.finish(req, RequestStatus.FINISHED_STOPPED)
+            elif req.num_frames >= req.max_frames:
+                self.finish(req, RequestStatus.FINISHED_LENGTH)
     def compact(self) -> list[tuple[int, int]]:
         """Keep the running requests in slots [0, num_running): move the highest into the lowest hole.
         Returns the (src, dst) moves for the runner to apply, in order."""

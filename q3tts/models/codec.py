@@ -317,7 +317,7 @@ class Transformer(nn.Module):
 class Code2WavState:
     """What a stream carries between `decode_step` calls; row b is one request (slot).
 
-    Code2Wav never mutates a state in place: decode_step / warm / reset_rows return a new one, so an
+    Code2Wav never mutates a state in place: decode_step / warm return a new one, so an
     old state stays a valid snapshot (e.g. to retry a chunk). Only its owner writes into it (assign_rows_).
     """
 
@@ -462,11 +462,3 @@ class Code2Wav(nn.Module):
         """ICL: run reference codes [B, K, t] through the state and drop their audio, so the frames
         that follow decode exactly as if the reference were in front of them."""
         return self.decode_step(codes, state)[1]
-
-    def reset_rows(self, state: Code2WavState, mask: Tensor) -> Code2WavState:
-        """A copy of state whose rows where mask ([B] bool) is True are fresh (a new request)."""
-        m = mask.to(device=state.pos.device, dtype=torch.bool)
-        kv_m = m[None, :, None, None, None]
-        return Code2WavState([t.masked_fill(m[:, None, None], 0) for t in state.tails],
-                             state.keys.masked_fill(kv_m, 0), state.values.masked_fill(kv_m, 0),
-                             state.pos.masked_fill(m, 0), state.frames_processed)

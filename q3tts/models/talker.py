@@ -16,8 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TalkerConfig
-from ..prompt import NONE, REF, SPEAKER, PromptLayout
 from .layers import DecoderLayer, RMSNorm, run_layers
+
+# What a prompt position holds besides a token id (q3tts.inputs.prompt.PromptLayout): the embedding contract
+NONE = -1  # "no part" in a layout slot
+SPEAKER = -2  # codec slot filled by the request's x-vector
+REF = -3  # codec slots filled by ICL reference frames (in order)
 
 
 class TalkerModel(nn.Module):
@@ -97,9 +101,10 @@ class Talker(nn.Module):
         return run_layers(self.model.layers, self.model.norm, x, cos, sin, kv, ctx)
 
 
-def embed_prompt(talker: Talker, layout: PromptLayout, speaker_embedding: torch.Tensor | None = None,
-                 ref_codes: torch.Tensor | None = None, tts_pad_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn a symbolic layout into (prefill [L, D], trailing [S, D]) embeddings.
+def embed_prompt(talker: Talker, layout, speaker_embedding: torch.Tensor | None = None,
+                 ref_codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn a symbolic layout (text_ids, codec_ids: one per prefill position; trailing_ids) into
+    (prefill [L, D], trailing [S, D]) embeddings.
 
     speaker_embedding: [D] x-vector for a SPEAKER slot; ref_codes: [T, K] ICL reference frames for REF slots.
     """

@@ -3,7 +3,8 @@
     router (this file) -> SpeechServing / VoiceService (serving.py, voices.py) -> AsyncEngine
 
 Routes only parse, call one serving method and pick the response type; handles live on `app.state`.
-One small ASGI middleware runs before routing: the optional Bearer API key on /v1/*, the request body
+One small ASGI middleware runs before routing: the optional Bearer API key on every route but /health,
+/ready and the page (WebSockets included, which may pass it as ?api_key=), the request body
 limit (413 before a large upload is read) and the request count for /metrics. A client that disconnects
 cancels its generation: before the first audio through `with_cancellation`, after it through
 `AudioStreamingResponse` (closing the byte stream aborts the engine request and frees its slot).
@@ -19,15 +20,15 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
+from urllib.parse import parse_qs
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from q3tts.engine.async_engine import AsyncEngine
-from q3tts.engine.engine import Engine
 
 from .metrics import Metrics
 from .protocol import (
@@ -41,8 +42,9 @@ from .protocol import (
     VoiceList,
 )
 from .serving import SpeechServing
+from .session import SpeechSession
 from .settings import ServerSettings, parse_args
-from .voices import VoiceService, decode_base64_audio
+from .voices import VoiceService, check_not_url, decode_base64_audio
 
 log = logging.getLogger("q3tts.server")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -104,6 +106,12 @@ async def create_speech(body: SpeechRequest, raw_request: Request):
     return AudioStreamingResponse(stream.body, media_type=stream.media_type, headers=headers)
 
 
+@router.websocket("/v1/audio/speech/stream")
+async def speech_stream(websocket: WebSocket):
+    """Text in as it is written, PCM out as it is made (q3tts.server.session)."""
+    await SpeechSession(websocket.app.state.serving, websocket).run()
+
+
 @router.get("/v1/audio/voices")
 async def list_voices(raw_request: Request) -> VoiceList:
     return VoiceList(data=_state(raw_request).voices.list())
@@ -114,7 +122,16 @@ async def get_voice(voice_id: str, raw_request: Request):
     return _state(raw_request).voices.get(voice_id)
 
 
-@router.post("/v1/audio/voices")
+# the route reads the raw request (multipart or JSON), so its body is described here for clients and fuzzers
+_VOICE_UPLOAD_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": CreateVoiceRequest.model_json_schema()},
+    "multipart/form-data": {"schema": {"type": "object", "required": ["name", "audio_sample"], "properties": {
+        "name": {"type": "string"}, "audio_sample": {"type": "string", "format": "binary"},
+        "ref_text": {"type": "string"}, "x_vector_only_mode": {"type": "boolean"}, "consent": {"type": "string"}}}},
+}}}
+
+
+@router.post("/v1/audio/voices", openapi_extra=_VOICE_UPLOAD_BODY)
 async def create_voice(raw_request: Request):
     """multipart/form-data (OpenAI's: name, audio_sample file, consent; plus ref_text, x_vector_only_mode)
     or JSON (CreateVoiceRequest, audio_sample as base64 / data URL)."""
@@ -124,6 +141,8 @@ async def create_voice(raw_request: Request):
     if ctype.startswith("multipart/form-data"):
         form = await raw_request.form()
         upload = form.get("audio_sample") or form.get("file")
+        if isinstance(upload, str):
+            check_not_url(upload, "audio_sample")
         if upload is None or isinstance(upload, str):
             raise ApiError(400, "audio_sample is required: the reference clip as a file field", param="audio_sample")
         audio = await upload.read(limit + 1)
@@ -224,7 +243,7 @@ def _validation_error(errors: list[dict]) -> JSONResponse:
 def _install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: ApiError):
         request.app.state.metrics.errors.labels(exc.info.type, exc.info.code or "").inc()
-        return _error(exc.status, exc.info)
+        return _error(exc.status, exc.info, exc.headers)
 
     async def validation_error(request: Request, exc: RequestValidationError):
         request.app.state.metrics.errors.labels("invalid_request_error", "validation").inc()
@@ -262,8 +281,26 @@ async def _send_error(send, status: int, info: ErrorInfo, headers: list | None =
     await send({"type": "http.response.body", "body": body})
 
 
+# Open without the API key: the load balancer's probes (they carry no credentials) and the web page itself
+# (static HTML; it sends the key the user types on its own /v1 calls). Everything else needs the key:
+# /v1/*, /metrics, the OpenAPI schema and docs, and every WebSocket.
+OPEN_PATHS = frozenset(("/health", "/ready", "/"))
+
+
+def _key_ok(key: str, headers: dict[str, str], query: str | None = None) -> bool:
+    """'Authorization: Bearer <key>', or for WebSockets (browsers cannot set their headers) ?api_key=<key>."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        return True
+    if query is not None:
+        given = parse_qs(query).get("api_key", [])
+        return any(hmac.compare_digest(g.encode(), key.encode()) for g in given)
+    return False
+
+
 class GuardMiddleware:
-    """API key on /v1/*, request body limit, and request counting (route, status) for /metrics."""
+    """API key on every route but OPEN_PATHS (HTTP and WebSocket), request body limit, and request counting
+    (route, status) for /metrics."""
 
     def __init__(self, app, settings: ServerSettings, metrics: Metrics):
         self.app, self.settings, self.metrics = app, settings, metrics
@@ -271,6 +308,8 @@ class GuardMiddleware:
         self.max_body = settings.max_upload_bytes * 4 // 3 + settings.max_text_length * 4 + 64 * 1024
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":
+            return await self._websocket(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         route = _route_label(scope["path"])
@@ -289,9 +328,8 @@ class GuardMiddleware:
     async def _guarded(self, scope, receive, send):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         key = self.settings.api_key
-        if key and scope["path"].startswith("/v1/"):
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if key and scope["path"] not in OPEN_PATHS:
+            if not _key_ok(key, headers):
                 self.metrics.errors.labels("invalid_request_error", "invalid_api_key").inc()
                 return await _send_error(send, 401, ErrorInfo(
                     message="Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
@@ -316,6 +354,22 @@ class GuardMiddleware:
 
         await self.app(scope, limited_receive, send)
 
+    async def _websocket(self, scope, receive, send):
+        """Without the key the handshake is refused before it is accepted: closing at that point makes the
+        ASGI server answer the upgrade request with HTTP 403 (code 1008, policy violation, where a close
+        frame can be sent), so no route code runs."""
+        key = self.settings.api_key
+        if key:
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            if not _key_ok(key, headers, scope.get("query_string", b"").decode("latin-1")):
+                self.metrics.errors.labels("invalid_request_error", "invalid_api_key").inc()
+                if (await receive())["type"] != "websocket.connect":  # gone before the handshake
+                    return
+                return await send({"type": "websocket.close", "code": 1008,
+                                   "reason": "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
+                                             "or ?api_key=<key>"})
+        await self.app(scope, receive, send)
+
 
 # --------------------------------------------------------------------------- the app
 def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
@@ -326,8 +380,8 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
         settings: limits, voice directory, API key, stream chunking (defaults: ServerSettings()).
     """
     settings = settings or ServerSettings()
-    engine = AsyncEngine(Engine(tts, max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
-                                max_queue=settings.max_queue))
+    engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
+                                          max_queue=settings.max_queue))
     metrics = Metrics(engine.stats)
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)
     serving = SpeechServing(tts, engine, voices, metrics, settings)
@@ -359,20 +413,13 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
 def load_model(settings: ServerSettings):
     """The q3tts.TTS a server with these settings serves (one per process / Ray Serve replica)."""
     from q3tts.api import TTS
-    return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
-                               max_batch_size=settings.max_concurrent, max_seq_len=settings.max_seq_len)
+    return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`q3tts serve [flags]`: load the model and serve until interrupted (on Ray Serve with --replicas)."""
+    """`q3tts serve [flags]`: load the model and serve until interrupted (--replicas: cli runs ray_serve)."""
     settings = parse_args(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.replicas or settings.max_replicas or settings.ray_address:
-        try:
-            from .ray_serve import serve_main
-        except ImportError as e:
-            raise SystemExit(f"--replicas / --ray-address need Ray Serve: pip install 'q3tts[ray]' ({e})") from None
-        return serve_main(settings)
     import uvicorn
 
     t0 = time.perf_counter()

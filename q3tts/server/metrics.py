@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -38,11 +40,39 @@ class Metrics:
             lambda: engine_stats().active_slots)
         Gauge("q3tts_max_slots", "Engine slots (max concurrent streams)", registry=r).set_function(
             lambda: engine_stats().max_slots)
+        # memory, for soak tests and leak alarms: both must stay flat under steady load after warm-up
+        Gauge("q3tts_process_resident_bytes", "Resident set size of the server process", registry=r).set_function(
+            process_rss_bytes)
+        Gauge("q3tts_gpu_allocated_bytes", "Bytes held by PyTorch tensors on the current CUDA device (0 without "
+              "CUDA)", registry=r).set_function(gpu_allocated_bytes)
+        Gauge("q3tts_gpu_reserved_bytes", "Bytes PyTorch's CUDA caching allocator holds (0 without CUDA)",
+              registry=r).set_function(lambda: gpu_allocated_bytes(reserved=True))
         self.ready = Gauge("q3tts_ready", "1 once the warm-up request has finished", registry=r)
         r.register(_EngineCollector(engine_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def process_rss_bytes() -> float:
+    """Current (not peak) resident set size: /proc on Linux, psutil elsewhere if installed, else NaN."""
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+    return float(psutil.Process().memory_info().rss)
+
+
+def gpu_allocated_bytes(reserved: bool = False) -> float:
+    torch = sys.modules.get("torch")  # the server has imported it; never initialise CUDA from a scrape
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0.0
+    return float(torch.cuda.memory_reserved() if reserved else torch.cuda.memory_allocated())
 
 
 class _EngineCollector:

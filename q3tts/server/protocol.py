@@ -11,7 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from q3tts.sampling import SamplingParams
+from q3tts.config import GenerationDefaults
+
+# the sampling extensions of a request: generation_config.json's fields plus a seed (q3tts.sampling.SamplingParams)
+SAMPLING_FIELDS = (*GenerationDefaults.__dataclass_fields__, "seed")
 
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
@@ -23,20 +26,18 @@ class VoiceRef(BaseModel):
     id: str = Field(min_length=1, max_length=128)
 
 
-class SpeechRequest(BaseModel):
+class SpeechOptions(BaseModel):
+    """How to speak: the /v1/audio/speech fields but the text and the output format."""
+
     # NOTE: unknown fields are refused (a misspelt "temprature" must not be silently ignored)
     model_config = ConfigDict(extra="forbid")
 
     # ---- OpenAI fields
     model: str | None = Field(None, max_length=256, description="Any name: this server serves one model")
-    input: str = Field(description="The text to speak (at most --max-text-length characters)")
     voice: str | VoiceRef | None = Field(
         None, description="CustomVoice: a built-in speaker; Base: a stored voice id or name; VoiceDesign: ignored")
     instructions: str | None = Field(
         None, max_length=4096, description="CustomVoice 1.7B: a style instruction; VoiceDesign: the voice in words")
-    response_format: ResponseFormat = "mp3"
-    speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
-    stream_format: Literal["audio", "sse"] = "audio"
 
     # ---- extensions
     language: str | None = Field(None, max_length=64, description='"Auto" (default) or a supported language')
@@ -54,16 +55,32 @@ class SpeechRequest(BaseModel):
     subtalker_top_k: int | None = Field(None, ge=0)
     subtalker_top_p: float | None = Field(None, gt=0, le=1)
     max_new_tokens: int | None = Field(None, ge=1, le=65536, description="Cap on codec frames + 1 (12.5 per second)")
-    non_streaming_mode: bool | None = Field(None, description="Prompt text placement (the official meaning)")
+    non_streaming_mode: bool | None = Field(
+        None, description="Prompt text placement (the official meaning); the WebSocket's default is False")
 
     def gen_kwargs(self) -> dict[str, Any]:
         """The sampling extensions that were given (the model's generation_config fills the rest): every
         SamplingParams field, which this request declares under the same name."""
-        return {k: getattr(self, k) for k in SamplingParams.names() if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
 
     @property
     def voice_name(self) -> str | None:
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+
+class SpeechRequest(SpeechOptions):
+    """OpenAI's /v1/audio/speech body plus Qwen3-TTS extensions."""
+
+    input: str = Field(description="The text to speak (at most --max-text-length characters)")
+    response_format: ResponseFormat = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
+    stream_format: Literal["audio", "sse"] = "audio"
+
+
+class SessionConfig(SpeechOptions):
+    """The WebSocket's session.config message: how the session's next utterances are spoken (PCM s16le)."""
+
+    type: Literal["session.config"]
 
 
 class CreateVoiceRequest(BaseModel):
@@ -150,7 +167,8 @@ class ApiError(Exception):
     """An error answer: raised anywhere below the router, turned into ErrorResponse JSON by app.py."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = headers  # extra response headers, e.g. Retry-After on a 503

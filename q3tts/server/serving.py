@@ -23,14 +23,21 @@ from q3tts.engine.async_engine import AsyncEngine
 from q3tts.engine.engine import AudioChunk
 from q3tts.engine.request import StreamOptions
 from q3tts.engine.scheduler import QueueFullError
+from q3tts.inputs.request import InputError, PreparedRequest, VoiceClonePromptItem
 
 from .encode import AudioEncoder
 from .metrics import Metrics
-from .protocol import ApiError, SpeechAudioDelta, SpeechAudioDone, SpeechRequest, Usage
+from .protocol import ApiError, SpeechAudioDelta, SpeechAudioDone, SpeechOptions, SpeechRequest, Usage
 from .settings import ServerSettings
 from .voices import VoiceService
 
 log = logging.getLogger("q3tts.server")
+# Retry-After on a 503 (queue full): a slot frees when a stream ends, and streams last seconds, so one
+# second is the soonest a retry can find room; clients back off further on repeated 503s.
+RETRY_AFTER_S = 1
+
+# the library's argument names -> this API's field names
+API_FIELDS = {"text": "input", "speaker": "voice", "instruct": "instructions"}
 
 
 @dataclass(slots=True)
@@ -41,7 +48,7 @@ class SpeechStream:
 
 
 @dataclass(slots=True)
-class _Run:
+class Run:
     """One generation's bookkeeping for metrics and usage."""
 
     request_id: str
@@ -63,80 +70,71 @@ class SpeechServing:
         self.warmup_error: str | None = None
 
     # ------------------------------------------------------------------ request -> PreparedRequest
-    async def prepare(self, req: SpeechRequest):
-        if not req.input.strip():
-            raise ApiError(400, "input is empty: give the text to speak", param="input", code="empty_input")
-        if len(req.input) > self.settings.max_text_length:
-            raise ApiError(400, f"input is {len(req.input)} characters; this server accepts at most "
+    async def prepare(self, req: SpeechOptions, text: str | None) -> PreparedRequest:
+        """The request's fields -> one PreparedRequest; the InputProcessor checks them (a 400 naming the field).
+        text None: streamed in (prepared.text), laid out for streamed text unless non_streaming_mode is set."""
+        if text is not None and len(text) > self.settings.max_text_length:
+            raise ApiError(400, f"input is {len(text)} characters; this server accepts at most "
                            f"{self.settings.max_text_length} (--max-text-length)", param="input", code="input_too_long")
-        try:
-            self.tts.builder.resolve_language(req.language)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="language", code="unsupported_language") from e
         kw = req.gen_kwargs()
-        if req.non_streaming_mode is not None:
-            kw["non_streaming_mode"] = req.non_streaming_mode
+        nsm = req.non_streaming_mode if req.non_streaming_mode is not None else (False if text is None else None)
+        if nsm is not None:
+            kw["non_streaming_mode"] = nsm
         instructions = (req.instructions or "").strip() or None
-        if self.model_type == "custom_voice":
-            speaker = self._speaker(req.voice_name)
-            return self._call(self.tts.prepare_custom_voice, req.input, speaker, req.language, instructions, **kw)
-        if self.model_type == "voice_design":
-            if instructions is None:
-                raise ApiError(400, "instructions is required: this server runs a VoiceDesign model, which makes the "
-                               "voice from a description, e.g. \"A warm, low female voice, speaking slowly\"",
-                               param="instructions", code="missing_instructions")
-            return self._call(self.tts.prepare_voice_design, req.input, instructions, req.language, **kw)
-        if req.ref_audio:
-            item = await self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)
-        elif req.voice_name:
-            item = self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)
-        else:
-            raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored voice "
-                           f"({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
-                           code="missing_voice")
-        return self._call(self.tts.prepare_voice_clone, req.input, req.language, voice_clone_prompt=[item], **kw)
-
-    def _speaker(self, name: str | None) -> str:
-        if not name:
-            raise ApiError(400, f"voice is required: one of this model's speakers: {self._speakers()}", param="voice",
-                           code="missing_voice")
+        proc = self.tts.processor
         try:
-            return self.tts.builder.resolve_speaker(name)
-        except ValueError:
-            raise ApiError(400, f"unknown voice {name!r}: this CustomVoice model's voices are {self._speakers()}",
-                           param="voice", code="voice_not_found") from None
-
-    def _speakers(self) -> str:
-        """The built-in speakers, for error messages."""
-        return ", ".join(self.voices.builtin())
-
-    @staticmethod
-    def _call(fn, *args, **kwargs):
-        try:
-            return fn(*args, **kwargs)[0]
-        except ValueError as e:
-            raise ApiError(400, str(e), code="invalid_value") from e
+            if self.model_type == "custom_voice":
+                return proc.custom_voice(text, req.voice_name, req.language, instructions, **kw)[0]
+            if self.model_type == "voice_design":
+                if instructions is None:
+                    raise ApiError(400, "instructions is required: this server runs a VoiceDesign model, which makes "
+                                   "the voice from a description, e.g. \"A warm, low female voice, speaking slowly\"",
+                                   param="instructions", code="missing_instructions")
+                return proc.voice_design(text, instructions, req.language, **kw)[0]
+            proc.language(req.language)  # a bad language is answered before the reference is cloned
+            if req.ref_audio:
+                item = await self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)
+            elif req.voice_name:
+                item = self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)
+            else:
+                raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
+                               f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
+                               code="missing_voice")
+            return proc.voice_clone(text, [item], req.language, **kw)[0]
+        except InputError as e:  # its message starts with the argument's name where it is about one: use ours
+            field, msg = API_FIELDS.get(e.param, e.param), str(e)
+            if e.param and msg.startswith(e.param + " "):
+                msg = field + msg[len(e.param):]
+            raise ApiError(400, msg, param=field, code=e.code) from None
 
     # ------------------------------------------------------------------ generation
     async def create_speech(self, req: SpeechRequest) -> SpeechStream:
         """Validate, queue, wait for the first chunk, then hand back the byte stream.
 
-        Raises ApiError (400 bad request, 503 queue full); cancelling this coroutine (client gone) aborts."""
+        Raises ApiError (400 bad request, 503 queue full + Retry-After, 500 engine failure before the first
+        chunk); cancelling this coroutine (client gone) aborts."""
         arrival = time.perf_counter()
-        prepared = await self.prepare(req)
+        prepared = await self.prepare(req, req.input)
         enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
-        run = _Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
+        run = Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
         chunks = self.engine.generate(prepared, StreamOptions(self.settings.first_chunk_frames,
                                                               self.settings.chunk_frames),
                                       request_id=run.request_id, arrival_time=arrival)
         try:
             first = await chunks.__anext__()
-            if first.error:
-                raise ApiError(400, first.error, code="generation_failed")
         except QueueFullError as e:
             enc.close()
-            raise ApiError(503, str(e), type="server_busy", code="queue_full") from e
-        except BaseException:
+            raise ApiError(503, str(e), type="server_busy", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except InputError as e:  # the engine refused it (the prompt does not fit --max-seq-len): the client's
+            enc.close()
+            raise ApiError(400, str(e), param="input", code=e.code) from e
+        except Exception as e:  # an engine step failed while it held this request: ours, not the client's
+            enc.close()
+            await chunks.aclose()
+            raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
+                           code="engine_error") from e
+        except BaseException:  # cancelled (client gone)
             enc.close()
             await chunks.aclose()
             raise
@@ -144,7 +142,7 @@ class SpeechServing:
             return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc))
         return SpeechStream(run.request_id, enc.media_type, self._encoded(run, first, chunks, enc))
 
-    async def _encoded(self, run: _Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
+    async def _encoded(self, run: Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
                        enc: AudioEncoder) -> AsyncIterator[bytes]:
         """Encoded bytes as chunks arrive, then the encoder's tail; books the run when it ends either way."""
         try:
@@ -173,7 +171,7 @@ class SpeechServing:
         finally:
             enc.close()
             await chunks.aclose()  # a no-op after the last chunk; else aborts the request and frees its slot
-            self._book(run)
+            self.book(run)
 
     async def _sse(self, run, first, chunks, enc) -> AsyncIterator[bytes]:
         gen = self._encoded(run, first, chunks, enc)
@@ -188,7 +186,7 @@ class SpeechServing:
                                                          total_tokens=run.input_tokens + out),
                                              finish_reason=run.finish_reason, audio_seconds=round(enc.seconds_out, 4)))
 
-    def _book(self, run: _Run) -> None:
+    def book(self, run: Run) -> None:
         m = self.metrics
         m.speech.labels(run.outcome, run.fmt).inc()
         seconds = run.frames * self.tts.samples_per_frame / self.tts.sample_rate
@@ -208,8 +206,6 @@ class SpeechServing:
         if self.model_type == "voice_design":
             return self.tts.prepare_voice_design("Hello.", "A clear, calm voice.", **kw)[0]
         import torch
-
-        from q3tts.api import VoiceClonePromptItem
         item = VoiceClonePromptItem(ref_code=None, ref_spk_embedding=torch.zeros(self.tts.cfg.talker.hidden_size),
                                     x_vector_only_mode=True, icl_mode=False)
         return self.tts.prepare_voice_clone("Hello.", voice_clone_prompt=[item], **kw)[0]

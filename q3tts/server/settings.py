@@ -27,7 +27,7 @@ class ServerSettings:
     max_queue: int = 256  # requests waiting for a slot; more get 503
     max_concurrent: int = 32  # engine slots: streams generated together
     max_seq_len: int = 4096  # KV positions per slot: prompt + frames (12.5 per second of audio)
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, all but /health, /ready and / need "Authorization: Bearer <key>"
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
     warmup: bool = True  # run one short request at startup; /ready is true after it
@@ -60,7 +60,8 @@ _FLAGS = [
     ("--max-queue", "max_queue", int, "requests that may wait for a slot; more are refused with 503"),
     ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots)"),
     ("--max-seq-len", "max_seq_len", int, "KV-cache positions per stream (prompt + 12.5 frames per second)"),
-    ("--api-key", "api_key", str, "require this Bearer token on /v1/*"),
+    ("--api-key", "api_key", str, "require this Bearer token on every route but /health, /ready and the web "
+                                  "page (WebSockets: also ?api_key=)"),
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
     ("--chunk-frames", "chunk_frames", int, "largest streamed chunk (chunks double up to it)"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),

@@ -3,7 +3,7 @@
 CustomVoice models: the built-in speakers are the voices (listed, not deletable, nothing to upload).
 VoiceDesign models: no voices (the voice is described in `instructions`).
 Base models: uploaded reference clips are cloned once (speaker encoder + codec encoder) and stored as
-one voice file each (`<id>.safetensors`, q3tts.voice.Voice's format) plus a row in an SQLite index
+one voice file each (`<id>.safetensors`, q3tts.inputs.voice.Voice's format) plus a row in an SQLite index
 (`voices.sqlite3`) in the voice directory, so they survive restarts. A voice is named by its id
 (`voice_<16 hex>`) or its name (unique per model size); only voices made for this model's size are shown.
 """
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from q3tts.audio import Base64TooLarge, decode_base64
+from q3tts.inputs.voice import Voice
 
 from .protocol import ApiError, VoiceDeleted, VoiceObject
 
@@ -31,38 +32,6 @@ log = logging.getLogger("q3tts.server")
 
 NAME_RE = re.compile(r"^[\w][\w .\-]{0,63}$")
 ID_RE = re.compile(r"^voice_[0-9a-f]{16}$")
-
-
-# --------------------------------------------------------------------------- adapter to q3tts.voice
-# The only code that knows q3tts.voice's API: keep it here so a rename there is a change of a few lines.
-def make_cloner(tts):
-    """The model's q3tts.voice.VoiceCloner (speaker + codec encoders, loaded on first use)."""
-    return tts.voice_cloner()
-
-
-def clone_voice(cloner, audio: bytes, ref_text: str | None, x_vector_only_mode: bool, max_bytes: int, name=None):
-    """Reference clip bytes -> q3tts.voice.Voice (ValueError for unusable audio or a missing transcript)."""
-    from q3tts.audio import AudioLimits
-    return cloner.create_voice(audio, ref_text=ref_text or None, x_vector_only_mode=x_vector_only_mode, name=name,
-                               allow_paths=False, allow_urls=False, limits=AudioLimits(max_bytes=max_bytes))
-
-
-def save_voice(voice, path: Path) -> None:
-    voice.save(path)
-
-
-def load_voice(path: Path, cfg):
-    from q3tts.voice import Voice
-    return Voice.load(path, model=cfg)
-
-
-def voice_prompt_item(voice, x_vector_only_mode: bool):
-    """-> q3tts.api.VoiceClonePromptItem (x-vector only when asked, else as the voice was made)."""
-    return voice.to_prompt_item(True if x_vector_only_mode else None)
-
-
-def voice_mode(voice) -> str:
-    return "icl" if voice.ref_code is not None else "x_vector"
 
 
 # --------------------------------------------------------------------------- the store
@@ -119,10 +88,10 @@ class VoiceStore:
     def add(self, name: str, voice) -> VoiceRecord:
         """Write the voice file, then index it; ValueError if the name is taken."""
         rec = VoiceRecord(id=f"voice_{secrets.token_hex(8)}", name=name, created_at=int(time.time()),
-                          mode=voice_mode(voice), ref_text=voice.ref_text, model_size=self.cfg.tts_model_size, file="")
+                          mode="icl" if voice.icl else "x_vector", ref_text=voice.ref_text, model_size=self.cfg.tts_model_size, file="")
         rec.file = f"{rec.id}.safetensors"
         tmp = self.root / f".{rec.file}.tmp"
-        save_voice(voice, tmp)
+        voice.save(tmp)
         os.replace(tmp, self.root / rec.file)
         try:
             with self._lock, self._connect() as c:
@@ -147,13 +116,26 @@ class VoiceStore:
     def voice(self, rec: VoiceRecord):
         v = self._loaded.get(rec.id)
         if v is None:
-            v = self._loaded[rec.id] = load_voice(self.root / rec.file, self.cfg)
+            v = self._loaded[rec.id] = Voice.load(self.root / rec.file, model=self.cfg)
         return v
 
 
 # --------------------------------------------------------------------------- the service
+# "scheme://...": a URL, never base64 (whose alphabet has no ':'); data: URLs have no "//" and are decoded
+URL_RE = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def check_not_url(s: str, param: str) -> None:
+    """400 for an http(s):// (or any scheme://) reference: this server never fetches (no SSRF, no slow or
+    huge downloads holding a request), and saying so beats a base64 decoding error."""
+    if URL_RE.match(s):
+        raise ApiError(400, f"{param}: URLs are not fetched by this server: send the clip as base64 or a data URL "
+                       "(data:audio/wav;base64,...)", param=param, code="url_not_supported")
+
+
 def decode_base64_audio(s: str, max_bytes: int, param: str) -> bytes:
-    """base64 or a data URL -> bytes; 413 past max_bytes, 400 if not base64."""
+    """base64 or a data URL -> bytes; 413 past max_bytes, 400 if a URL or not base64."""
+    check_not_url(s, param)
     try:
         return decode_base64(s, max_bytes + 2)  # + 2: the estimate counts up to 2 bytes of padding
     except Base64TooLarge as e:
@@ -171,8 +153,6 @@ class VoiceService:
         self.tts, self.max_upload_bytes = tts, max_upload_bytes
         self.model_type = tts.cfg.tts_model_type
         self.store = VoiceStore(voice_dir, tts.cfg) if self.model_type == "base" else None
-        self._cloner = None
-        self._cloner_lock = threading.Lock()
         self._inline: OrderedDict[str, object] = OrderedDict()  # recent inline references (LRU)
 
     # ---- listing and lookup
@@ -204,7 +184,7 @@ class VoiceService:
                            "POST /v1/audio/voices, or pass ref_audio (+ ref_text) in the request",
                            param="voice", code="voice_not_found")
         try:
-            return voice_prompt_item(self.store.voice(rec), x_vector_only_mode)
+            return self.store.voice(rec).to_prompt_item(True if x_vector_only_mode else None)
         except ValueError as e:
             raise ApiError(400, f"voice {key!r}: {e}", param="voice") from e
 
@@ -216,15 +196,11 @@ class VoiceService:
             raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model ({what})",
                            param="voice", code="unsupported_for_model")
 
-    def _clone(self, audio: bytes, ref_text: str | None, xvec: bool, name: str | None = None):
-        if len(audio) > self.max_upload_bytes:
-            raise ApiError(413, f"reference audio is {len(audio)} bytes, more than this server's limit of "
-                           f"{self.max_upload_bytes} bytes (--max-upload-bytes)", code="upload_too_large")
-        with self._cloner_lock:
-            if self._cloner is None:
-                self._cloner = make_cloner(self.tts)
+    def _clone(self, audio: bytes, ref_text: str | None, xvec: bool, name: str | None = None) -> Voice:
+        """Reference clip bytes (their size already checked where they came in) -> a Voice."""
         try:
-            return clone_voice(self._cloner, audio, ref_text, xvec, self.max_upload_bytes, name=name)
+            return self.tts.voice_cloner().create_voice(audio, ref_text=ref_text or None, x_vector_only_mode=xvec,
+                                                        name=name, allow_paths=False, allow_urls=False)
         except ValueError as e:
             raise ApiError(400, str(e), param="ref_audio", code="invalid_reference") from e
 
@@ -240,7 +216,7 @@ class VoiceService:
             while len(self._inline) > 32:
                 self._inline.popitem(last=False)
         self._inline.move_to_end(key)
-        return voice_prompt_item(voice, xvec)
+        return voice.to_prompt_item(True if xvec else None)
 
     async def create(self, name: str, audio: bytes, ref_text: str | None, xvec: bool) -> VoiceObject:
         self._require_base()

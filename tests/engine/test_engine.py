@@ -24,7 +24,7 @@ def prepared_mix(tts, n_frames=12):
 
 
 def run_alone(tts, p, max_seq_len=256):
-    eng = Engine(tts, max_slots=1, max_seq_len=max_seq_len)
+    eng = Engine(tts.ckpt, max_slots=1, max_seq_len=max_seq_len)
     return eng.generate_codes([p])[0]
 
 
@@ -56,7 +56,7 @@ def prepared_lengths(variant):
 def test_batched_prefill_equals_alone(variant):
     tts, ps = prepared_lengths(variant)
     alone = [run_alone(tts, p) for p in ps]
-    eng = Engine(tts, max_slots=4, max_seq_len=256)
+    eng = Engine(tts.ckpt, max_slots=4, max_seq_len=256)
     handles = [eng.add_request(p) for p in ps]
     eng.step()  # one step admits all of them: one batched prefill
     assert sorted(h.slot for h in handles) == list(range(len(ps)))
@@ -70,11 +70,11 @@ def test_prefill_batch_equals_single_prefills(variant):
     """Code 0 of frame 0, the last hidden and the prompt's KV are bit-identical to one request per forward."""
     tts, ps = prepared_lengths(variant)
     with torch.inference_mode():
-        embeds = [embed_prompt(tts.talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
-    batched = Engine(tts, max_slots=len(ps), max_seq_len=256).runner
+        embeds = [embed_prompt(tts.ckpt.talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
+    batched = Engine(tts.ckpt, max_slots=len(ps), max_seq_len=256).runner
     codes0 = batched.prefill_batch(0, [e[0] for e in embeds], [e[1] for e in embeds], [p.params for p in ps])
     for i, ((pre, trail), p) in enumerate(zip(embeds, ps)):
-        single = Engine(tts, max_slots=1, max_seq_len=256).runner
+        single = Engine(tts.ckpt, max_slots=1, max_seq_len=256).runner
         assert single.prefill_batch(0, [pre], [trail], [p.params]) == [codes0[i]]
         assert torch.equal(single.last_hidden[0], batched.last_hidden[i])
         L = pre.shape[0]
@@ -82,17 +82,18 @@ def test_prefill_batch_equals_single_prefills(variant):
         assert torch.equal(single.kv[:, :, 0, :, :L], batched.kv[:, :, i, :, :L])
 
 
-def test_a_too_long_request_fails_alone_in_its_batch():
+def test_a_too_long_request_is_refused_and_the_others_run_as_alone():
     tts = fx.tts("cv06")
     ok = tts.prepare_custom_voice(["Hi.", "Hello there, a longer one.", "你好。"], ["vivian", "ryan", "dylan"], **GREEDY)
     long = tts.prepare_custom_voice("Far too long for this cache. " * 20, "eric", **GREEDY)[0]
     alone = [run_alone(tts, p, max_seq_len=64) for p in ok]
-    eng = Engine(tts, max_slots=4, max_seq_len=64)
-    handles = [eng.add_request(p) for p in (ok[0], long, ok[1], ok[2])]  # the bad one in the middle of the batch
+    eng = Engine(tts.ckpt, max_slots=4, max_seq_len=64)
+    handles = [eng.add_request(ok[0])]
+    with pytest.raises(ValueError, match="max_seq_len 64"):  # refused when it is added: it never takes a slot
+        eng.add_request(long)
+    handles += [eng.add_request(p) for p in ok[1:]]
     eng.step()
-    bad = handles.pop(1)
-    assert bad.status == RequestStatus.FINISHED_ERROR and "max_seq_len 64" in bad.error and not bad.frames
-    assert sorted(h.slot for h in handles) == [0, 1, 2]  # its row was closed up before the prefill
+    assert sorted(h.slot for h in handles) == [0, 1, 2] and eng.scheduler.queue_depth == 0
     eng.run_to_completion(handles)
     for h, a in zip(handles, alone):
         assert h.status.reason == "length" and torch.equal(torch.stack(h.frames), a), h.request_id
@@ -103,7 +104,7 @@ def test_batched_equals_alone_with_staggered_arrivals_and_a_cancel():
     tts = fx.tts("cv06")
     reqs = prepared_mix(tts)
     alone = [run_alone(tts, p) for p in reqs]
-    eng = Engine(tts, max_slots=3, max_seq_len=256)  # fewer slots than requests: one waits for a free slot
+    eng = Engine(tts.ckpt, max_slots=3, max_seq_len=256)  # fewer slots than requests: one waits for a free slot
     handles = [eng.add_request(reqs[0]), eng.add_request(reqs[1])]
     for _ in range(3):
         eng.step()
@@ -122,7 +123,7 @@ def test_batched_equals_alone_with_staggered_arrivals_and_a_cancel():
 
 
 def stream_alone(tts, p, opts):
-    eng = Engine(tts, max_slots=1, max_seq_len=256)
+    eng = Engine(tts.ckpt, max_slots=1, max_seq_len=256)
     req = eng.add_request(p, opts)
     chunks = eng.run_to_completion([req])
     return torch.stack(req.frames), np.concatenate([c.audio for c in chunks])
@@ -135,7 +136,7 @@ def test_voice_clone_mix_streamed_staggered_with_a_cancel():
     tts, ps = prepared_lengths("base06")  # ICL short ref, ICL long ref, x-vector
     opts = StreamOptions(first_chunk_frames=1, chunk_frames=4)
     alone = [stream_alone(tts, p, opts) for p in ps]
-    eng = Engine(tts, max_slots=3, max_seq_len=256)
+    eng = Engine(tts.ckpt, max_slots=3, max_seq_len=256)
     handles = [eng.add_request(ps[0], opts)]
     victim = eng.add_request(ps[1], opts, request_id="victim")
     chunks = eng.step() + eng.step()
@@ -185,7 +186,7 @@ def test_streamed_equals_offline(variant, method, kw, schedule):
     ref = prepared[0].ref_codes
     full = codes if ref is None else torch.cat([ref, codes])
     with torch.inference_mode():
-        offline = tts.code2wav(full.T[None])[0].numpy()[(0 if ref is None else ref.shape[0]) * 1920:]
+        offline = tts.ckpt.code2wav(full.T[None])[0].numpy()[(0 if ref is None else ref.shape[0]) * 1920:]
     chunks = list(getattr(tts, f"generate_{method}_stream")(**kw, **greedy, first_chunk_frames=schedule[0], chunk_frames=schedule[1]))
     assert chunks[-1].is_last and chunks[-1].finish_reason == "length"
     assert [c.frame_index for c in chunks] == list(np.cumsum([0] + [c.num_frames for c in chunks[:-1]]))

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 
 def codes_with(tts, prepared, graphs: bool, max_slots=4):
-    eng = Engine(tts, max_slots=max_slots, max_seq_len=256, use_cuda_graphs=graphs)
+    eng = Engine(tts.ckpt, max_slots=max_slots, max_seq_len=256, use_cuda_graphs=graphs)
     return eng.generate_codes(prepared)
 
 
@@ -71,7 +71,7 @@ def test_nothing_compiles_after_warm_up(real06):
 
     from q3tts.engine.request import StreamOptions
     tts = real06
-    eng = Engine(tts, max_slots=16, max_seq_len=512)
+    eng = Engine(tts.ckpt, max_slots=16, max_seq_len=512)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     words = "Streams join and leave the batch at every frame while others keep talking".split()
     for group in (1, 13, 3, 1):  # one alone, a burst, a few; prompt lengths from a few tokens to > 64

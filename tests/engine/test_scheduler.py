@@ -9,7 +9,7 @@ from q3tts.engine.scheduler import QueueFullError, Scheduler
 
 
 def req(i, num_prompt_tokens=10):
-    return EngineRequest(request_id=f"r{i}", prepared=SimpleNamespace(layout=range(num_prompt_tokens)))
+    return EngineRequest(request_id=f"r{i}", prepared=SimpleNamespace(layout=range(num_prompt_tokens), text=None))
 
 
 def test_admits_up_to_free_slots_and_reuses_freed_slots():
@@ -21,9 +21,10 @@ def test_admits_up_to_free_slots_and_reuses_freed_slots():
     assert [r.request_id for r in out.prefill] == ["r0", "r1"] and out.decode == []
     assert {r.slot for r in out.prefill} == {0, 1} and s.queue_depth == 2
     s.finish(rs[0], RequestStatus.FINISHED_STOPPED)
-    out = s.schedule()
-    assert [r.request_id for r in out.prefill] == ["r2"] and rs[2].slot == rs[0].slot
-    assert [r.request_id for r in out.decode] == ["r1"]
+    out = s.schedule()  # r1 moves into the hole (running rows stay [0, B)), r2 takes the freed row
+    assert out.moves == [(1, 0)] and rs[1].slot == 0
+    assert [r.request_id for r in out.prefill] == ["r2"] and rs[2].slot == 1
+    assert [r.request_id for r in out.decode] == ["r1"] and out.rows == [rs[1], rs[2]]
 
 
 def test_queue_bound_and_abort_of_waiting_request():

@@ -155,22 +155,6 @@ def test_batched_rows_equal_single_rows():
         torch.testing.assert_close(batched[b:b + 1], full(T, 100 + b), atol=TOL, rtol=0)
 
 
-def test_reset_rows_resets_only_those_rows():
-    model = tiny_model()
-    a, b, c = rand_codes(20, 200), rand_codes(50, 201), rand_codes(30, 202)
-    _, state = stream(model, torch.cat([a, b[..., :20]]), [3, 7, 10])
-    fresh = model.reset_rows(state, torch.tensor([True, False]))
-    assert fresh.pos.tolist() == [0, 20]
-    for new, old in zip(fresh.tails, state.tails):  # row 1 untouched
-        assert torch.equal(new[1], old[1])
-    assert torch.equal(fresh.keys[:, 1], state.keys[:, 1]) and torch.equal(fresh.values[:, 1], state.values[:, 1])
-    assert all(t[0].abs().max() == 0 for t in fresh.tails) and fresh.keys[:, 0].abs().max() == 0
-    # row 0 starts a new request (c) while row 1 goes on with b; positions now differ per row
-    out = torch.cat(stream(model, torch.cat([c, b[..., 20:50]]), [1, 16, 13], fresh)[0], dim=-1)
-    torch.testing.assert_close(out[:1], full(30, 202), atol=TOL, rtol=0)
-    torch.testing.assert_close(out[1:], full(50, 201)[:, 20 * SPF:], atol=TOL, rtol=0)
-
-
 def test_warm_icl_reference_then_stream():
     model, gen = tiny_model(), rand_codes(30, 301)
     for R in (20, 11):

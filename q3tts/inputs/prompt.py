@@ -28,16 +28,16 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from .config import ModelConfig
+from ..config import ModelConfig
+from ..models.talker import REF, SPEAKER
+from .request import InputError, PromptLayout
 
 # Qwen2's pre-tokenizer split (the model's own tokenizer; see tests/golden/make_golden.py for the
 # official wrapper's local-directory quirk that swaps it for Mistral's).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
-NONE = -1  # "no part" in a layout slot
-SPEAKER = -2  # codec slot filled by the request's x-vector
-REF = -3  # codec slots filled by ICL reference frames (in order)
+ROLE = "assistant\n"  # the text segment is ROLE + text: its first two ids are the role, the rest the body
 
 
 class TextTokenizer:
@@ -66,9 +66,24 @@ class TextTokenizer:
                                special=t.get("special", False))
             (tok.add_special_tokens if t.get("special") else tok.add_tokens)([token])
         self._tok = tok
+        specials = [t["content"] for _, t in added]
+        self.special_prefixes = {c[:k] for c in specials for k in range(1, len(c))}  # for incremental text
+        self.max_special_len = max(map(len, specials), default=0)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """ids and each id's (start, end) character span in text (NFC text: spans are not moved by normalizing)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def normalize(self, text: str) -> str:
+        return self._tok.normalizer.normalize_str(text)
+
+    def piece_starts(self, text: str) -> list[int]:
+        """Where each pre-tokenizer piece of (NFC) text starts: BPE never merges across them."""
+        return [span[0] for _, span in self._tok.pre_tokenizer.pre_tokenize_str(text)]
 
     def token_id(self, token: str) -> int:
         i = self._tok.token_to_id(token)
@@ -78,94 +93,75 @@ class TextTokenizer:
 
 
 @dataclass(slots=True)
-class PromptLayout:
-    """One request's talker prompt, position by position.
+class PromptSpec:
+    """Everything of a request's prompt but its text, resolved (lower case, validated) and tokenized."""
 
-    text_ids[i]  : text token at prefill position i, or NONE
-    codec_ids[i] : codec id at position i, or NONE, SPEAKER (x-vector) or REF (next ICL ref frame)
-    trailing_ids : text tokens fed one per frame after the prefill (streaming-text mode), then tts_pad
-    """
-
-    text_ids: list[int] = field(default_factory=list)
-    codec_ids: list[int] = field(default_factory=list)
-    trailing_ids: list[int] = field(default_factory=list)
-
-    def add(self, text: int = NONE, codec: int = NONE) -> None:
-        self.text_ids.append(text)
-        self.codec_ids.append(codec)
-
-    def __len__(self) -> int:
-        return len(self.text_ids)
+    language: str = "auto"
+    speaker: str | None = None  # a CustomVoice speaker
+    instruct_ids: list[int] = field(default_factory=list)
+    has_xvector: bool = False  # a voice-clone x-vector fills the speaker slot
+    ref_ids: list[int] = field(default_factory=list)  # ICL: the reference transcript's tokens
+    num_ref_frames: int = 0  # ICL: > 0
+    non_streaming_mode: bool = True
 
 
 class PromptBuilder:
-    """Resolves speaker / language / dialect / instruct and lays out a request's prompt."""
+    """Tokenizes and lays out a request's prompt (C4). Its inputs are resolved by q3tts.inputs.processor.
+
+    The text is tokenized as the segment ROLE + text (special tokens split the chat wrapper into segments,
+    so these ids are exactly the official ones between <|im_start|> and <|im_end|>): text_ids[:2] are the
+    role, text_ids[2:] the body."""
 
     def __init__(self, cfg: ModelConfig, tokenizer: TextTokenizer):
         self.cfg, self.tok = cfg, tokenizer
+        self.im_start = tokenizer.token_id("<|im_start|>")
 
-    # ---------------------------------------------------------------- validation
-    def resolve_language(self, language: str | None) -> str:
-        lang = "auto" if language is None else str(language).strip().lower()
-        if lang not in self.cfg.languages:
-            raise ValueError(f"Unsupported language {language!r}. Supported: {self.cfg.languages}")
-        return lang
-
-    def resolve_speaker(self, speaker: str | None) -> str | None:
-        if speaker is None or str(speaker).strip() == "":
-            return None
-        spk = str(speaker).strip().lower()
-        if spk not in self.cfg.talker.spk_id:
-            raise ValueError(f"Unsupported speaker {speaker!r}. Supported: {self.cfg.speakers}")
-        return spk
-
-    # ---------------------------------------------------------------- token ids
-    def _assistant_ids(self, text: str) -> list[int]:
+    def text_ids(self, text: str) -> list[int]:
         if not isinstance(text, str) or not text.strip():
-            raise ValueError("text is empty: give the words to speak")
-        return self.tok.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
+            raise InputError("text is empty: give the words to speak", param="text", code="empty_input")
+        return self.tok.encode(ROLE + text)
 
-    def _instruct_ids(self, instruct: str | None) -> list[int]:
-        if instruct is None or instruct == "":
-            return []
-        return self.tok.encode(f"<|im_start|>user\n{instruct}<|im_end|>\n")
+    def spec(self, language: str = "auto", speaker: str | None = None, instruct: str | None = None,
+             has_xvector: bool = False, ref_text: str | None = None, num_ref_frames: int = 0,
+             non_streaming_mode: bool = True) -> PromptSpec:
+        instruct_ids = self.tok.encode(f"<|im_start|>user\n{instruct}<|im_end|>\n") if instruct else []
+        ref_ids = self.tok.encode(ROLE + ref_text)[2:] if num_ref_frames > 0 else []
+        return PromptSpec(language, speaker, instruct_ids, has_xvector, ref_ids, num_ref_frames, non_streaming_mode)
 
-    def _ref_text_ids(self, ref_text: str) -> list[int]:
-        return self.tok.encode(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")[3:-2]
+    def needed(self, spec: PromptSpec) -> int | None:
+        """Text ids the prefill consumes (streaming text layout); None: all of them (non-streaming layouts)."""
+        if spec.non_streaming_mode:
+            return None
+        if spec.num_ref_frames > 0:  # ICL overlays ref_ids + body on codec_bos + the reference frames
+            return 2 + max(0, 1 + spec.num_ref_frames - len(spec.ref_ids))
+        return 3  # the role + the first body token
 
-    # ---------------------------------------------------------------- layout
-    def build(self, text: str, language: str | None = "auto", speaker: str | None = None,
-              instruct: str | None = None, has_xvector: bool = False, ref_text: str | None = None,
-              num_ref_frames: int = 0, non_streaming_mode: bool = True) -> PromptLayout:
-        """speaker: a CustomVoice name; has_xvector: a voice-clone embedding fills the speaker slot;
-        ref_text + num_ref_frames > 0: ICL. Arguments are assumed resolved (lower case, validated)."""
+    def build(self, spec: PromptSpec, text_ids: list[int], closed: bool = True) -> PromptLayout:
+        """The layout of spec + text_ids. closed=False (streaming text): more text follows, so the layout ends
+        without tts_eos, which the engine feeds when the text is closed; needs text_ids[:needed(spec)]."""
         c, t = self.cfg, self.cfg.talker
-        ids = self._assistant_ids(text)
-        lang = self.resolve_language(language)
-        lang_id = None if lang == "auto" else t.codec_language_id[lang]
-        if speaker is not None and lang in ("chinese", "auto") and t.spk_is_dialect.get(speaker):
-            lang_id = t.codec_language_id[t.spk_is_dialect[speaker]]  # dialect speakers switch the language id
+        lang_id = None if spec.language == "auto" else t.codec_language_id[spec.language]
+        if spec.speaker is not None and spec.language in ("chinese", "auto") and t.spk_is_dialect.get(spec.speaker):
+            lang_id = t.codec_language_id[t.spk_is_dialect[spec.speaker]]  # dialect speakers switch the language id
 
         p = PromptLayout()
-        for tid in self._instruct_ids(instruct):
-            p.add(text=tid)
-        for tid in ids[:3]:
+        for tid in spec.instruct_ids + [self.im_start] + text_ids[:2]:
             p.add(text=tid)
         codec = ([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id] if lang_id is None
                  else [t.codec_think_id, t.codec_think_bos_id, lang_id, t.codec_think_eos_id])
-        if speaker is not None:
-            codec.append(t.spk_id[speaker])
-        elif has_xvector:
+        if spec.speaker is not None:
+            codec.append(t.spk_id[spec.speaker])
+        elif spec.has_xvector:
             codec.append(SPEAKER)
         codec.append(t.codec_pad_id)
         for i, cid in enumerate(codec):
             p.add(text=c.tts_bos_token_id if i == len(codec) - 1 else c.tts_pad_token_id, codec=cid)
 
-        body = ids[3:-5]
-        if num_ref_frames > 0:  # ICL
-            text_part = self._ref_text_ids(ref_text) + body + [c.tts_eos_token_id]
-            codec_part = [t.codec_bos_id] + [REF] * num_ref_frames
-            if non_streaming_mode:
+        body = text_ids[2:] + ([c.tts_eos_token_id] if closed else [])
+        if spec.num_ref_frames > 0:  # ICL
+            text_part = spec.ref_ids + body
+            codec_part = [t.codec_bos_id] + [REF] * spec.num_ref_frames
+            if spec.non_streaming_mode:
                 for tid in text_part:
                     p.add(text=tid, codec=t.codec_pad_id)
                 for cid in codec_part:
@@ -174,11 +170,11 @@ class PromptBuilder:
                 for i, cid in enumerate(codec_part):
                     p.add(text=text_part[i] if i < len(text_part) else c.tts_pad_token_id, codec=cid)
                 p.trailing_ids = text_part[len(codec_part):]
-        elif non_streaming_mode:
-            for tid in body + [c.tts_eos_token_id]:
+        elif spec.non_streaming_mode:
+            for tid in body:
                 p.add(text=tid, codec=t.codec_pad_id)
             p.add(text=c.tts_pad_token_id, codec=t.codec_bos_id)
         else:
-            p.add(text=ids[3], codec=t.codec_bos_id)
-            p.trailing_ids = ids[4:-5] + [c.tts_eos_token_id]
+            p.add(text=body[0], codec=t.codec_bos_id)
+            p.trailing_ids = body[1:]
         return p

@@ -31,22 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .audio import TARGET_SR, AudioLimits, load_audio, resample
-from .config import (
-    ModelConfig,
-    SpeechTokenizerConfig,
-    parse_model_config,
-    parse_speech_tokenizer_config,
-    read_json,
-)
-from .models.codec_encoder import CodecEncoder, parse_codec_encoder_config
-from .models.speaker_encoder import SpeakerEncoder
-from .weights import (
-    load_module,
-    read_tensors,
-    resolve_model_dir,
-    safetensors_files,
-)
+from ..audio import TARGET_SR, AudioLimits, load_audio, resample
+from ..config import ModelConfig, SpeechTokenizerConfig, parse_model_config, parse_speech_tokenizer_config, read_json
+from ..models.codec_encoder import CodecEncoder
+from ..models.loaders import load_codec_encoder, load_speaker_encoder
+from ..models.speaker_encoder import SpeakerEncoder
+from ..weights import resolve_model_dir
+from .request import VoiceClonePromptItem
 
 ICL_SILENCE_SECONDS = 0.5
 VOICE_FORMAT = "q3tts.voice"
@@ -126,7 +117,6 @@ class Voice:
 
     def to_prompt_item(self, x_vector_only_mode: bool | None = None):
         """-> VoiceClonePromptItem; ICL when the voice has reference codes unless x_vector_only_mode=True."""
-        from .api import VoiceClonePromptItem
         xvec = (not self.icl) if x_vector_only_mode is None else bool(x_vector_only_mode)
         if not xvec and not self.icl:
             raise ValueError(f"voice {self.name or ''}: ICL mode needs reference codes; this voice has only an "
@@ -165,7 +155,7 @@ class Voice:
         """One safetensors file: tensors `embedding` [D] and `ref_code` [T, 16] (ICL), the rest as metadata."""
         from safetensors.torch import save_file
 
-        from . import __version__
+        from .. import __version__
         tensors = {"embedding": self.embedding.detach().float().cpu().contiguous().reshape(-1)}
         if self.ref_code is not None:
             tensors["ref_code"] = self.ref_code.detach().long().cpu().contiguous()
@@ -244,33 +234,18 @@ class VoiceCloner:
         return cls(resolve_model_dir(name_or_path), device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ lazy modules
-    def _load(self, files_stem: Path, prefix: str, module: torch.nn.Module, what: str) -> torch.nn.Module:
-        tensors = read_tensors(safetensors_files(files_stem), prefix)
-        if not tensors:
-            raise ValueError(f"{files_stem}.safetensors has no {prefix}* weights: this checkpoint cannot clone "
-                             f"voices ({what} missing; voice cloning needs the official Base checkpoint)")
-        load_module(module, tensors, f"{files_stem}.safetensors ({prefix}*)")
-        return module.to(device=self.device, dtype=self.dtype).eval()
-
     @property
     def speaker_encoder(self) -> SpeakerEncoder:
         with self._lock:
             if self._speaker_encoder is None:
-                self._speaker_encoder = self._load(self.model_dir / "model", "speaker_encoder.",
-                                                   SpeakerEncoder(self.cfg.speaker_encoder), "speaker encoder")
+                self._speaker_encoder = load_speaker_encoder(self.model_dir, self.cfg, self.device, self.dtype)
             return self._speaker_encoder
 
     @property
     def codec_encoder(self) -> CodecEncoder:
         with self._lock:
             if self._codec_encoder is None:
-                if not self.speech_cfg.encoder:
-                    raise ValueError(f"{self.model_dir}/speech_tokenizer/config.json has no encoder_config: "
-                                     "this checkpoint cannot encode reference audio")
-                enc = CodecEncoder(parse_codec_encoder_config(self.speech_cfg.encoder),
-                                   num_codes=self.speech_cfg.encoder_valid_num_quantizers)
-                self._codec_encoder = self._load(self.model_dir / "speech_tokenizer" / "model", "encoder.", enc,
-                                                 "codec encoder")
+                self._codec_encoder = load_codec_encoder(self.model_dir, self.speech_cfg, self.device, self.dtype)
             return self._codec_encoder
 
     # ------------------------------------------------------------------ pieces
@@ -299,7 +274,6 @@ class VoiceCloner:
         Returns:
             list[VoiceClonePromptItem], one per clip.
         """
-        from .api import VoiceClonePromptItem
         audios = ref_audio if isinstance(ref_audio, list) else [ref_audio]
         n = len(audios)
         if n == 0:

@@ -1,0 +1,122 @@
+"""Streaming-text benchmark: simulated LLMs feed a running `q3tts serve` token by token over the WebSocket.
+
+    q3tts serve --model /tmp/ckpt-0.6B --max-concurrent 32 &
+    python -m bench.text_stream --url ws://127.0.0.1:8000 --rates 15,50,200 --sessions 1,32 --out text.json
+
+For each (tokens per second R, sessions S): S sessions at once, each speaking `--utterances` utterances in a
+row; an utterance's text (~4 characters a token, as an LLM's) is sent one token every 1/R s, then input.done.
+Per utterance: time from its first text token to its first audio byte; its playback buffer: how far behind a
+player that started at the first byte the audio ever fell (0 = it never stalls), split into the part while
+text was still arriving and the part after the text was complete ("text ahead": every token the talker
+needs has arrived). Fix the audio length with --max-new-tokens (a random-weight checkpoint never samples EOS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from websockets.asyncio.client import connect
+
+from bench.load import summary
+
+SR = 24000
+TEXT = ("Voice agents speak an answer while the language model is still writing it, so the speech starts after "
+        "the first few words instead of the whole paragraph, and it never has to wait for text once the text is "
+        "ahead of it.")
+
+
+def llm_tokens(text: str, size: int = 4) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+async def utterance(ws, rate: float, tokens: list[str]) -> dict:
+    """Send the tokens at `rate` per second while receiving; -> this utterance's timings."""
+    t0 = time.perf_counter()
+    sent_all = None
+
+    async def feed():
+        nonlocal sent_all
+        for i, tok in enumerate(tokens):
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            await ws.send(json.dumps({"type": "input.text", "text": tok}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        sent_all = time.perf_counter()
+
+    feeder = asyncio.ensure_future(feed())
+    first, samples, lag_while, lag_after, reason = None, 0, 0.0, 0.0, None
+    while True:
+        msg = await ws.recv()
+        now = time.perf_counter()
+        if isinstance(msg, bytes):
+            if first is None:
+                first = now
+            # a player started at the first byte has played (now - first) s; the audio that arrived before this
+            # message covers samples / SR s: the gap is how long it would have stalled
+            lag = max(0.0, (now - first) - samples / SR)
+            if sent_all is None or now < sent_all:
+                lag_while = max(lag_while, lag)
+            else:
+                lag_after = max(lag_after, lag)
+            samples += len(msg) // 2
+            continue
+        m = json.loads(msg)
+        if m["type"] == "audio.done":
+            reason = m["finish_reason"]
+            break
+        if m["type"] == "error":
+            raise RuntimeError(m)
+    await feeder
+    return {"ttfa": None if first is None else first - t0, "audio_s": samples / SR, "wall_s": time.perf_counter() - t0,
+            "stall_while_text_s": lag_while, "stall_after_text_s": lag_after, "finish_reason": reason}
+
+
+async def session(url: str, rate: float, n: int, config: dict) -> list[dict]:
+    async with connect(url + "/v1/audio/speech/stream", max_size=None) as ws:
+        await ws.send(json.dumps({"type": "session.config", **config}))
+        return [await utterance(ws, rate, llm_tokens(TEXT)) for _ in range(n)]
+
+
+async def level(url: str, rate: float, sessions: int, n: int, config: dict) -> dict:
+    t0 = time.perf_counter()
+    runs = [u for s in await asyncio.gather(*(session(url, rate, n, config) for _ in range(sessions))) for u in s]
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": rate, "sessions": sessions, "utterances": len(runs),
+            "audio_s_per_s": round(sum(u["audio_s"] for u in runs) / wall, 2),
+            "ttfa_ms": summary([u["ttfa"] for u in runs if u["ttfa"] is not None], 1000, 1),
+            "stall_while_text_ms": summary([u["stall_while_text_s"] for u in runs], 1000, 1),
+            "stall_after_text_ms": summary([u["stall_after_text_s"] for u in runs], 1000, 1),
+            "finish_reasons": sorted({u["finish_reason"] for u in runs})}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="ws://127.0.0.1:8000")
+    ap.add_argument("--rates", default="15,50,200", help="simulated LLM tokens per second")
+    ap.add_argument("--sessions", default="1,32")
+    ap.add_argument("--utterances", type=int, default=3, help="per session, one after the other")
+    ap.add_argument("--voice", default="vivian")
+    ap.add_argument("--max-new-tokens", type=int, default=100, help="frames + 1 per utterance")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    config = {"voice": a.voice, "max_new_tokens": a.max_new_tokens}
+    out = []
+    for s in [int(x) for x in a.sessions.split(",")]:
+        for r in [float(x) for x in a.rates.split(",")]:
+            res = asyncio.run(level(a.url, r, s, a.utterances, config))
+            out.append(res)
+            print(f"{int(r):>4} tok/s {s:>3} sessions: first audio p50 {res['ttfa_ms']['p50']} p95 "
+                  f"{res['ttfa_ms']['p95']} ms; stall after text p95 {res['stall_after_text_ms']['p95']} ms, while "
+                  f"text arrives p95 {res['stall_while_text_ms']['p95']} ms; {res['audio_s_per_s']} audio s/s",
+                  file=sys.stderr)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"text_tokens": len(llm_tokens(TEXT)), "levels": out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

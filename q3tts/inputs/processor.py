@@ -1,0 +1,189 @@
+"""InputProcessor: the one place where a request's model type, speaker, language, instruction, voice and
+sampling parameters are resolved and checked, and turned into PreparedRequests (the TTS facade and the
+server both call it; nothing below it validates user input again).
+
+Arguments follow `qwen_tts.Qwen3TTSModel`: a text or a list of texts (a batch), and per-text arguments
+given once (broadcast) or once per text. A text of None is streamed in: the request gets a TextStream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+from typing import Any
+
+import torch
+
+from ..config import GenerationDefaults, ModelConfig
+from ..sampling import SamplingParams
+from .prompt import PromptBuilder, PromptSpec
+from .request import InputError, PreparedRequest, VoiceClonePromptItem
+from .text import TextStream
+from .voice import Voice
+
+log = logging.getLogger("q3tts")
+
+METHODS = {"custom_voice": "generate_custom_voice", "voice_design": "generate_voice_design",
+           "base": "generate_voice_clone"}
+KINDS = {"custom_voice": "a CustomVoice", "voice_design": "a VoiceDesign", "base": "a Base"}
+
+
+def _as_list(x: Any, n: int | None = None, name: str = "") -> list:
+    out = x if isinstance(x, list) else [x]
+    if n is not None and len(out) == 1 and n > 1:
+        out = out * n
+    if n is not None and len(out) != n:
+        raise InputError(f"Batch size mismatch: text={n}, {name}={len(out)}", param=name)
+    return out
+
+
+class InputProcessor:
+    def __init__(self, cfg: ModelConfig, defaults: GenerationDefaults, builder: PromptBuilder, codebook_size: int):
+        self.cfg, self.defaults, self.builder, self.codebook_size = cfg, defaults, builder, codebook_size
+        self.gen_kwargs = set(SamplingParams.names())
+
+    # ------------------------------------------------------------------ checks
+    def require(self, model_type: str, method: str) -> None:
+        have = self.cfg.tts_model_type
+        if have != model_type:
+            raise InputError(f"{method} needs {KINDS[model_type]} model; this is a {have} model (size "
+                             f"{self.cfg.tts_model_size}). Use {METHODS[have]} with this model.",
+                             code="unsupported_for_model")
+
+    def language(self, language: str | None) -> str:
+        lang = "auto" if language is None else str(language).strip().lower()
+        if lang not in self.cfg.languages:
+            raise InputError(f"Unsupported language {language!r}. Supported: {self.cfg.languages}", param="language",
+                             code="unsupported_language")
+        return lang
+
+    def speaker(self, speaker: str | None) -> str:
+        if speaker is None or not str(speaker).strip():
+            raise InputError(f"speaker is required: one of this model's speakers: {self.cfg.speakers}",
+                             param="speaker", code="missing_voice")
+        spk = str(speaker).strip().lower()
+        if spk not in self.cfg.talker.spk_id:
+            raise InputError(f"Unsupported speaker {speaker!r}. Supported: {self.cfg.speakers}", param="speaker",
+                             code="voice_not_found")
+        return spk
+
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        """generation_config.json defaults, overridden by the non-None kwargs; unknown ones are ignored with a
+        warning (qwen_tts forwards them to transformers' generate). No seed: a random one."""
+        unknown = sorted(set(kwargs) - self.gen_kwargs)
+        if unknown:
+            log.warning("ignoring unsupported generation argument(s): %s", ", ".join(unknown))
+        p = SamplingParams(**{f: getattr(self.defaults, f) for f in GenerationDefaults.__dataclass_fields__})
+        for k, v in kwargs.items():
+            if k in self.gen_kwargs and v is not None:
+                setattr(p, k, v)
+        if kwargs.get("seed") is None:
+            p.seed = random.randrange(1 << 31)
+        try:
+            p.validate()
+        except ValueError as e:
+            raise InputError(str(e), param=str(e).split()[0]) from None
+        return p
+
+    # ------------------------------------------------------------------ the three modes
+    def custom_voice(self, text, speaker, language=None, instruct=None, non_streaming_mode: bool = True,
+                     **kwargs) -> list[PreparedRequest]:
+        self.require("custom_voice", "generate_custom_voice")
+        texts = _as_list(text)
+        n = len(texts)
+        speakers = [self.speaker(s) for s in _as_list(speaker, n, "speaker")]
+        languages = [self.language(x) for x in _as_list(language, n, "language")]
+        if self.cfg.tts_model_size == "0b6":
+            instruct = None  # upstream: the 0.6B CustomVoice model takes no instruction
+        instructs = _as_list(instruct, n, "instruct")
+        specs = [self.builder.spec(lang, speaker=s, instruct=ins, non_streaming_mode=non_streaming_mode)
+                 for lang, s, ins in zip(languages, speakers, instructs)]
+        return self._prepare(texts, specs, [None] * n, [None] * n, kwargs)
+
+    def voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
+                     **kwargs) -> list[PreparedRequest]:
+        self.require("voice_design", "generate_voice_design")
+        texts = _as_list(text)
+        n = len(texts)
+        languages = [self.language(x) for x in _as_list(language, n, "language")]
+        specs = [self.builder.spec(lang, instruct=ins, non_streaming_mode=non_streaming_mode)
+                 for lang, ins in zip(languages, _as_list(instruct, n, "instruct"))]
+        return self._prepare(texts, specs, [None] * n, [None] * n, kwargs)
+
+    def voice_clone(self, text, voice_clone_prompt, language=None, non_streaming_mode: bool = False,
+                    load_voice=None, **kwargs) -> list[PreparedRequest]:
+        """voice_clone_prompt: items (ours or qwen_tts's), Voices, voice file paths (read with load_voice), or
+        upstream's dict of lists; one for all texts or one per text."""
+        self.require("base", "generate_voice_clone")
+        texts = _as_list(text)
+        n = len(texts)
+        languages = [self.language(x) for x in _as_list(language, n, "language")]
+        items = _as_list(self.voice_items(voice_clone_prompt, load_voice), n, "voice_clone_prompt")
+        checked = [self.check_item(i, it) for i, it in enumerate(items)]
+        specs = [self.builder.spec(lang, has_xvector=emb is not None, ref_text=it.ref_text,
+                                   num_ref_frames=0 if ref is None else ref.shape[0],
+                                   non_streaming_mode=non_streaming_mode)
+                 for lang, it, (emb, ref) in zip(languages, items, checked)]
+        return self._prepare(texts, specs, [e for e, _ in checked], [r for _, r in checked], kwargs)
+
+    def _prepare(self, texts: list, specs: list[PromptSpec], embs: list, refs: list, kwargs) -> list[PreparedRequest]:
+        params = self.sampling_params(**kwargs)
+        out = []
+        for i, (text, spec, e, r) in enumerate(zip(texts, specs, embs, refs)):
+            p = dataclasses.replace(params, seed=params.seed + i)  # distinct noise per row, reproducible from one seed
+            if text is None:  # streamed in: the engine lays the prompt out once enough text has come
+                out.append(PreparedRequest(None, e, r, p, TextStream(self.builder, spec)))
+            else:
+                out.append(PreparedRequest(self.builder.build(spec, self.builder.text_ids(text)), e, r, p))
+        return out
+
+    # ------------------------------------------------------------------ voices
+    def voice_items(self, voice_clone_prompt, load_voice=None) -> list[VoiceClonePromptItem]:
+        """Accept a list of items (ours or qwen_tts's), Voices or voice file paths, or upstream's dict of lists."""
+        if isinstance(voice_clone_prompt, dict):
+            d = voice_clone_prompt
+            n = len(d["ref_spk_embedding"])
+            return [VoiceClonePromptItem(ref_code=(d.get("ref_code") or [None] * n)[i], ref_spk_embedding=d["ref_spk_embedding"][i],
+                                         x_vector_only_mode=bool(d["x_vector_only_mode"][i]), icl_mode=bool(d["icl_mode"][i]),
+                                         ref_text=(d.get("ref_text") or [None] * n)[i]) for i in range(n)]
+        items = []
+        for it in _as_list(voice_clone_prompt):
+            if isinstance(it, (str, os.PathLike)):
+                it = (load_voice or (lambda path: Voice.load(path, model=self.cfg)))(it)
+            if isinstance(it, Voice):
+                it.check_model(self.cfg)
+                it = it.to_prompt_item()
+            elif not isinstance(it, VoiceClonePromptItem):  # e.g. qwen_tts's item
+                it = VoiceClonePromptItem(
+                    ref_code=getattr(it, "ref_code", None), ref_spk_embedding=it.ref_spk_embedding,
+                    x_vector_only_mode=bool(it.x_vector_only_mode), icl_mode=bool(it.icl_mode),
+                    ref_text=getattr(it, "ref_text", None))
+            items.append(it)
+        return items
+
+    def check_item(self, i: int, it: VoiceClonePromptItem) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """-> (x-vector [D] or None, ICL reference codes [T, K] or None), checked against this model."""
+        D, K = self.cfg.talker.hidden_size, self.cfg.talker.num_code_groups
+        emb = it.ref_spk_embedding
+        emb = torch.as_tensor(emb).float().reshape(-1) if emb is not None else None
+        if (it.x_vector_only_mode or it.icl_mode) and (emb is None or emb.numel() != D):
+            raise InputError(f"voice_clone_prompt[{i}]: speaker embedding has {None if emb is None else emb.numel()} "
+                             f"values but this model ({self.cfg.tts_model_size}) needs {D}: the voice was made for "
+                             "another model size", param="voice")
+        ref = None
+        if it.icl_mode:
+            if it.ref_code is None:
+                raise InputError(f"voice_clone_prompt[{i}]: ICL mode needs ref_code", param="voice")
+            ref = torch.as_tensor(it.ref_code).long()
+            if ref.dim() != 2 or ref.shape[1] != K or ref.shape[0] == 0:
+                raise InputError(f"voice_clone_prompt[{i}]: ref_code must be [T, {K}] with T > 0, got "
+                                 f"{tuple(ref.shape)}", param="voice")
+            if int(ref.min()) < 0 or int(ref.max()) >= self.codebook_size:
+                raise InputError(f"voice_clone_prompt[{i}]: ref_code values must be in [0, {self.codebook_size})",
+                                 param="voice")
+            if not it.ref_text:
+                raise InputError(f"voice_clone_prompt[{i}]: ICL mode needs ref_text (the transcript of the reference "
+                                 "audio)", param="ref_text")
+        return (emb if (it.x_vector_only_mode or it.icl_mode) else None), ref

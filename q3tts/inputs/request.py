@@ -1,0 +1,66 @@
+"""The request types of the input side: what the engine is handed, and a voice-clone prompt item."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..models.talker import NONE
+from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .text import TextStream
+
+
+class InputError(ValueError):
+    """Input that cannot be served. `param` names the offending argument (its message starts with that name where
+    the message is about it) and `code` the kind of problem, so the server can answer in its own field names."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(slots=True)
+class PromptLayout:
+    """One request's talker prompt, position by position.
+
+    text_ids[i]  : text token at prefill position i, or NONE
+    codec_ids[i] : codec id at position i, or NONE, SPEAKER (x-vector) or REF (next ICL ref frame)
+    trailing_ids : text tokens fed one per frame after the prefill (streaming-text mode), then tts_pad
+    """
+
+    text_ids: list[int] = field(default_factory=list)
+    codec_ids: list[int] = field(default_factory=list)
+    trailing_ids: list[int] = field(default_factory=list)
+
+    def add(self, text: int = NONE, codec: int = NONE) -> None:
+        self.text_ids.append(text)
+        self.codec_ids.append(codec)
+
+    def __len__(self) -> int:
+        return len(self.text_ids)
+
+
+@dataclass
+class VoiceClonePromptItem:
+    """One voice-clone prompt, field for field as `qwen_tts.VoiceClonePromptItem`."""
+
+    ref_code: torch.Tensor | None  # [T, 16] codec frames of the reference audio (ICL), or None
+    ref_spk_embedding: torch.Tensor  # [D] x-vector
+    x_vector_only_mode: bool
+    icl_mode: bool
+    ref_text: str | None = None
+
+
+@dataclass(eq=False)
+class PreparedRequest:
+    """A request ready for the engine: its prompt layout and what fills the layout's slots."""
+
+    layout: PromptLayout | None  # None until a streamed text has filled the prompt (the engine builds it)
+    speaker_embedding: torch.Tensor | None  # [D] x-vector (voice clone)
+    ref_codes: torch.Tensor | None  # [T, 16] ICL reference frames (decoded in front, then cut)
+    params: SamplingParams
+    text: TextStream | None = None  # the text streamed in: append pieces to it, then close it

@@ -1,0 +1,101 @@
+"""Loading a checkpoint in the official layout: a `Checkpoint` bundle for the engine, and the two cloning
+encoders (loaded on demand, fp32).
+
+    ckpt = load_checkpoint("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")    # or a local directory
+    engine = Engine(ckpt, max_slots=8)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import (GenerationDefaults, ModelConfig, SpeechTokenizerConfig, parse_generation_defaults,
+                      parse_model_config, parse_speech_tokenizer_config, read_json)
+from ..weights import check_prefixes, load_module, read_tensors, resolve_model_dir, safetensors_files
+from .codec import Code2Wav
+from .codec_encoder import CodecEncoder, parse_codec_encoder_config
+from .layers import fuse_projections
+from .speaker_encoder import SpeakerEncoder
+from .talker import Talker
+
+SAMPLE_RATE = 24000
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """What the engine and the input side need of one loaded checkpoint."""
+
+    model_dir: Path
+    cfg: ModelConfig
+    speech_cfg: SpeechTokenizerConfig
+    defaults: GenerationDefaults  # generation_config.json
+    talker: Talker  # talker + code predictor, on `device` in `dtype`
+    code2wav: Code2Wav  # the 12 Hz decoder, same device and dtype
+    tts_pad_embed: torch.Tensor  # [D] embedded tts_pad text token: the talker's text input once the text is used up
+    device: torch.device
+    dtype: torch.dtype
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.code2wav.cfg.total_upsample  # 1920 at 24 kHz: one 80 ms frame
+
+
+def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device | None = None,
+                    dtype: torch.dtype | str | None = None) -> Checkpoint:
+    """Configs, talker and Code2Wav of a local directory or hub id (device: CUDA when available; dtype: bf16
+    on CUDA, fp32 on CPU). The cloning encoders are loaded separately, on first use."""
+    d = resolve_model_dir(name_or_path)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    cfg = parse_model_config(read_json(d / "config.json"))
+    speech_cfg = parse_speech_tokenizer_config(read_json(d / "speech_tokenizer" / "config.json"))
+
+    files = safetensors_files(d / "model")
+    check_prefixes(files, ("talker.", "speaker_encoder."), str(d / "model.safetensors"))
+    with torch.device("meta"):
+        talker = Talker(cfg.talker)
+    talker = talker.to_empty(device="cpu")  # no buffers: every tensor is loaded below
+    load_module(talker, read_tensors(files, "talker."), f"{d}/model.safetensors (talker.*)")
+    speech_files = safetensors_files(d / "speech_tokenizer" / "model")
+    check_prefixes(speech_files, ("decoder.", "encoder."), f"{d}/speech_tokenizer/model.safetensors")
+    code2wav = Code2Wav(speech_cfg.decoder)
+    load_module(code2wav, read_tensors(speech_files, "decoder."), f"{d}/speech_tokenizer (decoder.*)")
+    talker = talker.to(device=device, dtype=dtype).eval()
+    if device.type == "cuda":
+        fuse_projections(talker)  # one GEMM for q|k|v and for gate|up (the CPU path stays upstream-shaped)
+    code2wav = code2wav.to(device=device, dtype=dtype).eval()
+    with torch.inference_mode():
+        pad = talker.embed_text(torch.tensor([cfg.tts_pad_token_id], device=device))[0]
+    return Checkpoint(d, cfg, speech_cfg, parse_generation_defaults(read_json(d / "generation_config.json")),
+                      talker, code2wav, pad, device, dtype)
+
+
+def _load_encoder(files_stem: Path, prefix: str, module: torch.nn.Module, what: str, device, dtype):
+    tensors = read_tensors(safetensors_files(files_stem), prefix)
+    if not tensors:
+        raise ValueError(f"{files_stem}.safetensors has no {prefix}* weights: this checkpoint cannot clone "
+                         f"voices ({what} missing; voice cloning needs the official Base checkpoint)")
+    load_module(module, tensors, f"{files_stem}.safetensors ({prefix}*)")
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def load_speaker_encoder(model_dir: Path, cfg: ModelConfig, device="cpu", dtype=torch.float32) -> SpeakerEncoder:
+    """The ECAPA-TDNN x-vector encoder of a Base checkpoint (`speaker_encoder.*` in model.safetensors)."""
+    return _load_encoder(Path(model_dir) / "model", "speaker_encoder.", SpeakerEncoder(cfg.speaker_encoder),
+                         "speaker encoder", device, dtype)
+
+
+def load_codec_encoder(model_dir: Path, speech_cfg: SpeechTokenizerConfig, device="cpu",
+                       dtype=torch.float32) -> CodecEncoder:
+    """The 12 Hz codec encoder (`encoder.*` in speech_tokenizer/model.safetensors): audio -> reference codes."""
+    if not speech_cfg.encoder:
+        raise ValueError(f"{model_dir}/speech_tokenizer/config.json has no encoder_config: "
+                         "this checkpoint cannot encode reference audio")
+    enc = CodecEncoder(parse_codec_encoder_config(speech_cfg.encoder), num_codes=speech_cfg.encoder_valid_num_quantizers)
+    return _load_encoder(Path(model_dir) / "speech_tokenizer" / "model", "encoder.", enc, "codec encoder", device, dtype)
