@@ -1,6 +1,7 @@
 """Ray Serve: `q3tts serve --replicas 2` (a local Ray, two CPU replicas of the tiny CustomVoice checkpoint)
-driven through Ray's HTTP proxy by the official openai client: concurrent requests spread over both replicas,
-audio streamed through the proxy, a replica killed mid-load, and Ray stopped with the server.
+driven through Ray's HTTP proxy by the official openai client and a WebSocket client: concurrent requests spread
+over both replicas, audio streamed through the proxy, a WebSocket speech session, a replica killed mid-load, and
+Ray stopped with the server; then the deploy/ files (no Ray needed).
 
 One Ray instance for the module (Ray and two replicas take ~40 s to start on two cores). The test process
 joins that Ray as a second driver only to find and kill a replica actor.
@@ -8,6 +9,7 @@ joins that Ray as a second driver only to find and kill a replica actor.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,8 +27,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve not installed: pip install 'q
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from fastapi import FastAPI, WebSocket  # noqa: E402 (module level: FastAPI resolves the handler's annotations here)
-from q3tts.server.ray_serve import APP_NAME, DEPLOYMENT_NAME, ReplicaHeaderMiddleware  # noqa: E402
+from q3tts.server.ray_serve import APP_NAME, DEPLOYMENT_NAME  # noqa: E402
 from tests.golden import fixtures as fx  # noqa: E402
 
 from .live import SPF  # noqa: E402
@@ -180,6 +181,34 @@ def test_eight_concurrent_streams_over_both_replicas(rs):
     assert len({s.nbytes for s in streams}) == 1
 
 
+def test_websocket_speech_session_through_the_proxy(rs):
+    """/v1/audio/speech/stream through Ray's proxy: text streamed in pieces, the official audio of the whole
+    text back (as tests/server/test_speech_stream.py checks it on one server), the replica named on the
+    handshake."""
+    import random
+
+    import numpy as np
+    from websockets.sync.client import connect
+
+    from .test_speech_stream import pieces, utterance
+    case = fx.get_case("cv06", "english_stream")
+    kw = case["kw"]
+    with connect(f"ws://127.0.0.1:{rs.port}/v1/audio/speech/stream", open_timeout=30) as ws:
+        assert ws.response.headers["x-q3tts-replica"] in rs.replicas
+        ws.send(json.dumps({"type": "session.config", "voice": kw["speaker"], "language": kw.get("language"),
+                            **fx.manifest("cv06")["greedy"]}))
+        for piece in pieces(kw["text"], random.Random(0)):
+            ws.send(json.dumps({"type": "input.text", "text": piece}))
+        ws.send(json.dumps({"type": "input.done"}))
+        _, pcm, done, _ = utterance(ws)
+        got = np.frombuffer(pcm, "<i2").astype(np.float32) / 32767
+        ref = fx.outputs("cv06")[f"{case['name']}.wav.0"].numpy()
+        # the same bound as on one server: float32 audio within 1e-4 of the official, then int16 rounding
+        assert got.shape == ref.shape and np.abs(got - ref).max() <= 1e-4 + 0.5 / 32767
+        ws.send(json.dumps({"type": "session.close"}))
+        assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
+
+
 def test_replica_killed_mid_load(rs):
     client = rs.client()
     # long streams (~100 frames at batch 4: seconds on CPU), so every one is mid-way when the replica dies
@@ -215,44 +244,6 @@ def test_replica_killed_mid_load(rs):
     assert [s.error for s in after] == [None] * len(after)
     assert len({s.nbytes for s in after}) == 1 and after[0].nbytes > 0
     assert victim not in seen and len(seen) == 2, seen
-
-
-@serve.ingress()
-class WebSocketProbe:
-    """A FastAPI app with a WebSocket echo behind ReplicaHeaderMiddleware, as Q3TTSReplica builds its app."""
-
-    def __init__(self):
-        app = FastAPI()
-
-        @app.websocket("/echo")
-        async def echo(ws: WebSocket):
-            await ws.accept()
-            async for text in ws.iter_text():
-                await ws.send_text(text.upper())
-
-        app.add_middleware(ReplicaHeaderMiddleware, replica=serve.get_replica_context().replica_tag)
-        self._probe_app = app
-
-    def __serve_build_asgi_app__(self):
-        return self._probe_app
-
-
-def test_websocket_through_the_proxy_names_the_replica(rs):
-    """create_app's WebSocket routes reach clients the same way: Ray's proxy carries the upgrade, the
-    messages both ways, and the replica header on the handshake."""
-    from websockets.sync.client import connect
-    serve.run(serve.deployment(WebSocketProbe).options(ray_actor_options={"num_cpus": 0}).bind(),
-              name="ws-probe", route_prefix="/ws-probe")
-    try:
-        with connect(f"ws://127.0.0.1:{rs.port}/ws-probe/echo", open_timeout=30) as ws:
-            replica = ws.response.headers["x-q3tts-replica"]
-            for word in ("one", "two"):
-                ws.send(word)
-                assert ws.recv(timeout=30) == word.upper()
-        (probe,) = serve.status().applications["ws-probe"].deployments.values()
-        assert probe.replica_states == {"RUNNING": 1} and replica not in rs.replicas
-    finally:
-        serve.delete("ws-probe")
 
 
 def test_stopping_the_server_stops_ray(rs):
