@@ -26,6 +26,7 @@ import asyncio
 import json
 import sys
 import time
+from collections import Counter
 
 import httpx
 
@@ -66,7 +67,8 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
     t1 = time.perf_counter()
     audio_s = nbytes / 2 / SR
     return {"ttfa_s": (first or t1) - t0, "wall_s": t1 - t0, "audio_s": audio_s,
-            "rtf": (t1 - t0) / audio_s if audio_s else None, "buffer_s": max(stall, 0.0)}
+            "rtf": (t1 - t0) / audio_s if audio_s else None, "buffer_s": max(stall, 0.0),
+            "replica": r.headers.get("x-q3tts-replica")}
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -91,9 +93,10 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
             if admitted else None}
 
 
-async def run_level(url: str, concurrency: int, requests_per_client: int, body: dict, headers: dict) -> dict:
+async def run_level(url: str, concurrency: int, requests_per_client: int, body: dict, headers: dict,
+                    server_metrics: bool = True) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as c:
-        before = scrape((await c.get("/metrics")).text)
+        before = scrape((await c.get("/metrics")).text) if server_metrics else {}
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as client:
         results: list[dict] = []
@@ -109,7 +112,7 @@ async def run_level(url: str, concurrency: int, requests_per_client: int, body: 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         wall = time.perf_counter() - t0
-        after = scrape((await client.get("/metrics")).text)
+        after = scrape((await client.get("/metrics")).text) if server_metrics else {}
     ok = [r for r in results if "error" not in r]
     audio = sum(r["audio_s"] for r in ok)
     rtfs = [r["rtf"] for r in ok if r["rtf"] is not None]
@@ -126,7 +129,9 @@ async def run_level(url: str, concurrency: int, requests_per_client: int, body: 
         "all_faster_than_real_time": bool(rtfs) and max(rtfs) < 1.0,
         "buffer_needed_ms": summary([r["buffer_s"] for r in ok], 1000, 1),
         "mean_audio_s_per_request": round(audio / len(ok), 3) if ok else None,
-        "server": server_side(before, after),
+        "server": server_side(before, after) if server_metrics else None,
+        # Ray Serve: requests per replica (the x-q3tts-replica header); {null: n} for a single server
+        "replicas": dict(Counter(r.get("replica") for r in ok)),
     }
 
 
@@ -143,11 +148,11 @@ async def main_async(a) -> dict:
     if a.greedy:
         body.update(do_sample=False, subtalker_dosample=False)
     if a.warmup:
-        await run_level(a.url, 1, 1, dict(body, max_new_tokens=16), headers)
+        await run_level(a.url, 1, 1, dict(body, max_new_tokens=16), headers, a.server_metrics)
     levels = []
     for conc in a.concurrency:
         n = a.requests if a.requests else max(2, 64 // conc)
-        res = await run_level(a.url, conc, n, body, headers)
+        res = await run_level(a.url, conc, n, body, headers, a.server_metrics)
         print(json.dumps(res), file=sys.stderr, flush=True)
         levels.append(res)
     return {"url": a.url, "model": model, "body": {k: v for k, v in body.items() if k != "input"},
@@ -166,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--no-server-metrics", dest="server_metrics", action="store_false",
+                    help="skip /metrics deltas (behind Ray Serve each scrape reaches one replica of several)")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     a = ap.parse_args(argv)
     result = asyncio.run(main_async(a))

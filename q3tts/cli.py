@@ -295,6 +295,17 @@ def cmd_voices(a) -> int:
 
 
 def cmd_serve(argv: list[str]) -> int:
+    from .server.settings import parse_args
+    settings = parse_args(argv)
+    if settings.replicas or settings.max_replicas or settings.ray_address:  # replicas behind Ray Serve
+        import logging
+        logging.basicConfig(level=settings.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        try:
+            from .server.ray_serve import serve_main
+        except ImportError as e:
+            raise SystemExit(f"--replicas / --ray-address need Ray Serve: pip install 'q3tts[ray]' ({e})") from None
+        return serve_main(settings)
     from .server.app import main
     return main(argv)
 

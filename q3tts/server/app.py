@@ -411,15 +411,20 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
     return app
 
 
+def load_model(settings: ServerSettings):
+    """The q3tts.TTS a server with these settings serves (one per process / Ray Serve replica)."""
+    from q3tts.api import TTS
+    return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`q3tts serve [flags]`: load the model and serve until interrupted."""
+    """`q3tts serve [flags]`: load the model and serve until interrupted (--replicas: cli runs ray_serve)."""
     settings = parse_args(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from q3tts.api import TTS
     t0 = time.perf_counter()
-    tts = TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype)
+    tts = load_model(settings)
     log.info("loaded %s (%s, %s) on %s in %.1f s", settings.model, tts.cfg.tts_model_type, tts.cfg.tts_model_size,
              tts.device, time.perf_counter() - t0)
     app = create_app(tts, settings)

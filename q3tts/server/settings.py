@@ -32,6 +32,11 @@ class ServerSettings:
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
     warmup: bool = True  # run one short request at startup; /ready is true after it
     log_level: str = "info"
+    # Ray Serve (q3tts.server.ray_serve): replicas > 0 or a ray_address serves through Ray instead of one uvicorn
+    replicas: int = 0  # server replicas (one GPU each where there are GPUs); 0: no Ray
+    max_replicas: int = 0  # > replicas: autoscale on queue length between replicas and this
+    ray_address: str | None = None  # join this Ray cluster (default: start a local Ray, stopped on exit)
+    replica_cpus: float = 1.0  # CPUs Ray reserves per replica (torch threads on CPU replicas)
 
     def __post_init__(self):
         self.voice_dir = self.voice_dir or _default_voice_dir()
@@ -60,6 +65,11 @@ _FLAGS = [
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
     ("--chunk-frames", "chunk_frames", int, "largest streamed chunk (chunks double up to it)"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),
+    ("--replicas", "replicas", int, "serve N replicas on Ray Serve (pip install 'q3tts[ray]'); 0: one process"),
+    ("--max-replicas", "max_replicas", int, "autoscale on queue length up to this many replicas (Ray Serve)"),
+    ("--ray-address", "ray_address", str, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of a "
+                                          "local Ray"),
+    ("--replica-cpus", "replica_cpus", float, "CPUs Ray reserves per replica"),
 ]
 
 
@@ -86,4 +96,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
                  "first_chunk_frames", "chunk_frames"):
         if getattr(s, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if s.replicas < 0 or s.max_replicas < 0 or not s.replica_cpus > 0:
+        ap.error("--replicas and --max-replicas must be >= 0, --replica-cpus > 0")
+    if s.max_replicas and s.max_replicas < max(1, s.replicas):
+        ap.error(f"--max-replicas ({s.max_replicas}) must be >= --replicas ({max(1, s.replicas)})")
     return s

@@ -1,0 +1,219 @@
+"""Scale out on Ray Serve: one q3tts server per replica behind Ray's HTTP proxy.
+
+    client -> Ray Serve proxy (HTTP + WebSocket, streamed) -> replica: create_app(tts, settings) -> AsyncEngine
+
+Each replica loads its own model (one GPU each when the cluster has GPUs: Ray sets CUDA_VISIBLE_DEVICES, so
+"cuda" is the replica's GPU) and serves the FastAPI app that `q3tts serve` serves, every route of it, plus a
+response header `x-q3tts-replica` naming the replica. Replicas share nothing but the voice store: give them
+one `voice_dir` that all of them read (one machine: any directory; a cluster: a shared filesystem).
+
+Ray holds the requests a replica has no slot for (max_ongoing_requests = the engine's slots), so a waiting
+request goes to whichever replica frees a slot first, and the autoscaler sees the queue: with autoscaling,
+replicas are added while requests wait beyond target_ongoing_requests per replica.
+
+Three ways in:
+    q3tts serve --replicas N [--max-replicas M] [--ray-address ADDR]   (serve_main: a local Ray, or join one)
+    serve run deploy/serve_config.yaml                                 (build_app: the config's import path)
+    kubectl apply -f deploy/kuberay-rayservice.yaml                    (KubeRay; the same config inside)
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import fields, replace
+
+from ray import serve
+
+from .settings import ServerSettings, parse_args
+
+log = logging.getLogger("q3tts.server")
+
+APP_NAME = "q3tts"  # the Serve application
+DEPLOYMENT_NAME = "Q3TTS"
+REPLICA_HEADER = b"x-q3tts-replica"
+
+
+class ReplicaHeaderMiddleware:
+    """Pure ASGI: adds `x-q3tts-replica: <replica id>` to every HTTP response and WebSocket handshake."""
+
+    def __init__(self, app, replica: str):
+        self.app, self.header = app, (REPLICA_HEADER, replica.encode("latin-1"))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] in ("http.response.start", "websocket.accept"):
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+@serve.ingress()  # the app is built per replica, in __serve_build_asgi_app__ (after __init__)
+class Q3TTSReplica:
+    """One replica: the model, its engine and the server's FastAPI app, built in the replica's process.
+
+    Args:
+        settings: the server's settings (model, limits, voice_dir shared by every replica, ...).
+        num_threads: torch CPU threads (the replica's share of the CPUs: Ray's num_cpus); None leaves torch's.
+    """
+
+    def __init__(self, settings: ServerSettings, num_threads: int | None = None):
+        import torch
+
+        from .app import create_app, load_model
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.replica_id = serve.get_replica_context().replica_tag
+        t0 = time.perf_counter()
+        tts = load_model(settings)
+        log.info("replica %s: loaded %s on %s in %.1f s", self.replica_id, settings.model, tts.device,
+                 time.perf_counter() - t0)
+        self._app = create_app(tts, settings)
+        self._app.add_middleware(ReplicaHeaderMiddleware, replica=self.replica_id)
+
+    def __serve_build_asgi_app__(self):
+        return self._app
+
+    def check_health(self) -> None:
+        """Serve replaces a replica whose check raises: its engine thread died, or a CUDA error poisoned the
+        device (the same rule as /health)."""
+        engine = self._app.state.engine
+        err = engine.last_error
+        if not engine.is_alive() or (err and "CUDA" in err):
+            raise RuntimeError(f"replica {self.replica_id} cannot serve: {err or 'engine stopped'}")
+
+
+def deployment_options(settings: ServerSettings, num_cpus: float, num_gpus: float, replicas: int = 1,
+                       max_replicas: int | None = None, target_ongoing_requests: float | None = None) -> dict:
+    """Serve deployment options for `replicas` replicas, or autoscaling between them and max_replicas.
+
+    A replica takes at most settings.max_concurrent requests at once (its engine slots); the rest wait in Ray's
+    router (up to settings.max_queue per proxy, then 503), where the autoscaler counts them: it aims at
+    target_ongoing_requests (default: the slots) running or waiting per replica.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    if max_replicas is not None and max_replicas < replicas:
+        raise ValueError(f"max_replicas ({max_replicas}) must be >= replicas ({replicas})")
+    opts = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": settings.max_concurrent,
+            "max_queued_requests": settings.max_queue,
+            "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+            "graceful_shutdown_timeout_s": 30, "health_check_period_s": 10}
+    if max_replicas is not None and max_replicas > replicas:
+        opts["autoscaling_config"] = {
+            "min_replicas": replicas, "max_replicas": max_replicas, "initial_replicas": replicas,
+            "target_ongoing_requests": target_ongoing_requests or settings.max_concurrent,
+            "upscale_delay_s": 10, "downscale_delay_s": 300}  # add replicas quickly, drop them slowly
+    else:
+        opts["num_replicas"] = replicas
+    return opts
+
+
+def _wants_gpu(settings: ServerSettings) -> bool:
+    """A GPU per replica unless the device is the CPU, and only if the cluster has GPUs."""
+    import ray
+    if settings.device is not None and settings.device.startswith("cpu"):
+        return False
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def deployment(settings: ServerSettings, replicas: int = 1, max_replicas: int | None = None,
+               num_cpus: float | None = None, num_gpus: float | None = None,
+               target_ongoing_requests: float | None = None):
+    """The bound Serve application (a Q3TTSReplica deployment) for `serve.run`.
+
+    Args:
+        settings: the server's settings, as for `q3tts serve`.
+        replicas: replicas to start (with max_replicas: the autoscaling minimum).
+        max_replicas: autoscale on queue length up to this many replicas (None: a fixed count).
+        num_cpus: CPUs reserved per replica (default settings.replica_cpus); torch uses that many threads.
+        num_gpus: GPUs per replica (default: 1 where the cluster has GPUs and the device is not the CPU).
+        target_ongoing_requests: requests running or waiting per replica that autoscaling aims at.
+    """
+    num_cpus = settings.replica_cpus if num_cpus is None else num_cpus
+    num_gpus = (1 if _wants_gpu(settings) else 0) if num_gpus is None else num_gpus
+    opts = deployment_options(settings, num_cpus, num_gpus, replicas, max_replicas, target_ongoing_requests)
+    threads = max(1, int(num_cpus)) if not num_gpus else None
+    return serve.deployment(Q3TTSReplica).options(**opts).bind(settings, threads)
+
+
+_APP_ARGS = ("replicas", "max_replicas", "num_cpus", "num_gpus", "target_ongoing_requests")
+
+
+def build_app(args: dict):
+    """Application builder for Serve config files (`import_path: q3tts.server.ray_serve:build_app`).
+
+    `args` holds ServerSettings fields (model, voice_dir, max_concurrent, ...) and the deployment's knobs
+    (replicas, max_replicas, num_cpus, num_gpus, target_ongoing_requests); a config's `deployments:` entry
+    for "Q3TTS" overrides the latter the usual Serve way. Settings not in `args` come from the Q3TTS_*
+    environment variables (e.g. Q3TTS_API_KEY from a Kubernetes Secret), then the defaults.
+    """
+    names = {f.name for f in fields(ServerSettings)}
+    unknown = sorted(set(args) - names - set(_APP_ARGS))
+    if unknown:
+        raise ValueError(f"unknown q3tts args {unknown}; accepted: {sorted(names | set(_APP_ARGS))}")
+    settings = replace(parse_args([]), **{k: v for k, v in args.items() if k in names})
+    return deployment(settings, **{k: args[k] for k in _APP_ARGS if k in args})
+
+
+def start(settings: ServerSettings, **deployment_kwargs) -> None:
+    """Connect to Ray (settings.ray_address, or a new local instance), start Serve's proxy on settings.host /
+    settings.port and deploy the q3tts application there; returns once every replica is up."""
+    import ray
+    if not ray.is_initialized():
+        ctx = ray.init(address=settings.ray_address or "local", namespace="q3tts")
+        address = getattr(ctx, "address_info", {}).get("gcs_address", settings.ray_address)  # None via ray://
+        log.info("Ray %s at %s", "joined" if settings.ray_address else "started", address)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    app = deployment(settings, replicas=max(1, settings.replicas), max_replicas=settings.max_replicas or None,
+                     **deployment_kwargs)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def stop(settings: ServerSettings) -> None:
+    """Undo start: a local Ray is shut down whole; on a joined cluster only our application is deleted."""
+    import ray
+    try:
+        if settings.ray_address:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    # SIGTERM's default would leave a local Ray running; SIGINT is ignored in a shell script's background job;
+    # ray.init installs handlers of its own: so (re)install ours, for both
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
+def serve_main(settings: ServerSettings) -> int:
+    """`q3tts serve --replicas N`: start, serve until SIGINT / SIGTERM, stop (also when stopped mid-start)."""
+    _stop_on_signals()
+    t0 = time.perf_counter()
+    try:
+        start(settings)
+        _stop_on_signals()
+        if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("serving on %s without an API key (--api-key)", settings.host)
+        log.info("Ray Serve: %d replica(s)%s of %s on http://%s:%d, up in %.1f s", max(1, settings.replicas),
+                 f" (autoscaling up to {settings.max_replicas})" if settings.max_replicas else "", settings.model,
+                 settings.host, settings.port, time.perf_counter() - t0)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        log.info("stopping Ray Serve")
+    finally:
+        stop(settings)
+    return 0
