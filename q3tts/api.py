@@ -25,6 +25,7 @@ from .engine.engine import AudioChunk, Engine
 from .engine.request import StreamOptions
 from .models.codec import Code2Wav
 from .models.layers import fuse_projections
+from .models.quant import check_mode as check_quantization, quantize_
 from .models.talker import Talker
 from .prompt import PromptBuilder, PromptLayout, TextTokenizer
 from .sampling import SamplingParams
@@ -85,7 +86,8 @@ class TTS:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, max_batch_size: int = 8,
-                        max_seq_len: int = 4096, compile: bool | None = None) -> "TTS":
+                        max_seq_len: int = 4096, compile: bool | None = None,
+                        quantization: str | None = None) -> "TTS":
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
@@ -96,12 +98,15 @@ class TTS:
             max_seq_len: KV-cache positions per request: prompt + frames (12.5 frames per second of audio).
             compile: torch.compile the decoder layers and samplers before capturing CUDA graphs (default: on
                 for CUDA; ~1 min once per process, then 1.7x faster frames; Q3TTS_COMPILE=0 disables).
+            quantization: weight-only quantization of the talker and code predictor: None (exact), "int8" or
+                "int4" on CPU, "int8" or "fp8" on CUDA. Close to, not token-exact with, the unquantized model.
         """
         d = resolve_model_dir(name_or_path)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        check_quantization(quantization, device)  # a bad value fails before the weights are read
         cfg = parse_model_config(read_json(d / "config.json"))
         defaults = parse_generation_defaults(read_json(d / "generation_config.json"))
         scfg = parse_speech_tokenizer_config(read_json(d / "speech_tokenizer" / "config.json"))
@@ -119,6 +124,7 @@ class TTS:
         talker = talker.to(device=device, dtype=dtype).eval()
         if device.type == "cuda":
             fuse_projections(talker)  # one GEMM for q|k|v and for gate|up (the CPU path stays upstream-shaped)
+        quantize_(talker, quantization, device)
         # the vocoder runs in fp32 on CPU; on GPU in the engine dtype
         code2wav = code2wav.to(device=device, dtype=dtype).eval()
         builder = PromptBuilder(cfg, TextTokenizer(d))
