@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     from q3tts.api import TTS
     t0 = time.perf_counter()
     tts = TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
-                              max_batch_size=settings.max_concurrent, max_seq_len=settings.max_seq_len)
+                              max_batch_size=settings.max_concurrent, max_seq_len=settings.max_seq_len,
+                              quantization=settings.quantization)
     log.info("loaded %s (%s, %s) on %s in %.1f s", settings.model, tts.cfg.tts_model_type, tts.cfg.tts_model_size,
              tts.device, time.perf_counter() - t0)
     app = create_app(tts, settings)
