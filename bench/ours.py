@@ -70,14 +70,17 @@ def main(argv=None):
     ap.add_argument("--batch", default="16", help="batch sizes, comma-separated (e.g. 16,64)")
     ap.add_argument("--ttfa-runs", type=int, default=20)
     ap.add_argument("--speaker", default="ryan")
+    ap.add_argument("--quantization", default=None, help="int8 / fp8 (weight-only; default none: bf16)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from q3tts import TTS
     N = a.frames
     res = {"engine": "q3tts", "compile": os.environ.get("Q3TTS_COMPILE", "default(on)"), "frames": N, "audio_s": N * 0.08, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    res["quantization"] = a.quantization or "none"
     batches = [int(b) for b in str(a.batch).split(",")]
-    t_load, tts = timed(lambda: TTS.from_pretrained(a.ckpt, max_batch_size=max(batches), max_seq_len=512))
+    t_load, tts = timed(lambda: TTS.from_pretrained(a.ckpt, max_batch_size=max(batches), max_seq_len=512,
+                                                        quantization=a.quantization))
     res["load_s"] = round(t_load, 2)
     t_cap, _ = timed(lambda: tts.engine)
     res["graph_capture_s"] = round(t_cap, 2)

@@ -43,7 +43,8 @@ class TTS:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, max_batch_size: int = 8,
-                        max_seq_len: int = 4096, max_queue: int = 256, compile: bool | None = None) -> TTS:
+                        max_seq_len: int = 4096, max_queue: int = 256, compile: bool | None = None,
+                        quantization: str | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
@@ -54,8 +55,11 @@ class TTS:
             max_seq_len: KV-cache positions per request: prompt + frames (12.5 frames per second of audio).
             compile: torch.compile the decoder layers and samplers before capturing CUDA graphs (default: on
                 for CUDA; ~1 min once per process, then 1.7x faster frames; Q3TTS_COMPILE=0 disables).
+            quantization: weight-only quantization of the talker and code predictor: None (exact), "int8" or
+                "int4" on CPU, "int8" or "fp8" on CUDA. Close to, not token-exact with, the unquantized model.
         """
-        return cls(load_checkpoint(name_or_path, device, dtype), max_batch_size, max_seq_len, max_queue, compile)
+        return cls(load_checkpoint(name_or_path, device, dtype, quantization), max_batch_size, max_seq_len, max_queue,
+                   compile)
 
     # ------------------------------------------------------------------ info
     @property

@@ -60,6 +60,8 @@ def _common(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument("--dtype", default=None, help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--non-streaming-mode", choices=["true", "false"], default=None,
                    help="text placement in the prompt (official meaning); default as the official API")
+    p.add_argument("--quantization", default=None, help="weight-only: int8 / int4 (CPU), int8 / fp8 (CUDA); "
+                   "default none (exact; quantized output is close, not token-exact)")
 
 
 def _read_text(a) -> str:
@@ -83,7 +85,8 @@ def _read_text(a) -> str:
 def _load(a):
     from .api import TTS
     # one utterance: CUDA graphs yes, a minute of torch.compile no
-    return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=1, compile=False)
+    return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=1, compile=False,
+                           quantization=a.quantization)
 
 
 def _voice(tts, a):

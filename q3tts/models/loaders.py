@@ -19,6 +19,7 @@ from ..weights import check_prefixes, load_module, read_tensors, resolve_model_d
 from .codec import Code2Wav
 from .codec_encoder import CodecEncoder, parse_codec_encoder_config
 from .layers import fuse_projections
+from .quant import check_mode as check_quantization, quantize_
 from .speaker_encoder import SpeakerEncoder
 from .talker import Talker
 
@@ -46,11 +47,13 @@ class Checkpoint:
 
 
 def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device | None = None,
-                    dtype: torch.dtype | str | None = None) -> Checkpoint:
+                    dtype: torch.dtype | str | None = None, quantization: str | None = None) -> Checkpoint:
     """Configs, talker and Code2Wav of a local directory or hub id (device: CUDA when available; dtype: bf16
-    on CUDA, fp32 on CPU). The cloning encoders are loaded separately, on first use."""
-    d = resolve_model_dir(name_or_path)
+    on CUDA, fp32 on CPU; quantization: see q3tts.models.quant). The cloning encoders are loaded separately,
+    on first use."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_quantization(quantization, device)  # a bad value fails before the weights are read
+    d = resolve_model_dir(name_or_path)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     cfg = parse_model_config(read_json(d / "config.json"))
@@ -69,6 +72,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
     talker = talker.to(device=device, dtype=dtype).eval()
     if device.type == "cuda":
         fuse_projections(talker)  # one GEMM for q|k|v and for gate|up (the CPU path stays upstream-shaped)
+    quantize_(talker, quantization, device)
     code2wav = code2wav.to(device=device, dtype=dtype).eval()
     with torch.inference_mode():
         pad = talker.embed_text(torch.tensor([cfg.tts_pad_token_id], device=device))[0]

@@ -414,7 +414,8 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
 def load_model(settings: ServerSettings):
     """The q3tts.TTS a server with these settings serves (one per process / Ray Serve replica)."""
     from q3tts.api import TTS
-    return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype)
+    return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
+                               quantization=settings.quantization)
 
 
 def main(argv: list[str] | None = None) -> int:
