@@ -42,7 +42,7 @@ def teacher_forced_logits(tts, prepared, codes: torch.Tensor) -> tuple[torch.Ten
     T, K = codes.shape
     codes = codes.to(dev)
     frames = tk.embed_codes(codes[:-1])  # inputs after the prefill: frame t feeds the talker for frame t+1
-    text = torch.stack([trail[t] if t < trail.shape[0] else tts.tts_pad_embed for t in range(T - 1)]) if T > 1 \
+    text = torch.stack([trail[t] if t < trail.shape[0] else tts.ckpt.tts_pad_embed for t in range(T - 1)]) if T > 1 \
         else frames[:0]
     x = torch.cat([pre.to(dt), frames + text.to(dt)])[None]  # [1, L + T - 1, D]
     S = x.shape[1]
@@ -88,7 +88,7 @@ def main(argv=None):
     ref_codes = base.generate_codes(pr)[0][:N]  # [N, K]
     ref_t, ref_c = teacher_forced_logits(base, pr, ref_codes)
     V = base.cfg.talker.vocab_size
-    res = {"ckpt": a.ckpt, "device": a.device, "dtype": str(base.dtype), "frames": int(ref_codes.shape[0]),
+    res = {"ckpt": a.ckpt, "device": a.device, "dtype": str(base.ckpt.dtype), "frames": int(ref_codes.shape[0]),
            "torch": torch.__version__, "modes": {}}
     for mode in a.modes.split(","):
         tts = TTS.from_pretrained(a.ckpt, device=a.device, max_batch_size=1, max_seq_len=512, compile=False,

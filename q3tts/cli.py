@@ -86,7 +86,7 @@ def _load(a):
     from .api import TTS
     # one utterance: CUDA graphs yes, a minute of torch.compile no
     return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=1, compile=False,
-                           quantization=a.quantization)
+                               quantization=getattr(a, "quantization", None))
 
 
 def _voice(tts, a):
