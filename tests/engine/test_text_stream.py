@@ -16,6 +16,7 @@ from q3tts.engine.async_engine import AsyncEngine
 from q3tts.engine.engine import Engine
 from q3tts.engine.request import RequestStatus, StreamOptions
 from tests.golden import fixtures as fx
+from tests.inputs.test_text import split
 
 # NOTE: the streamed audio comes from the exact stateful decoder, the official from one full decode (<= 300
 # frames: one chunk); the two differ by float32 rounding of a different summation order, far below 1e-4
@@ -45,13 +46,7 @@ def prepared_stream(variant, name, engine_kw=None):
 def pieces(text, how, rng):
     if how == "burst":  # most of it at once, then the rest
         return [text[: len(text) * 3 // 4], text[len(text) * 3 // 4:]]
-    sizes = {"chars": (1,), "1-3": (1, 2, 3)}[how]
-    out, i = [], 0
-    while i < len(text):
-        k = rng.choice(sizes)
-        out.append(text[i:i + k])
-        i += k
-    return out
+    return split(text, rng, {"chars": (1,), "1-3": (1, 2, 3)}[how])
 
 
 def drive(eng, feeds, max_steps=10_000):
