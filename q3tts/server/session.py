@@ -56,7 +56,7 @@ class SpeechSession:
         self.config = SessionConfig(type="session.config")
         self.current: Utterance | None = None  # the utterance whose text is still open
         self.outbox: asyncio.Queue[Utterance | None] = asyncio.Queue()  # utterances to send, in order; None: end
-        self.live: set[Utterance] = set()  # started and not yet fully sent
+        self.live: list[Utterance] = []  # started and not yet fully sent, oldest first
 
     async def run(self) -> None:
         await self.ws.accept()
@@ -110,7 +110,7 @@ class SpeechSession:
         elif kind == "input.done":
             self._close_text()
         elif kind == "response.cancel":
-            utt = self.current or next(iter(self.live), None)
+            utt = self.current or next(iter(self.live), None)  # the open one, else the one being spoken
             self.current = None
             if utt is not None:
                 utt.handle.cancel()
@@ -154,7 +154,7 @@ class SpeechSession:
         except InputError as e:
             raise ApiError(400, str(e), code=e.code) from e
         utt = Utterance(prepared.text, handle, run)
-        self.live.add(utt)
+        self.live.append(utt)
         self.outbox.put_nowait(utt)
         return utt
 
@@ -172,7 +172,7 @@ class SpeechSession:
             try:
                 await self._send_utterance(utt)
             finally:
-                self.live.discard(utt)
+                self.live.remove(utt)
 
     async def _send_utterance(self, utt: Utterance) -> None:
         sr = self.serving.tts.sample_rate
