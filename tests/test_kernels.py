@@ -26,3 +26,23 @@ def test_skinny_linear_matches_cublas(rows, N, K):
     assert out.shape == (rows, 1, N) and out.dtype == torch.bfloat16
     # both are fp32 accumulations rounded to bf16 once: within one bf16 step of the exact result
     assert ((out.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-2).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("rows", [1, 4, 64])
+def test_quant_linear_matches_the_dequantized_weight(wdtype, rows):
+    """x @ (w * scale).T with the 1-byte weight converted in the kernel == the same product on the dequantized
+    weight in fp32 (both accumulate in fp32; the kernel rounds once to bf16)."""
+    torch.manual_seed(1)
+    N, K = 2048, 1024
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") * 40).clamp(-127, 127)
+    w = w.round().to(torch.int8) if wdtype == torch.int8 else w.to(wdtype)
+    scale = torch.rand(N, device="cuda") * 1e-3 + 1e-4
+    ref = x.float() @ (w.float() * scale[:, None]).T
+    out = kernels.quant_linear(x, w, scale)
+    assert out.shape == (rows, N) and out.dtype == torch.bfloat16
+    # one bf16 rounding of an fp32 sum (relative 2**-8), plus fp32 summation-order differences over K terms
+    assert ((out.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3 * ref.abs().max()).all()
