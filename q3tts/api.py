@@ -132,9 +132,7 @@ class TTS:
             while not all(r.stream_done for r in reqs):
                 if failed and not prepared[0].text.error:  # the text source raised: so do we (an empty text
                     raise failed[0]  # is the engine's to fail, below)
-                if not eng.has_work():
-                    eng.wake.wait(0.05)  # waiting for text
-                    eng.wake.clear()
+                if not eng.wait_for_work():  # waiting for text
                     continue
                 for chunk in eng.step():
                     if chunk.request_id in ids:

@@ -49,9 +49,7 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while not self._stop:
-            if not self.engine.has_work():
-                self.engine.wake.wait(0.05)
-                self.engine.wake.clear()
+            if not self.engine.wait_for_work():
                 continue
             try:
                 chunks = self.engine.step()

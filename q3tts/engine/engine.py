@@ -108,6 +108,15 @@ class Engine:
     def has_work(self) -> bool:
         return self._text_news or self.scheduler.has_work()
 
+    def wait_for_work(self, timeout: float = 0.05) -> bool:
+        """True if a step has something to do now; else wait up to `timeout` for news (a request, a cancellation,
+        text: `wake`) and return False, so the caller looks again. The one idle wait of every step loop."""
+        if self.has_work():
+            return True
+        self.wake.wait(timeout)
+        self.wake.clear()
+        return False
+
     def _on_text(self) -> None:
         self._text_news = True
         self.wake.set()
@@ -241,10 +250,8 @@ class Engine:
     def run_to_completion(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
         chunks = []
         while any(not r.status.finished for r in reqs):
-            chunks += self.step()
-            if not self.has_work():  # only streamed text can move it on: wait for some
-                self.wake.wait(0.05)
-                self.wake.clear()
+            if self.wait_for_work():  # else only streamed text can move it on
+                chunks += self.step()
         return chunks
 
     def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
