@@ -57,9 +57,8 @@ def main():
                 g = graph_of(lambda: r._frame_codes(B, True))
                 out[f"cp_graph_ms_b{B}"] = round(replay_ms(g), 3)
                 out[f"compile_capture_s_b{B}"] = round(time.perf_counter() - t0, 1)
-                if B == 1:
-                    print(f"== {tag}: code predictor, batch 1 ==", flush=True)
-                    out["profile_b1"] = kernel_profile(g.replay)
+                print(f"== {tag}: code predictor, batch {B} ==", flush=True)
+                out[f"profile_b{B}"] = kernel_profile(g.replay)
         print(tag, out, flush=True)
         return out
 
@@ -71,9 +70,8 @@ def main():
         for B in ((1, 64) if "cp" in secs else ()):
             g = graph_of(lambda: r._frame_talker(B, n, True))
             res[f"talker_graph_ms_b{B}"] = round(replay_ms(g), 3)
-            if B == 1:
-                print("== talker step, batch 1 ==", flush=True)
-                res["talker_profile_b1"] = kernel_profile(g.replay)
+            print(f"== talker step, batch {B} ==", flush=True)
+            res[f"talker_profile_b{B}"] = kernel_profile(g.replay)
             g = graph_of(lambda: r._frame(B, n, True))
             res[f"frame_graph_ms_b{B}"] = round(replay_ms(g), 3)
 

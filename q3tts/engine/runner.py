@@ -211,7 +211,9 @@ class ModelRunner:
     def _code_predictor(self, B: int, h: torch.Tensor, code0: torch.Tensor, capped: bool) -> torch.Tensor:
         """C2: h [B, D] talker hidden, code0 [B] -> codes 1..K-1 [B, K-1]."""
         cp, p, r = self.talker.code_predictor, self.params, slice(0, B)
-        kv = self.cp_kv[:, :, :B]
+        # per layer a (k, v) pair of views: the step compiled whole then writes them in place (given the one
+        # [layers, 2, B, ...] view, torch.compile copied it whole for every write)
+        kv = [(self.cp_kv[i, 0, :B], self.cp_kv[i, 1, :B]) for i in range(self.cp_kv.shape[0])]
         frame = self.num_generated[r] - 1  # this frame's index: noise differs per frame and codebook
         noise_all = frame_noise(self.seed[r], frame, cp.lm_head[0].out_features, 1, self.K - 1)
         x = torch.stack([h, self.talker.model.codec_embedding(code0)], dim=1)  # [B, 2, D]
