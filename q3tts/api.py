@@ -151,8 +151,10 @@ class TTS:
         in front as context and their share of the audio is cut off."""
         ref_codes = ref_codes or [None] * len(codes)
         full = [c if r is None else torch.cat([r.to(c.device), c], 0) for c, r in zip(codes, ref_codes)]
-        with torch.inference_mode():
-            wavs = self.ckpt.code2wav.decode_batch([c.to(self.device) for c in full])
+        wavs = []
+        with torch.inference_mode():  # a few rows per call: the workspace grows with rows x frames (~6 MB each)
+            for group in _decode_groups([c.shape[0] for c in full]):
+                wavs += self.ckpt.code2wav.decode_batch([full[i].to(self.device) for i in group])
         out = []
         for w, c, r in zip(wavs, full, ref_codes):
             w = w.float().cpu().numpy()
@@ -271,6 +273,19 @@ class TTS:
     def load_voice(self, path) -> Voice:
         """Load a voice file made for this model (a voice made for another model size is rejected)."""
         return Voice.load(path, model=self.cfg)
+
+
+def _decode_groups(lengths: list[int], max_frames: int = 1024, chunk: int = 325) -> list[list[int]]:
+    """Consecutive items decoded together: rows x (padded frames, at most upstream's 300 + 25 per chunk) <=
+    max_frames, at least one row per call."""
+    groups: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        g = groups[-1] if groups else None
+        if g is None or (len(g) + 1) * min(chunk, max(n, *(lengths[j] for j in g))) > max_frames:
+            groups.append([i])
+        else:
+            g.append(i)
+    return groups
 
 
 def _feed(text, pieces: Iterable[str], failed: list) -> None:

@@ -71,9 +71,10 @@ class ModelRunner:
         self.K = cfg.num_code_groups
         self.max_len = max(MIN_KV_SPAN, 1 << (max_len - 1).bit_length())  # a power of two: the last length bucket
         self.use_graphs = (self.device.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
-        # padded replays touch rows up to the next bucket: allocate them (they are free slots)
-        S = next((b for b in BATCH_BUCKETS if b >= max_slots), max_slots) if self.use_graphs else max_slots
-        self.num_rows = S
+        # graph batch buckets: the powers of two below max_slots, then max_slots itself, so a padded replay never
+        # touches a row past the slots (no KV rows allocated for padding alone)
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_slots) + (max_slots,)
+        S = self.num_rows = max_slots
         dev, dt = self.device, self.dtype
         V, D = cfg.vocab_size, cfg.hidden_size
         # KV caches: [layers, k/v, slots, kv heads, positions, head_dim]
@@ -283,7 +284,7 @@ class ModelRunner:
         n = self.kv_span(max(self.position_cpu[:B]) + 1)
         capped = all(self.topk_ok_cpu[:B])
         if self.use_graphs:
-            Bp = next(b for b in BATCH_BUCKETS if b >= B)
+            Bp = next(b for b in self.batch_buckets if b >= B)
             graph = self.graphs.get((Bp, n, capped))
             if graph is None:
                 raise RuntimeError(f"no CUDA graph for batch {Bp} x length {n}: call capture_graphs() before serving")
@@ -305,7 +306,7 @@ class ModelRunner:
         reset afterwards)."""
         if not self.use_graphs:
             return 0
-        batches = [b for b in BATCH_BUCKETS if b <= self.num_rows]
+        batches = self.batch_buckets
         lens, n = [], MIN_KV_SPAN
         while n <= self.max_len:
             lens.append(n)
@@ -341,4 +342,5 @@ class ModelRunner:
         self.topk_ok_cpu = [True] * self.num_rows
         self.active.fill_(True)
         self.active_cpu = [True] * self.num_rows
+        torch.cuda.empty_cache()  # the warm-ups' blocks (cached on their side stream, where nothing else reuses them)
         return len(self.graphs)

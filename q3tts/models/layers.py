@@ -87,12 +87,27 @@ class Attention(nn.Module):
         # GQA without repeating K/V: the G query heads of a KV head become extra query rows
         G = H // Hkv
         qg = q.reshape(B, Hkv, G * S, Dh)
-        scores = torch.matmul(qg, keys.transpose(2, 3)) * (Dh ** -0.5)  # [B, Hkv, G*S, n]
         mask = ctx.mask.expand(B, 1, S, n).repeat(1, 1, G, 1) if G > 1 else ctx.mask  # [B, 1, G*S, n]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)  # as upstream's eager attention
-        out = torch.matmul(probs, values).view(B, H, S, Dh)
+        if B * H * S * n <= ATTN_SCORES_CHUNK:
+            out = _attend(qg, keys, values, mask, Dh)
+        else:  # a long prefill: one KV head at a time bounds the scores (same GEMMs per head: same values)
+            out = torch.cat([_attend(qg[:, h:h + 1], keys[:, h:h + 1], values[:, h:h + 1], mask, Dh)
+                             for h in range(Hkv)], dim=1)
+        out = out.view(B, H, S, Dh)
         return linear(out.transpose(1, 2).reshape(B, S, H * Dh), self.o_proj.weight)
+
+
+# Attention scores above this many elements (fp32 softmax: ~8 bytes each while live) are computed one KV head at
+# a time: a prefill of 4 x 2048 tokens over 4096 positions would otherwise hold 4 GB of scores at once.
+ATTN_SCORES_CHUNK = 1 << 26
+
+
+def _attend(qg, keys, values, mask, Dh: int) -> torch.Tensor:
+    """qg [B, h, G*S, Dh] over keys / values [B, h, n, Dh] under mask [B|1, 1, G*S, n] -> [B, h, G*S, Dh]."""
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * (Dh ** -0.5)  # [B, h, G*S, n]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(qg.dtype)  # as upstream's eager attention
+    return torch.matmul(probs, values)
 
 
 class MLP(nn.Module):
