@@ -30,6 +30,7 @@ import torch
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
 from ..models.talker import embed_prompt
+from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
@@ -60,9 +61,13 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, ckpt: Checkpoint, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256,
-                 use_cuda_graphs: bool | None = None, compile: bool | None = None):
+    def __init__(self, ckpt: Checkpoint, max_slots: int | None = 8, max_seq_len: int | None = 4096,
+                 max_queue: int = 256, use_cuda_graphs: bool | None = None, compile: bool | None = None,
+                 gpu_memory_utilization: float | None = None, gpu_memory: float | None = None):
+        """max_slots / max_seq_len None: fitted to the memory budget on CUDA (q3tts.engine.memory.size_engine): a
+        fraction of the device (gpu_memory_utilization, default 0.9) or gpu_memory GB."""
         self.ckpt = ckpt
+        max_slots, max_seq_len = size_engine(ckpt, max_slots, max_seq_len, gpu_memory_utilization, gpu_memory)
         self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
                                   use_cuda_graphs=use_cuda_graphs, compile=compile)
         self.runner.capture_graphs()

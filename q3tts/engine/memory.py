@@ -81,7 +81,7 @@ class Plan:
                 f"workspace {self.workspace / GIB:.2f} GiB of {self.room / GIB:.2f} GiB available")
 
 
-def plan(room: int, per_slot: SlotBytes, reserve, max_slots: int | None = None, max_seq_len: int | None = None,
+def plan(room: int, per_slot, reserve, max_slots: int | None = None, max_seq_len: int | None = None,
          cap_slots: int = DEFAULT_MAX_SLOTS, min_seq_len: int = MIN_SEQ_LEN) -> Plan:
     """Choose the slots and positions not given so that slots * per_slot(positions) + reserve(slots, positions)
     fits `room` bytes. Positions stay at DEFAULT_SEQ_LEN (or max_seq_len) while one slot fits there, with as many
@@ -90,7 +90,7 @@ def plan(room: int, per_slot: SlotBytes, reserve, max_slots: int | None = None, 
 
     Args:
         room: bytes the engine may allocate beyond the loaded weights.
-        per_slot: bytes per slot for a number of positions.
+        per_slot: positions -> bytes per slot (a SlotBytes).
         reserve: (slots, positions) -> workspace bytes.
     """
     def need(s, n):
@@ -139,9 +139,9 @@ def device_room(device, gpu_memory_utilization: float | None = None, gpu_memory_
     import torch
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
-    budget = budget_bytes(total, gpu_memory_utilization, gpu_memory_gb)
-    fraction_cap = _fraction_cap(torch, device, total)
-    return max(0, min(budget - held, free, fraction_cap - held))
+    cap = _fraction_cap(torch, device, total)  # a process limited to part of the device sees that part as its GPU
+    budget = budget_bytes(cap, gpu_memory_utilization, gpu_memory_gb)
+    return max(0, min(min(budget, cap) - held, free))
 
 
 def _fraction_cap(torch, device, total: int) -> int:
@@ -151,3 +151,43 @@ def _fraction_cap(torch, device, total: int) -> int:
     except (AttributeError, RuntimeError):
         return total
     return int(frac * total) if frac and frac < 1 else total
+
+
+def alloc_len(max_seq_len: int, min_span: int = 64) -> int:
+    """Positions the runner allocates for max_seq_len (a power of two, its last length bucket)."""
+    return max(min_span, 1 << (max_seq_len - 1).bit_length())
+
+
+def size_engine(ckpt, max_slots: int | None, max_seq_len: int | None, gpu_memory_utilization: float | None = None,
+                gpu_memory: float | None = None, max_call_frames: int = 64) -> tuple[int, int]:
+    """The engine's (max_slots, max_seq_len): the given ones, the rest fitted to the device's memory budget (CUDA;
+    on other devices DEFAULT_MAX_SLOTS / DEFAULT_SEQ_LEN). Logs the plan. ValueError if nothing fits; given sizes
+    that exceed the budget only warn unless a budget was given too."""
+    import logging
+
+    import torch
+    log = logging.getLogger("q3tts.engine")
+    if ckpt.device.type != "cuda":
+        return max_slots or DEFAULT_MAX_SLOTS, max_seq_len or DEFAULT_SEQ_LEN
+    torch.cuda.empty_cache()  # loading's temporaries
+    cfg, elem = ckpt.cfg.talker, ckpt.dtype.itemsize
+    row = ckpt.code2wav.init_state(1, "meta", ckpt.dtype)  # one stream's vocoder state
+    per = slot_bytes(cfg, elem, sum(t.nbytes for t in (*row.tails, row.keys, row.values)))
+    room = device_room(ckpt.device, gpu_memory_utilization, gpu_memory)
+    weights = torch.cuda.memory_allocated(ckpt.device)
+
+    def reserve(s, n):
+        return workspace(cfg, s, alloc_len(n), elem, max_call_frames=max_call_frames)
+
+    def per_slot(n):
+        return per(alloc_len(n))
+
+    try:
+        p = plan(room, per_slot, reserve, max_slots, max_seq_len)
+    except ValueError as e:
+        if max_slots and max_seq_len and gpu_memory_utilization is None and gpu_memory is None:
+            log.warning("memory: %s (estimate; going on as asked)", e)
+            return max_slots, max_seq_len
+        raise ValueError(f"{e} (weights {weights / GIB:.2f} GiB)") from None
+    log.info("memory: weights %.2f GiB; %s", weights / GIB, p.describe())
+    return p.max_slots, p.max_seq_len
