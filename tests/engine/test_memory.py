@@ -134,3 +134,41 @@ def test_server_memory_flags():
     for bad in (["--gpu-memory-utilization", "1.5"], ["--gpu-memory", "0"], ["--max-concurrent", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad, environ={})
+
+
+def test_size_engine_on_a_simulated_cuda_device(monkeypatch):
+    """The CUDA path of size_engine with the device's figures faked: a 16 GB GPU, then a 3 GB budget."""
+    import torch
+
+    from tests.golden.fixtures import tts
+    real = tts("cv06").ckpt
+
+    class Ckpt:
+        cfg, code2wav, dtype = real.cfg, real.code2wav, torch.bfloat16
+        device = torch.device("cuda")
+
+    held = {"bytes": 2 * 10**9}  # the weights
+    fraction = {"f": 1.0}
+    total = 16 * 10**9
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (total - held["bytes"] - 5 * 10**8, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: held["bytes"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: held["bytes"])
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: fraction["f"])
+    per = M.slot_bytes(real.cfg.talker).per_position  # the tiny model's: a few KiB per position
+    slots, n = M.size_engine(Ckpt, None, None)
+    assert (slots, n) == (M.DEFAULT_MAX_SLOTS, M.DEFAULT_SEQ_LEN)  # tiny model: the cap binds
+    assert M.size_engine(Ckpt, 7, None) == (7, M.DEFAULT_SEQ_LEN)
+    # the budget: what is left after the weights, less the workspace reserve, holds ~k slots x 4096 positions
+    ws = M.workspace(real.cfg.talker, 1, 4096)
+    k = 3
+    budget_gb = (held["bytes"] + ws + k * (per * 4096 + M.slot_bytes(real.cfg.talker).fixed + 4 * M.MIB)) / 1e9
+    slots, n = M.size_engine(Ckpt, None, None, gpu_memory=budget_gb)
+    assert n == 4096 and 1 <= slots <= k
+    with pytest.raises(ValueError, match="budget"):
+        M.size_engine(Ckpt, None, None, gpu_memory=2.1)  # 0.1 GB after the weights: not even one slot
+    # explicit sizes beyond the budget: a warning without a budget flag, an error with one
+    fraction["f"] = 2.2e9 / total  # a process limited to 2.2 GB (torch.cuda.set_per_process_memory_fraction)
+    assert M.size_engine(Ckpt, 4, 4096) == (4, 4096)
+    with pytest.raises(ValueError):
+        M.size_engine(Ckpt, 4, 4096, gpu_memory_utilization=0.9)
