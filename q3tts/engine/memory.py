@@ -61,11 +61,19 @@ def vocoder_workspace(max_slots: int, max_piece: int, max_call_frames: int) -> i
     return VOCODER_FIXED + frames * VOCODER_BYTES_PER_FRAME_ROW
 
 
+def paged_workspace(talker_cfg, max_slots: int, max_len: int, elem: int = 2) -> int:
+    """A paged cache's frame gathers each row's positions into contiguous keys and values (a copy: no paged
+    attention kernel): up to 3 such tensors of [slots, kv heads, positions, head_dim] live at once, per layer."""
+    t = talker_cfg
+    return 3 * max_slots * max_len * t.num_key_value_heads * t.head_dim * elem
+
+
 def workspace(talker_cfg, max_slots: int, max_len: int, elem: int = 2, max_prefill_tokens: int = 8192,
-              max_piece: int = 16, max_call_frames: int = 64) -> int:
+              max_piece: int = 16, max_call_frames: int = 64, paged: bool = False) -> int:
     """What the engine needs beyond weights and per-slot state (the sizing's reserve)."""
     return (NON_TORCH_RESERVE + prefill_workspace(talker_cfg, max_len, max_prefill_tokens, max_slots, elem)
-            + vocoder_workspace(max_slots, max_piece, max_call_frames))
+            + vocoder_workspace(max_slots, max_piece, max_call_frames)
+            + (paged_workspace(talker_cfg, max_slots, max_len, elem) if paged else 0))
 
 
 @dataclass(slots=True)
@@ -159,22 +167,39 @@ def alloc_len(max_seq_len: int, min_span: int = 64) -> int:
 
 
 def size_engine(ckpt, max_slots: int | None, max_seq_len: int | None, gpu_memory_utilization: float | None = None,
-                gpu_memory: float | None = None, max_call_frames: int = 64) -> tuple[int, int]:
-    """The engine's (max_slots, max_seq_len): the given ones, the rest fitted to the device's memory budget (CUDA;
-    on other devices DEFAULT_MAX_SLOTS / DEFAULT_SEQ_LEN). Logs the plan. ValueError if nothing fits; given sizes
-    that exceed the budget only warn unless a budget was given too."""
+                gpu_memory: float | None = None, max_call_frames: int = 64,
+                block_size: int | None = None) -> tuple[int, int, int | None]:
+    """The engine's (max_slots, max_seq_len, num_blocks): the given ones, the rest fitted to the device's memory
+    budget (CUDA; on other devices DEFAULT_MAX_SLOTS / DEFAULT_SEQ_LEN). Logs the plan. ValueError if nothing
+    fits; given sizes that exceed the budget only warn unless a budget was given too.
+    block_size: a paged KV cache (see paged_blocks); num_blocks is None without one."""
     import logging
 
     import torch
     log = logging.getLogger("q3tts.engine")
     if ckpt.device.type != "cuda":
-        return max_slots or DEFAULT_MAX_SLOTS, max_seq_len or DEFAULT_SEQ_LEN
+        slots, n = max_slots or DEFAULT_MAX_SLOTS, max_seq_len or DEFAULT_SEQ_LEN
+        return slots, n, (slots * alloc_len(n) // block_size + 1) if block_size else None  # as much as contiguous
     torch.cuda.empty_cache()  # loading's temporaries
     cfg, elem = ckpt.cfg.talker, ckpt.dtype.itemsize
     row = ckpt.code2wav.init_state(1, "meta", ckpt.dtype)  # one stream's vocoder state
     per = slot_bytes(cfg, elem, sum(t.nbytes for t in (*row.tails, row.keys, row.values)))
     room = device_room(ckpt.device, gpu_memory_utilization, gpu_memory)
     weights = torch.cuda.memory_allocated(ckpt.device)
+    if block_size:
+        slots, n = max_slots or DEFAULT_MAX_SLOTS, max_seq_len or DEFAULT_SEQ_LEN
+        kv = kv_bytes_per_position(cfg, elem)
+        blocks = paged_blocks(room - workspace(cfg, slots, alloc_len(n), elem, max_call_frames=max_call_frames,
+                                               paged=True),
+                              slots, alloc_len(n), block_size, kv, SlotBytes(per.per_position - kv, per.fixed))
+        if blocks is None:
+            raise ValueError(f"a paged KV cache for {slots} slot(s) x {n} positions does not fit the memory budget: "
+                             f"{room / GIB:.2f} GiB left after the weights ({weights / GIB:.2f} GiB); raise the budget "
+                             "or lower --max-concurrent / --max-seq-len")
+        log.info("memory: weights %.2f GiB; paged KV: %d blocks of %d positions (%.2f GiB, %d positions in all) for "
+                 "%d slots of up to %d positions", weights / GIB, blocks, block_size, blocks * block_size * kv / GIB,
+                 (blocks - 1) * block_size, slots, n)
+        return slots, n, blocks
 
     def reserve(s, n):
         return workspace(cfg, s, alloc_len(n), elem, max_call_frames=max_call_frames)
@@ -187,7 +212,22 @@ def size_engine(ckpt, max_slots: int | None, max_seq_len: int | None, gpu_memory
     except ValueError as e:
         if max_slots and max_seq_len and gpu_memory_utilization is None and gpu_memory is None:
             log.warning("memory: %s (estimate; going on as asked)", e)
-            return max_slots, max_seq_len
+            return max_slots, max_seq_len, None
         raise ValueError(f"{e} (weights {weights / GIB:.2f} GiB)") from None
     log.info("memory: weights %.2f GiB; %s", weights / GIB, p.describe())
-    return p.max_slots, p.max_seq_len
+    return p.max_slots, p.max_seq_len, None
+
+
+def kv_bytes_per_position(talker_cfg, elem: int = 2) -> int:
+    t = talker_cfg
+    return t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * elem
+
+
+def paged_blocks(room: int, slots: int, positions: int, block_size: int, kv_per_position: int,
+                 other_per_slot: SlotBytes) -> int | None:
+    """Blocks of a paged KV cache in `room` bytes (after the workspace) beside the slots' other state
+    (other_per_slot: trailing text, code-predictor KV, ...): never more than contiguous caches would take
+    (slots x positions, + the scratch block); None unless one stream of `positions` fits (+ scratch)."""
+    blocks = (room - slots * other_per_slot(positions)) // (block_size * kv_per_position)
+    blocks = min(blocks, slots * positions // block_size + 1)
+    return blocks if blocks >= positions // block_size + 1 else None

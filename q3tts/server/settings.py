@@ -31,6 +31,7 @@ class ServerSettings:
     # where the budget allows)
     gpu_memory_utilization: float | None = None  # the budget as a fraction of the GPU's memory (default 0.9)
     gpu_memory: float | None = None  # the budget in GB (a GPU shared with other work, e.g. a Jetson)
+    kv_block_size: int = 0  # > 0: paged KV cache with blocks of this many positions (memory follows use); 0: per slot
     api_key: str | None = None  # when set, all but /health, /ready and / need "Authorization: Bearer <key>"
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
@@ -47,9 +48,10 @@ class ServerSettings:
 
     @property
     def memory_budget(self) -> dict:
-        """The engine's memory budget options (only those given: an existing engine is then taken as it is)."""
+        """The engine's memory options (only those given: an existing engine is then taken as it is)."""
         return {k: v for k, v in (("gpu_memory_utilization", self.gpu_memory_utilization),
-                                  ("gpu_memory", self.gpu_memory)) if v is not None}
+                                  ("gpu_memory", self.gpu_memory), ("kv_block_size", self.kv_block_size or None))
+                if v is not None}
 
     @property
     def model_id(self) -> str:
@@ -78,6 +80,9 @@ _FLAGS = [
                                                                   "total (default 0.9)"),
     ("--gpu-memory", "gpu_memory", float, "memory budget in GB (for a GPU shared with other work; overrides "
                                           "--gpu-memory-utilization)"),
+    ("--kv-block-size", "kv_block_size", int, "paged KV cache: blocks of this many positions (1..64, a power of "
+                                              "two, e.g. 64) handed to streams as they grow, as many as the budget "
+                                              "holds; 0: max-seq-len positions per slot from the start"),
     ("--api-key", "api_key", str, "require this Bearer token on every route but /health, /ready and the web "
                                   "page (WebSockets: also ?api_key=)"),
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
@@ -116,6 +121,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
         ap.error("--gpu-memory-utilization must be in (0, 1]")
+    if s.kv_block_size and (s.kv_block_size < 0 or s.kv_block_size > 64 or s.kv_block_size & (s.kv_block_size - 1)):
+        ap.error("--kv-block-size must be 0 or a power of two up to 64")
     if s.gpu_memory is not None and not s.gpu_memory > 0:
         ap.error("--gpu-memory must be > 0 (GB)")
     if s.replicas < 0 or s.max_replicas < 0 or not s.replica_cpus > 0:

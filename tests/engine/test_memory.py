@@ -113,8 +113,9 @@ def test_cpu_engine_keeps_the_defaults():
     class Ckpt:
         class device:
             type = "cpu"
-    assert M.size_engine(Ckpt, None, None) == (M.DEFAULT_MAX_SLOTS, M.DEFAULT_SEQ_LEN)
-    assert M.size_engine(Ckpt, 3, 100) == (3, 100)
+    assert M.size_engine(Ckpt, None, None) == (M.DEFAULT_MAX_SLOTS, M.DEFAULT_SEQ_LEN, None)
+    assert M.size_engine(Ckpt, 3, 100) == (3, 100, None)
+    assert M.size_engine(Ckpt, 3, 100, block_size=64) == (3, 100, 3 * 128 // 64 + 1)  # paged: as much as contiguous
 
 
 def test_offline_decode_groups_bound_rows_x_frames():
@@ -131,7 +132,9 @@ def test_server_memory_flags():
     assert (s.max_concurrent, s.max_seq_len, s.memory_budget) == (None, None, {})
     s = parse_args(["--gpu-memory", "3"], environ={"Q3TTS_GPU_MEMORY_UTILIZATION": "0.5"})
     assert s.memory_budget == {"gpu_memory_utilization": 0.5, "gpu_memory": 3.0}
-    for bad in (["--gpu-memory-utilization", "1.5"], ["--gpu-memory", "0"], ["--max-concurrent", "0"]):
+    assert parse_args(["--kv-block-size", "64"], environ={}).memory_budget == {"kv_block_size": 64}
+    for bad in (["--gpu-memory-utilization", "1.5"], ["--gpu-memory", "0"], ["--max-concurrent", "0"],
+                ["--kv-block-size", "48"], ["--kv-block-size", "128"]):
         with pytest.raises(SystemExit):
             parse_args(bad, environ={})
 
@@ -156,19 +159,27 @@ def test_size_engine_on_a_simulated_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: held["bytes"])
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: fraction["f"])
     per = M.slot_bytes(real.cfg.talker).per_position  # the tiny model's: a few KiB per position
-    slots, n = M.size_engine(Ckpt, None, None)
+    slots, n, _ = M.size_engine(Ckpt, None, None)
     assert (slots, n) == (M.DEFAULT_MAX_SLOTS, M.DEFAULT_SEQ_LEN)  # tiny model: the cap binds
-    assert M.size_engine(Ckpt, 7, None) == (7, M.DEFAULT_SEQ_LEN)
+    assert M.size_engine(Ckpt, 7, None) == (7, M.DEFAULT_SEQ_LEN, None)
     # the budget: what is left after the weights, less the workspace reserve, holds ~k slots x 4096 positions
     ws = M.workspace(real.cfg.talker, 1, 4096)
     k = 3
     budget_gb = (held["bytes"] + ws + k * (per * 4096 + M.slot_bytes(real.cfg.talker).fixed + 4 * M.MIB)) / 1e9
-    slots, n = M.size_engine(Ckpt, None, None, gpu_memory=budget_gb)
+    slots, n, _ = M.size_engine(Ckpt, None, None, gpu_memory=budget_gb)
     assert n == 4096 and 1 <= slots <= k
     with pytest.raises(ValueError, match="budget"):
         M.size_engine(Ckpt, None, None, gpu_memory=2.1)  # 0.1 GB after the weights: not even one slot
     # explicit sizes beyond the budget: a warning without a budget flag, an error with one
     fraction["f"] = 2.2e9 / total  # a process limited to 2.2 GB (torch.cuda.set_per_process_memory_fraction)
-    assert M.size_engine(Ckpt, 4, 4096) == (4, 4096)
+    assert M.size_engine(Ckpt, 4, 4096) == (4, 4096, None)
     with pytest.raises(ValueError):
         M.size_engine(Ckpt, 4, 4096, gpu_memory_utilization=0.9)
+
+
+def test_paged_blocks():
+    other = M.SlotBytes(10, 0)
+    # room for 100 blocks of 64 positions x 1000 bytes beside 4 slots' other state
+    assert M.paged_blocks(100 * 64 * 1000 + 4 * 10 * 4096, 4, 4096, 64, 1000, other) == 100
+    assert M.paged_blocks(10**12, 4, 512, 64, 1000, other) == 4 * 512 // 64 + 1  # never more than contiguous
+    assert M.paged_blocks(8 * 64 * 1000, 1, 512, 64, 1000, other) is None  # one full stream + scratch: 9 blocks
