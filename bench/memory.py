@@ -19,7 +19,8 @@ CPU; the cases whose sizing reads the device's free memory wait for it; --time-b
   serve            `q3tts serve` with no flags (server.app.create_app), compile off: warm-up, then a burst of
                    `slots` concurrent 20 s streams
   small-16gb       the same in a simulated 16 GB GPU (torch.cuda.set_per_process_memory_fraction)
-  quant-none/int8/fp8  one stream (max_concurrent 1) in a 3 GB budget (`--gpu-memory 3` + a 3 GB fraction): 20 s
+  quant-none/int8/fp8  one stream (max_concurrent 1) in a 3 GB budget (`--gpu-memory 3` + a 3 GB fraction set
+                   after loading; load_peak_gib: loading's own peak, bf16 before quantization): 20 s
   fit-before-64/128    the pre-#15 engine's workspaces on this code (legacy knobs: vocoder calls of every row,
                    unchunked attention scores) at 64 / 128 slots x 512 positions, all streams: the slope of the
                    peak per slot gives the old count of 20 s streams per GPU
@@ -138,6 +139,12 @@ def _engine(case: str, ckpt: str, res: dict):
     quant = case.removeprefix("quant-") if case.startswith("quant-") else None
     tts = TTS.from_pretrained(ckpt, quantization=None if quant == "none" else quant, compile=False)
     res["weights_gib"] = torch.cuda.memory_allocated() / GIB
+    res["load_peak_gib"] = torch.cuda.max_memory_allocated() / GIB  # bf16 weights before quantization included
+    if quant:  # a 3 GB GPU from here on (loading quantizes from bf16 on the device: its peak is load_peak_gib)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.set_per_process_memory_fraction(3e9 / torch.cuda.get_device_properties(0).total_memory)
+        res["simulated_gpu_gb"] = 3
     opts: dict = dict(compile=False)
     ck = tts.ckpt
     if quant:
@@ -178,10 +185,9 @@ def run_case(case: str, ckpt: str) -> dict:
     total = torch.cuda.get_device_properties(0).total_memory
     res["device"] = torch.cuda.get_device_name(0)
     res["device_total_gib"] = total / GIB
-    frac_gb = 16 if "16gb" in case else 3 if case.startswith("quant-") else None
-    if frac_gb:
-        torch.cuda.set_per_process_memory_fraction(frac_gb * 1e9 / total)
-        res["simulated_gpu_gb"] = frac_gb
+    if "16gb" in case:
+        torch.cuda.set_per_process_memory_fraction(16e9 / total)
+        res["simulated_gpu_gb"] = 16
     tts, aeng = (_serve if case.startswith("serve") or case == "small-16gb" else _engine)(case, ckpt, res)
     eng = aeng.engine
     res.update(slots=eng.scheduler.max_slots, seq_len=eng.runner.max_len, **_snap("ready"))
@@ -227,7 +233,8 @@ def _fit_before(results: dict, budget_gib: float) -> dict | None:
 
 def _table(results: dict) -> str:
     cols = ("case", "slots", "seq_len", "weights_gib", "ready_reserved_gib", "ready_device_used_gib",
-            "peak_max_allocated_gib", "peak_max_reserved_gib", "peak_device_used_gib", "peak_nvidia_smi_mib", "ok")
+            "peak_max_allocated_gib", "peak_max_reserved_gib", "peak_device_used_gib", "peak_nvidia_smi_mib", "streams",
+            "startup_s", "load_s", "ok")
     rows = [cols]
     for r in results.values():
         rows.append(tuple((f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))) for c in cols))
@@ -276,6 +283,9 @@ def main(argv=None) -> None:
         res["case_s"] = round(time.perf_counter() - t0, 1)
         results[case] = res
         print(json.dumps({k: v for k, v in res.items() if k != "stderr_tail"}), flush=True)
+        if out:  # partial results survive a kill
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps({"results": results, "partial": True}, indent=2))
 
     cases = [c for c in a.cases.split(",") if c]
     bg_case = BACKGROUND if BACKGROUND in cases[1:] else None
