@@ -28,13 +28,14 @@ from .models.loaders import Checkpoint, load_checkpoint
 
 
 class TTS:
-    def __init__(self, ckpt: Checkpoint, max_batch_size: int = 8, max_seq_len: int = 4096, max_queue: int = 256,
-                 compile: bool | None = None):
+    def __init__(self, ckpt: Checkpoint, max_batch_size: int | None = 8, max_seq_len: int | None = None,
+                 max_queue: int = 256, compile: bool | None = None, gpu_memory_utilization: float | None = None,
+                 gpu_memory: float | None = None):
         self.ckpt, self.cfg = ckpt, ckpt.cfg
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = dict(max_slots=max_batch_size, max_seq_len=max_seq_len, max_queue=max_queue,
-                                   compile=compile)
+                                   compile=compile, gpu_memory_utilization=gpu_memory_utilization, gpu_memory=gpu_memory)
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
         self._cloner: VoiceCloner | None = None
@@ -42,24 +43,29 @@ class TTS:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None, max_batch_size: int = 8,
-                        max_seq_len: int = 4096, max_queue: int = 256, compile: bool | None = None,
-                        quantization: str | None = None) -> TTS:
+                        dtype: torch.dtype | str | None = None, max_batch_size: int | None = 8,
+                        max_seq_len: int | None = None, max_queue: int = 256, compile: bool | None = None,
+                        quantization: str | None = None, gpu_memory_utilization: float | None = None,
+                        gpu_memory: float | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
             name_or_path: e.g. "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice" or a directory.
             device: default CUDA when available, else CPU.
             dtype: default bfloat16 on CUDA, float32 on CPU.
-            max_batch_size: requests decoded together (more are queued, up to max_queue).
-            max_seq_len: KV-cache positions per request: prompt + frames (12.5 frames per second of audio).
+            max_batch_size: requests decoded together (more are queued, up to max_queue); None: as many as the
+                memory budget holds (CUDA; at most 32).
+            max_seq_len: KV-cache positions per request: prompt + frames (12.5 frames per second of audio); None
+                (default): 4096, or less on CUDA where the memory budget cannot hold max_batch_size x 4096.
+            gpu_memory_utilization: the memory budget as a fraction of the GPU's memory (default 0.9).
+            gpu_memory: the memory budget in GB instead (a GPU shared with other work).
             compile: torch.compile the decoder layers and samplers before capturing CUDA graphs (default: on
                 for CUDA; ~1 min once per process, then 1.7x faster frames; Q3TTS_COMPILE=0 disables).
             quantization: weight-only quantization of the talker and code predictor: None (exact), "int8" or
                 "int4" on CPU, "int8" or "fp8" on CUDA. Close to, not token-exact with, the unquantized model.
         """
         return cls(load_checkpoint(name_or_path, device, dtype, quantization), max_batch_size, max_seq_len, max_queue,
-                   compile)
+                   compile, gpu_memory_utilization, gpu_memory)
 
     # ------------------------------------------------------------------ info
     @property
@@ -88,7 +94,7 @@ class TTS:
             if self._engine is None:
                 self.engine_options.update(options)
                 self._engine = Engine(self.ckpt, **self.engine_options)
-            elif any(self.engine_options.get(k) != v for k, v in options.items()):
+            elif any(v is not None and self.engine_options.get(k) != v for k, v in options.items()):
                 raise ValueError(f"the engine exists already with {self.engine_options}; cannot rebuild it with {options}")
             return self._engine
 
@@ -151,8 +157,10 @@ class TTS:
         in front as context and their share of the audio is cut off."""
         ref_codes = ref_codes or [None] * len(codes)
         full = [c if r is None else torch.cat([r.to(c.device), c], 0) for c, r in zip(codes, ref_codes)]
-        with torch.inference_mode():
-            wavs = self.ckpt.code2wav.decode_batch([c.to(self.device) for c in full])
+        wavs = []
+        with torch.inference_mode():  # a few rows per call: the workspace grows with rows x frames (~6 MB each)
+            for group in _decode_groups([c.shape[0] for c in full]):
+                wavs += self.ckpt.code2wav.decode_batch([full[i].to(self.device) for i in group])
         out = []
         for w, c, r in zip(wavs, full, ref_codes):
             w = w.float().cpu().numpy()
@@ -271,6 +279,19 @@ class TTS:
     def load_voice(self, path) -> Voice:
         """Load a voice file made for this model (a voice made for another model size is rejected)."""
         return Voice.load(path, model=self.cfg)
+
+
+def _decode_groups(lengths: list[int], max_frames: int = 1024, chunk: int = 325) -> list[list[int]]:
+    """Consecutive items decoded together: rows x (padded frames, at most upstream's 300 + 25 per chunk) <=
+    max_frames, at least one row per call."""
+    groups: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        g = groups[-1] if groups else None
+        if g is None or (len(g) + 1) * min(chunk, max(n, *(lengths[j] for j in g))) > max_frames:
+            groups.append([i])
+        else:
+            g.append(i)
+    return groups
 
 
 def _feed(text, pieces: Iterable[str], failed: list) -> None:

@@ -30,6 +30,7 @@ import torch
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
 from ..models.talker import embed_prompt
+from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
@@ -60,13 +61,23 @@ class EngineCounters:
 
 
 class Engine:
-    def __init__(self, ckpt: Checkpoint, max_slots: int = 8, max_seq_len: int = 4096, max_queue: int = 256,
-                 use_cuda_graphs: bool | None = None, compile: bool | None = None):
+    def __init__(self, ckpt: Checkpoint, max_slots: int | None = 8, max_seq_len: int | None = 4096,
+                 max_queue: int = 256, use_cuda_graphs: bool | None = None, compile: bool | None = None,
+                 gpu_memory_utilization: float | None = None, gpu_memory: float | None = None,
+                 kv_block_size: int | None = None):
+        """max_slots / max_seq_len None: fitted to the memory budget on CUDA (q3tts.engine.memory.size_engine): a
+        fraction of the device (gpu_memory_utilization, default 0.9) or gpu_memory GB. kv_block_size (e.g. 64): a
+        paged KV cache, whose blocks follow the positions streams use (as many as the budget holds on CUDA)
+        instead of max_seq_len positions per slot from the start."""
         self.ckpt = ckpt
+        max_slots, max_seq_len, num_blocks = size_engine(ckpt, max_slots, max_seq_len, gpu_memory_utilization,
+                                                         gpu_memory, block_size=kv_block_size)
         self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
-                                  use_cuda_graphs=use_cuda_graphs, compile=compile)
+                                  use_cuda_graphs=use_cuda_graphs, compile=compile, block_size=kv_block_size,
+                                  num_blocks=num_blocks)
         self.runner.capture_graphs()
-        self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id)
+        self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
+                                   num_blocks=num_blocks or 0, block_size=kv_block_size or 0)
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs,
                                         compile=self.runner.compiled)
         self.vocoder.capture_graphs()
@@ -194,6 +205,8 @@ class Engine:
         them in one batched talker forward -> their code 0 of frame 0."""
         for src, dst in sched.moves:
             self.runner.move_slot(src, dst)
+        if sched.blocks:
+            self.runner.set_blocks([(r.slot, r.blocks) for r in sched.blocks if not r.status.finished])
         for req in sched.aborted:
             self._release_vocoder(req)  # nothing more is decoded for it
         if not sched.prefill:

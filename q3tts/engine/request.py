@@ -56,6 +56,7 @@ class EngineRequest:
     frames_vocoded: int = 0  # frames already turned into audio
     chunks_emitted: int = 0
     vocoder_row: int | None = None  # its row of the StreamingVocoder's state pool while streaming
+    blocks: list[int] = field(default_factory=list)  # paged KV cache: its blocks, in position order
     text_fed: int = 0  # streamed text: trailing text tokens handed to its row so far
     text_done: bool = False  # streamed text: all of it (and tts_eos) handed over
     stream_done: bool = False  # its last chunk has been emitted
@@ -78,6 +79,11 @@ class EngineRequest:
         """Its next frame may run: frame k reads trailing text token k, so with streamed text that token must
         have arrived, or the text be complete (then tts_eos and tts_pad follow)."""
         return self.prepared.text is None or self.text_done or self.text_fed > self.num_frames
+
+    @property
+    def next_position(self) -> int:
+        """The cache position its next frame writes (the prefill wrote 0..L-1; frame k writes L + k)."""
+        return self.num_prompt_tokens + self.num_frames
 
     def next_chunk_size(self) -> int:
         s = self.stream

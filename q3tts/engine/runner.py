@@ -62,7 +62,8 @@ def want_compile(device: torch.device, flag: bool | None) -> bool:
 
 class ModelRunner:
     def __init__(self, talker: Talker, tts_pad_embed: torch.Tensor, max_slots: int, max_len: int,
-                 use_cuda_graphs: bool | None = None, compile: bool | None = None):
+                 use_cuda_graphs: bool | None = None, compile: bool | None = None, block_size: int | None = None,
+                 num_blocks: int | None = None):
         cfg = talker.cfg
         cp = cfg.code_predictor
         p = next(talker.parameters())
@@ -71,14 +72,26 @@ class ModelRunner:
         self.K = cfg.num_code_groups
         self.max_len = max(MIN_KV_SPAN, 1 << (max_len - 1).bit_length())  # a power of two: the last length bucket
         self.use_graphs = (self.device.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
-        # padded replays touch rows up to the next bucket: allocate them (they are free slots)
-        S = next((b for b in BATCH_BUCKETS if b >= max_slots), max_slots) if self.use_graphs else max_slots
-        self.num_rows = S
+        # graph batch buckets: the powers of two below max_slots, then max_slots itself, so a padded replay never
+        # touches a row past the slots (no KV rows allocated for padding alone)
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_slots) + (max_slots,)
+        S = self.num_rows = max_slots
         dev, dt = self.device, self.dtype
         V, D = cfg.vocab_size, cfg.hidden_size
-        # KV caches: [layers, k/v, slots, kv heads, positions, head_dim]
-        self.kv = torch.zeros(cfg.num_hidden_layers, 2, S, cfg.num_key_value_heads, self.max_len, cfg.head_dim,
-                              device=dev, dtype=dt)
+        # KV caches: [layers, k/v, slots, kv heads, positions, head_dim]; paged (block_size): a pool of blocks
+        # [layers, k/v, blocks, kv heads, block_size, head_dim] and each slot's block table [S, max_len / block_size]
+        # (block 0 is scratch: the entries of positions a row has no block for, and the rows of free slots)
+        self.block_size = block_size
+        if block_size:
+            assert MIN_KV_SPAN % block_size == 0, "every attended span must be whole blocks"
+            self.num_blocks = num_blocks or S * (self.max_len // block_size) + 1
+            self.kv = torch.zeros(cfg.num_hidden_layers, 2, self.num_blocks, cfg.num_key_value_heads, block_size,
+                                  cfg.head_dim, device=dev, dtype=dt)
+            self.block_table = torch.zeros(S, self.max_len // block_size, dtype=torch.long, device=dev)
+        else:
+            self.kv = torch.zeros(cfg.num_hidden_layers, 2, S, cfg.num_key_value_heads, self.max_len, cfg.head_dim,
+                                  device=dev, dtype=dt)
+            self.block_table = None
         self.cp_kv = torch.zeros(cp.num_hidden_layers, 2, S, cp.num_key_value_heads, self.K, cp.head_dim,
                                  device=dev, dtype=dt)
         self.tts_pad_embed = tts_pad_embed.to(dev, dt)  # [D]
@@ -123,17 +136,36 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ slots
     def _state_tensors(self):
+        paged = [] if self.block_table is None else [self.block_table]
         return [self.position, self.num_generated, self.last_hidden, self.last_code0, self.seen, self.trailing,
-                self.trailing_len, self.seed, *self.params.values()]
+                self.trailing_len, self.seed, *self.params.values(), *paged]
 
     def move_slot(self, src: int, dst: int) -> None:
-        """Compaction: the request in row src continues in row dst (its KV up to its position moves too)."""
+        """Compaction: the request in row src continues in row dst (its KV up to its position moves too; paged:
+        its block table row moves, and src's points at scratch)."""
         n = self.position_cpu[src]
-        self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
+        if self.block_table is None:
+            self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
         for t in self._state_tensors():
             t[dst] = t[src]
+        if self.block_table is not None:
+            self.block_table[src] = 0
         self.position_cpu[dst] = n
         self.topk_ok_cpu[dst] = self.topk_ok_cpu[src]
+
+    def set_blocks(self, rows: list[tuple[int, list[int]]]) -> None:
+        """Paged: (slot, its blocks in position order) -> the slots' block table rows (the rest -> scratch)."""
+        if not rows:
+            return
+        W = self.block_table.shape[1]
+        table = torch.tensor([blocks + [0] * (W - len(blocks)) for _, blocks in rows])
+        self.block_table[torch.tensor([s for s, _ in rows], device=self.device)] = table.to(self.device)
+
+    def _kv_ctx(self, r: slice, write_pos: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, AttnContext]:
+        """The cache the talker gets for rows r (their rows; paged: the pool) and its AttnContext."""
+        if self.block_table is None:
+            return self.kv[:, :, r], AttnContext(write_pos, mask)
+        return self.kv, AttnContext(write_pos, mask, self.block_table[r, : mask.shape[-1] // self.block_size])
 
     def kv_span(self, length: int) -> int:
         """Cache positions attended for sequences up to `length`: a power of two (one graph per bucket)."""
@@ -177,9 +209,9 @@ class ModelRunner:
         # it attends to it (it writes p, then attends <= p), and masks the rest (probability 0; 0 * finite = 0).
         pos = torch.arange(Lmax, device=self.device)[None].expand(N, -1)  # [N, Lmax]
         n = self.kv_span(Lmax)
-        ctx = AttnContext(write_pos=pos, mask=(self.key_pos[None, :n] <= pos[0][:, None])[None, None])  # [1, 1, Lmax, n]
+        kv, ctx = self._kv_ctx(r, pos, (self.key_pos[None, :n] <= pos[0][:, None])[None, None])  # mask [1, 1, Lmax, n]
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        out = self.talker(x, cos, sin, self.kv[:, :, r], ctx)  # [N, Lmax, D]
+        out = self.talker(x, cos, sin, kv, ctx)  # [N, Lmax, D]
         last = torch.tensor(lens, device=self.device)
         h = out[torch.arange(N, device=self.device), last - 1]  # [N, D]: each row's last real token
         self.position[r] = last
@@ -261,9 +293,9 @@ class ModelRunner:
         text = self.trailing[torch.arange(B, device=self.device), frame_idx.clamp(0, self.max_len - 1)]
         x = x + torch.where(use_text[:, None], text, self.tts_pad_embed[None])
         pos = self.position[r][:, None]  # [B, 1]
-        ctx = AttnContext(write_pos=pos, mask=self.key_pos[None, None, None, :n] <= pos[:, None, :, None])
+        kv, ctx = self._kv_ctx(r, pos, self.key_pos[None, None, None, :n] <= pos[:, None, :, None])
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        h = self.talker(x[:, None], cos, sin, self.kv[:, :, r], ctx)[:, -1]
+        h = self.talker(x[:, None], cos, sin, kv, ctx)[:, -1]
         act = self.active[r]  # NOTE: a row that sits out writes K/V at its position, rewritten when it runs
         self.position[r] += act
         self.last_hidden[r] = torch.where(act[:, None], h, self.last_hidden[r])
@@ -285,12 +317,14 @@ class ModelRunner:
         n = self.kv_span(max(self.position_cpu[:B]) + 1)
         capped = all(self.topk_ok_cpu[:B])
         if self.use_graphs:
-            Bp = next(b for b in BATCH_BUCKETS if b >= B)
+            Bp = next(b for b in self.batch_buckets if b >= B)
             graph = self.graphs.get((Bp, n, capped))
             if graph is None:
                 raise RuntimeError(f"no CUDA graph for batch {Bp} x length {n}: call capture_graphs() before serving")
             if Bp > B:
                 self.position[B:Bp] = 0  # padding rows are free slots: position 0 keeps their writes in the cache
+                if self.block_table is not None:
+                    self.block_table[B:Bp] = 0  # paged: in the scratch block (a free slot's blocks may be others' now)
             graph.replay()
         else:
             self._frame(B, n, capped)
@@ -307,7 +341,7 @@ class ModelRunner:
         reset afterwards)."""
         if not self.use_graphs:
             return 0
-        batches = [b for b in BATCH_BUCKETS if b <= self.num_rows]
+        batches = self.batch_buckets
         lens, n = [], MIN_KV_SPAN
         while n <= self.max_len:
             lens.append(n)
@@ -343,4 +377,5 @@ class ModelRunner:
         self.topk_ok_cpu = [True] * self.num_rows
         self.active.fill_(True)
         self.active_cpu = [True] * self.num_rows
+        torch.cuda.empty_cache()  # the warm-ups' blocks (cached on their side stream, where nothing else reuses them)
         return len(self.graphs)

@@ -4,6 +4,11 @@ Requests join as soon as a slot is free and leave the moment they finish or are 
 newcomers of a step are prefilled in one padded batch [N, Lmax]: at most `max_prefills_per_step` of them
 and N * Lmax <= `max_prefill_tokens` (the first always goes), so a burst of arrivals does not stall the
 running streams for long. The engine's step is schedule() -> run (runner) -> update_from_output() -> vocode.
+
+Paged KV cache (num_blocks > 0): blocks of block_size positions are handed out as rows need them. A newcomer gets
+the blocks of its prompt and first frame, and is admitted only while one spare block per running row remains; a
+running row gets its next block when its next frame crosses into it, and sits the frame out while none is free
+(finishing rows free theirs at once); if every row is waiting for a block, the newest of them fails ("error").
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class SchedulerOutput:
     decode: list[EngineRequest] = field(default_factory=list)  # running before this step, in rows [0, B)
     prefill: list[EngineRequest] = field(default_factory=list)  # admitted now, in rows [B, B+N)
     active: list[bool] = field(default_factory=list)  # per row: its frame can run (streamed text has arrived)
+    blocks: list[EngineRequest] = field(default_factory=list)  # paged: rows whose blocks changed (set their table)
 
     @property
     def rows(self) -> list[EngineRequest]:
@@ -43,9 +49,12 @@ class FrameResult:
 
 class Scheduler:
     def __init__(self, max_slots: int, max_queue: int = 256, max_prefills_per_step: int = 16,
-                 max_prefill_tokens: int = 8192, eos: int = -1):
+                 max_prefill_tokens: int = 8192, eos: int = -1, num_blocks: int = 0, block_size: int = 0):
         self.max_slots, self.max_queue, self.max_prefills_per_step = max_slots, max_queue, max_prefills_per_step
         self.max_prefill_tokens, self.eos = max_prefill_tokens, eos
+        self.block_size = block_size
+        self.free_blocks: list[int] = list(range(num_blocks - 1, 0, -1)) if num_blocks else []  # 0: scratch
+        self.paged = num_blocks > 0
         self.waiting: deque[EngineRequest] = deque()
         self.running: dict[int, EngineRequest] = {}  # slot -> request
         self.free_slots: list[int] = list(range(max_slots - 1, -1, -1))
@@ -94,13 +103,39 @@ class Scheduler:
             max_len = max(max_len, req.num_prompt_tokens)
             if out.prefill and (len(out.prefill) + 1) * max_len > self.max_prefill_tokens:
                 break  # first come, first served: the next one waits for the next step
+            if self.paged:
+                need = req.num_prompt_tokens // self.block_size + 1  # positions 0..L (its first frame writes L)
+                if len(self.free_blocks) < need + len(self.running):  # keep a spare block per running row
+                    break
+                req.blocks = [self.free_blocks.pop() for _ in range(need)]
+                out.blocks.append(req)
             self.waiting.remove(req)
             req.slot = self.free_slots.pop()  # the lowest free slot: after compaction, rows [B, B+N)
             req.status = RequestStatus.RUNNING
             self.running[req.slot] = req
             out.prefill.append(req)
         out.active = [r.can_run for r in out.rows]
+        if self.paged:
+            self._grow(out)
         return out
+
+    def _grow(self, out: SchedulerOutput) -> None:
+        """Paged: the next block of every row whose next frame needs it; without one it sits the frame out."""
+        waiting = []
+        for row, req in enumerate(out.rows):
+            if out.active[row] and len(req.blocks) <= req.next_position // self.block_size:
+                if self.free_blocks:
+                    req.blocks.append(self.free_blocks.pop())
+                    if req not in out.blocks:
+                        out.blocks.append(req)
+                else:
+                    out.active[row] = False
+                    waiting.append(req)
+        if waiting and not any(out.active):  # nothing runs, so nothing frees a block: give up the newest
+            victim = max(waiting, key=lambda r: r.arrival_time)
+            victim.error = (f"out of KV-cache memory: all {len(self.running)} running streams need a new block; "
+                            "lower max_concurrent or raise the memory budget")
+            self.finish(victim, RequestStatus.FINISHED_ERROR)
 
     def update_from_output(self, sched: SchedulerOutput, prefill_code0: list[int], out: FrameResult | None) -> None:
         """Record each active row's frame (out is None when no row was active) and finish the requests that are
@@ -139,6 +174,8 @@ class Scheduler:
         if req.status.finished:
             return
         req.status = status
+        self.free_blocks.extend(reversed(req.blocks))
+        req.blocks = []
         if req.slot is not None and self.running.get(req.slot) is req:
             del self.running[req.slot]
             self.free_slots.append(req.slot)

@@ -4,8 +4,9 @@ A streaming request holds a pool row from admission to its last chunk. The chunk
 in a few batched calls:
   - a chunk of n frames is cut into power-of-two pieces, largest first (13 -> 8, 4, 1). The decoder is
     causal at frame granularity, so any cut gives the same audio (q3tts.models.codec: decode_step);
-  - the pieces of one size from different requests run as one call: their rows are gathered from the
-    pool, decoded by `Code2Wav.decode_step`, and scattered back;
+  - the pieces of one size from different requests run together: their rows are gathered from the
+    pool, decoded by `Code2Wav.decode_step`, and scattered back, at most max_call_frames rows x frames per
+    call (more take several calls), which bounds the workspace whatever the number of streams;
   - on CUDA each (rows bucket, piece size) call is one CUDA graph with the gather and the scatter inside,
     replayed with padding rows that all point at a scratch row. One replay instead of several hundred
     small launches per call (the eager vocoder was launch-bound: ~10 ms per call on an H200, bench/probe.py).
@@ -21,7 +22,6 @@ import numpy as np
 import torch
 
 from ..models.codec import Code2Wav, Code2WavState, SnakeBeta
-from .runner import BATCH_BUCKETS
 
 
 def compile_snakes(code2wav: Code2Wav) -> None:
@@ -49,12 +49,18 @@ class StreamingVocoder:
         use_graphs: capture one CUDA graph per (rows bucket, piece size) in `capture_graphs`.
         compile: torch.compile the activations.
         max_piece: the largest piece, a power of two (chunks longer than it take several calls).
+        max_call_frames: rows x frames of one call at most (a power of two >= max_piece): bounds the workspace
+            (~6 MiB per row-frame in bf16, measured) and the largest CUDA graph's pool.
     """
 
     def __init__(self, code2wav: Code2Wav, max_rows: int, use_graphs: bool = False, compile: bool = False,
-                 max_piece: int = 16):
+                 max_piece: int = 16, max_call_frames: int = 64):
         assert max_piece & (max_piece - 1) == 0, "max_piece must be a power of two"
+        assert max_call_frames & (max_call_frames - 1) == 0 and max_call_frames >= max_piece
         self.code2wav, self.max_rows, self.max_piece = code2wav, max_rows, max_piece
+        top = 1 << (max_rows - 1).bit_length()  # the rows bucket that holds every stream
+        # piece size -> the most rows one call decodes (a power of two)
+        self.call_rows = {1 << i: min(top, max_call_frames >> i) for i in range(max_piece.bit_length())}
         p = next(code2wav.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.K = code2wav.cfg.num_quantizers
@@ -109,12 +115,14 @@ class StreamingVocoder:
             for i, cut in enumerate(cuts):
                 if j < len(cut):
                     groups[cut[j]].append(i)
-            for size, items in groups.items():
-                codes = torch.stack([work[i][1][starts[i]: starts[i] + size].T for i in items])  # [n, K, size]
-                wav = self._call([work[i][0] for i in items], codes)
-                for k, i in enumerate(items):
-                    parts[i].append(wav[k])
-                    starts[i] += size
+            for size, group in groups.items():
+                step = self.call_rows[size]
+                for items in (group[a: a + step] for a in range(0, len(group), step)):
+                    codes = torch.stack([work[i][1][starts[i]: starts[i] + size].T for i in items])  # [n, K, size]
+                    wav = self._call([work[i][0] for i in items], codes)
+                    for k, i in enumerate(items):
+                        parts[i].append(wav[k])
+                        starts[i] += size
         flat = torch.cat([p for ps in parts for p in ps]).cpu()  # the one sync of the call
         out, at = [], 0
         for (_, codes) in work:
@@ -127,7 +135,7 @@ class StreamingVocoder:
         """rows: n pool rows, codes [n, K, t] (CPU) -> wav [n, t*1920] float32 on the device (a copy: a graph's
         output is overwritten by its next replay)."""
         n, t = codes.shape[0], codes.shape[2]
-        R = next((b for b in BATCH_BUCKETS if b >= n), None)
+        R = 1 << (n - 1).bit_length()  # the rows bucket
         entry = self.graphs.get((R, t)) if self.use_graphs else None
         if entry is None:
             if self.use_graphs:
@@ -143,12 +151,11 @@ class StreamingVocoder:
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
     def capture_graphs(self) -> int:
-        """One graph per (rows bucket up to max_rows, piece size up to max_piece), sharing one memory pool.
-        The warm-up runs (compilation, cuDNN/cuBLAS plans) write only the scratch row."""
+        """One graph per (rows bucket up to call_rows[piece], piece size up to max_piece), sharing one memory
+        pool. The warm-up runs (compilation, cuDNN/cuBLAS plans) write only the scratch row."""
         if not self.use_graphs:
             return 0
-        top = next(b for b in BATCH_BUCKETS if b >= self.max_rows)
-        keys = [(R, 1 << i) for R in BATCH_BUCKETS if R <= top for i in range(self.max_piece.bit_length())]
+        keys = [(1 << j, p) for p, rows in self.call_rows.items() for j in range(rows.bit_length())]
         static = {k: (torch.full((k[0],), self.scratch, device=self.device),
                       torch.zeros(k[0], self.K, k[1], dtype=torch.long, device=self.device)) for k in keys}
         stream = torch.cuda.Stream()
@@ -165,4 +172,5 @@ class StreamingVocoder:
             pool = g.pool()
             self.graphs[k] = (g, *static[k], wav)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' blocks (cached on their side stream, where nothing else reuses them)
         return len(self.graphs)

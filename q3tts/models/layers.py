@@ -70,7 +70,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: "AttnContext"):
         """x: [B, S, D]; k_cache/v_cache: [B, Hkv, Lmax, Dh] views of this batch's cache rows, written in place
-        at ctx.write_pos; attention reads their first n = ctx.mask.shape[-1] positions (no copy)."""
+        at ctx.write_pos; attention reads their first n = ctx.mask.shape[-1] positions (no copy). Paged
+        (ctx.block_table set): k_cache/v_cache are the block pools [num_blocks, Hkv, bs, Dh]; a row's position p
+        lives in block block_table[row, p // bs] at offset p % bs, and its first n positions are gathered."""
         B, S, _ = x.shape
         H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_weight is not None:
@@ -79,23 +81,56 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = apply_rope(self.q_norm(q.view(B, S, H, Dh)).transpose(1, 2), cos, sin)  # [B, H, S, Dh]
         k = apply_rope(self.k_norm(k.view(B, S, Hkv, Dh)).transpose(1, 2), cos, sin)  # [B, Hkv, S, Dh]
-        # NOTE: an index_put, not a scatter_: torch.compile updates the cache in place only for the former (for a
-        # scatter_ into an input it wrote a whole new cache and copied it back: 4 passes over [B, Hkv, Lmax, Dh]
-        # per layer, 4.9 of the 7.8 ms of a batch-64 talker step on an H100)
-        rows = torch.arange(B, device=x.device)[:, None]  # [B, 1] with write_pos [B, S]: indexes [B, S, Hkv, Dh]
-        k_cache[rows, :, ctx.write_pos] = k.transpose(1, 2).to(k_cache.dtype)
-        v_cache[rows, :, ctx.write_pos] = v.view(B, S, Hkv, Dh).to(v_cache.dtype)
         n = ctx.mask.shape[-1]
-        keys, values = k_cache[:, :, :n], v_cache[:, :, :n]  # [B, Hkv, n, Dh] views
+        if ctx.block_table is None:
+            # NOTE: an index_put, not a scatter_: torch.compile updates the cache in place only for the former (for
+            # a scatter_ into an input it wrote a whole new cache and copied it back: 4 passes over
+            # [B, Hkv, Lmax, Dh] per layer, 4.9 of the 7.8 ms of a batch-64 talker step on an H100)
+            rows = torch.arange(B, device=x.device)[:, None]  # [B, 1] with write_pos [B, S]: indexes [B, S, Hkv, Dh]
+            k_cache[rows, :, ctx.write_pos] = k.transpose(1, 2).to(k_cache.dtype)
+            v_cache[rows, :, ctx.write_pos] = v.view(B, S, Hkv, Dh).to(v_cache.dtype)
+            keys, values = k_cache[:, :, :n], v_cache[:, :, :n]  # [B, Hkv, n, Dh] views
+        else:
+            keys, values = _paged_write_read(k_cache, v_cache, ctx, k.transpose(1, 2), v.view(B, S, Hkv, Dh), n)
         # GQA without repeating K/V: the G query heads of a KV head become extra query rows
         G = H // Hkv
         qg = q.reshape(B, Hkv, G * S, Dh)
-        scores = torch.matmul(qg, keys.transpose(2, 3)) * (Dh ** -0.5)  # [B, Hkv, G*S, n]
         mask = ctx.mask.expand(B, 1, S, n).repeat(1, 1, G, 1) if G > 1 else ctx.mask  # [B, 1, G*S, n]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)  # as upstream's eager attention
-        out = torch.matmul(probs, values).view(B, H, S, Dh)
+        if B * H * S * n <= ATTN_SCORES_CHUNK:
+            out = _attend(qg, keys, values, mask, Dh)
+        else:  # a long prefill: one KV head at a time bounds the scores (same GEMMs per head: same values)
+            out = torch.cat([_attend(qg[:, h:h + 1], keys[:, h:h + 1], values[:, h:h + 1], mask, Dh)
+                             for h in range(Hkv)], dim=1)
+        out = out.view(B, H, S, Dh)
         return linear(out.transpose(1, 2).reshape(B, S, H * Dh), self.o_proj.weight)
+
+
+# Attention scores above this many elements (fp32 softmax: ~8 bytes each while live) are computed one KV head at
+# a time: a prefill of 4 x 2048 tokens over 4096 positions would otherwise hold 4 GB of scores at once.
+ATTN_SCORES_CHUNK = 1 << 26
+
+
+def _paged_write_read(k_pool, v_pool, ctx: "AttnContext", k, v, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged cache: write k/v [B, S, Hkv, Dh] at ctx.write_pos through the block table, then gather each row's
+    first n positions -> keys, values [B, Hkv, n, Dh] (copies holding the very values a contiguous cache holds)."""
+    bs = k_pool.shape[2]
+    table = ctx.block_table  # [B, n // bs] int64 block ids (0: the scratch block)
+    blk, off = table.gather(1, ctx.write_pos // bs), ctx.write_pos % bs  # [B, S]
+    k_pool[blk, :, off] = k.to(k_pool.dtype)  # advanced indices first: [B, S, Hkv, Dh]
+    v_pool[blk, :, off] = v.to(v_pool.dtype)
+    B, nb = table.shape
+    Hkv, Dh = k_pool.shape[1], k_pool.shape[3]
+    keys = k_pool[table].transpose(1, 2).reshape(B, Hkv, nb * bs, Dh)  # [B, nb, Hkv, bs, Dh] -> [B, Hkv, n, Dh]
+    values = v_pool[table].transpose(1, 2).reshape(B, Hkv, nb * bs, Dh)
+    return keys[:, :, :n], values[:, :, :n]
+
+
+def _attend(qg, keys, values, mask, Dh: int) -> torch.Tensor:
+    """qg [B, h, G*S, Dh] over keys / values [B, h, n, Dh] under mask [B|1, 1, G*S, n] -> [B, h, G*S, Dh]."""
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * (Dh ** -0.5)  # [B, h, G*S, n]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(qg.dtype)  # as upstream's eager attention
+    return torch.matmul(probs, values)
 
 
 class MLP(nn.Module):
@@ -132,11 +167,13 @@ class AttnContext:
 
     write_pos: torch.Tensor  # [B, S] int64: cache positions of the new tokens (== their RoPE positions)
     mask: torch.Tensor  # [B, 1, S, n] bool over the first n cache positions: True where a query may attend
+    block_table: torch.Tensor | None = None  # paged cache: [B, n // block_size] int64 block of each row's positions
 
 
 def run_layers(layers: nn.ModuleList, norm: RMSNorm, x, cos, sin, kv, ctx: AttnContext):
     """kv: this batch's rows of the engine's cache, [num_layers, 2, B, Hkv, Lmax, Dh] (a view) or per layer a
-    (k, v) pair of [B, Hkv, Lmax, Dh] views. Returns the final-normed hidden."""
+    (k, v) pair of [B, Hkv, Lmax, Dh] views; or the paged pool [num_layers, 2, num_blocks, Hkv, block_size, Dh]
+    with ctx.block_table. Returns the final-normed hidden."""
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, kv[i][0], kv[i][1], ctx)
     return norm(x)

@@ -382,7 +382,7 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
     """
     settings = settings or ServerSettings()
     engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
-                                          max_queue=settings.max_queue))
+                                          max_queue=settings.max_queue, **settings.memory_budget))
     metrics = Metrics(engine.stats)
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)
     serving = SpeechServing(tts, engine, voices, metrics, settings)

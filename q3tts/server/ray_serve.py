@@ -26,6 +26,8 @@ from dataclasses import fields, replace
 
 from ray import serve
 
+from q3tts.engine.memory import DEFAULT_MAX_SLOTS
+
 from .settings import ServerSettings, parse_args
 
 log = logging.getLogger("q3tts.server")
@@ -100,14 +102,15 @@ def deployment_options(settings: ServerSettings, num_cpus: float, num_gpus: floa
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if max_replicas is not None and max_replicas < replicas:
         raise ValueError(f"max_replicas ({max_replicas}) must be >= replicas ({replicas})")
-    opts = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": settings.max_concurrent,
+    slots = settings.max_concurrent or DEFAULT_MAX_SLOTS  # a replica's engine fits its slots to its GPU: at most this
+    opts = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": slots,
             "max_queued_requests": settings.max_queue,
             "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
             "graceful_shutdown_timeout_s": 30, "health_check_period_s": 10}
     if max_replicas is not None and max_replicas > replicas:
         opts["autoscaling_config"] = {
             "min_replicas": replicas, "max_replicas": max_replicas, "initial_replicas": replicas,
-            "target_ongoing_requests": target_ongoing_requests or settings.max_concurrent,
+            "target_ongoing_requests": target_ongoing_requests or slots,
             "upscale_delay_s": 10, "downscale_delay_s": 300}  # add replicas quickly, drop them slowly
     else:
         opts["num_replicas"] = replicas

@@ -26,8 +26,12 @@ class ServerSettings:
     max_text_length: int = 4096  # characters of `input`
     max_upload_bytes: int = 10 * 1024 * 1024  # a reference clip (multipart file or decoded base64)
     max_queue: int = 256  # requests waiting for a slot; more get 503
-    max_concurrent: int = 32  # engine slots: streams generated together
-    max_seq_len: int = 4096  # KV positions per slot: prompt + frames (12.5 per second of audio)
+    max_concurrent: int | None = None  # engine slots: streams generated together (None: fitted to the memory budget)
+    max_seq_len: int | None = None  # KV positions per slot: prompt + frames (12.5 per second of audio; None: 4096
+    # where the budget allows)
+    gpu_memory_utilization: float | None = None  # the budget as a fraction of the GPU's memory (default 0.9)
+    gpu_memory: float | None = None  # the budget in GB (a GPU shared with other work, e.g. a Jetson)
+    kv_block_size: int = 0  # > 0: paged KV cache with blocks of this many positions (memory follows use); 0: per slot
     api_key: str | None = None  # when set, all but /health, /ready and / need "Authorization: Bearer <key>"
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
@@ -41,6 +45,13 @@ class ServerSettings:
 
     def __post_init__(self):
         self.voice_dir = self.voice_dir or _default_voice_dir()
+
+    @property
+    def memory_budget(self) -> dict:
+        """The engine's memory options (only those given: an existing engine is then taken as it is)."""
+        return {k: v for k, v in (("gpu_memory_utilization", self.gpu_memory_utilization),
+                                  ("gpu_memory", self.gpu_memory), ("kv_block_size", self.kv_block_size or None))
+                if v is not None}
 
     @property
     def model_id(self) -> str:
@@ -61,8 +72,17 @@ _FLAGS = [
     ("--max-text-length", "max_text_length", int, "maximum characters of input text"),
     ("--max-upload-bytes", "max_upload_bytes", int, "maximum size of a reference audio upload"),
     ("--max-queue", "max_queue", int, "requests that may wait for a slot; more are refused with 503"),
-    ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots)"),
-    ("--max-seq-len", "max_seq_len", int, "KV-cache positions per stream (prompt + 12.5 frames per second)"),
+    ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots; default: as many as the "
+                                                "memory budget holds at --max-seq-len, at most 32)"),
+    ("--max-seq-len", "max_seq_len", int, "KV-cache positions per stream (prompt + 12.5 frames per second; "
+                                          "default 4096, less if not even one stream fits the budget)"),
+    ("--gpu-memory-utilization", "gpu_memory_utilization", float, "memory budget as a fraction of the GPU's "
+                                                                  "total (default 0.9)"),
+    ("--gpu-memory", "gpu_memory", float, "memory budget in GB (for a GPU shared with other work; overrides "
+                                          "--gpu-memory-utilization)"),
+    ("--kv-block-size", "kv_block_size", int, "paged KV cache: blocks of this many positions (1..64, a power of "
+                                              "two, e.g. 64) handed to streams as they grow, as many as the budget "
+                                              "holds; 0: max-seq-len positions per slot from the start"),
     ("--api-key", "api_key", str, "require this Bearer token on every route but /health, /ready and the web "
                                   "page (WebSockets: also ?api_key=)"),
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
@@ -97,8 +117,14 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
     s = ServerSettings(**{f.name: getattr(a, f.name) for f in fields(ServerSettings) if hasattr(a, f.name)})
     for name in ("max_text_length", "max_upload_bytes", "max_queue", "max_concurrent", "max_seq_len",
                  "first_chunk_frames", "chunk_frames"):
-        if getattr(s, name) < 1:
+        if getattr(s, name) is not None and getattr(s, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
+        ap.error("--gpu-memory-utilization must be in (0, 1]")
+    if s.kv_block_size and (s.kv_block_size < 0 or s.kv_block_size > 64 or s.kv_block_size & (s.kv_block_size - 1)):
+        ap.error("--kv-block-size must be 0 or a power of two up to 64")
+    if s.gpu_memory is not None and not s.gpu_memory > 0:
+        ap.error("--gpu-memory must be > 0 (GB)")
     if s.replicas < 0 or s.max_replicas < 0 or not s.replica_cpus > 0:
         ap.error("--replicas and --max-replicas must be >= 0, --replica-cpus > 0")
     if s.max_replicas and s.max_replicas < max(1, s.replicas):

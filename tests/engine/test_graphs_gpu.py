@@ -81,3 +81,15 @@ def test_nothing_compiles_after_warm_up(real06):
         eng.run_to_completion(reqs)
         assert all(r.status.reason in ("stop", "length") and r.stream_done for r in reqs)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+
+
+def test_paged_graphs_equal_contiguous_eager_fp32():
+    """The paged cache in captured frames (block tables, scratch rows for padding, blocks handed out as rows grow)
+    gives the contiguous eager engine's codes; 3 requests in 4 slots, blocks of 16 positions."""
+    tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cuda", dtype=torch.float32)
+    p = tts.prepare_custom_voice(["One, greedy.", "Two, a longer text with more words in it.", "Three."],
+                                 ["vivian", "ryan", "serena"], do_sample=False, subtalker_dosample=False,
+                                 max_new_tokens=81)
+    paged = Engine(tts.ckpt, max_slots=4, max_seq_len=256, kv_block_size=16).generate_codes(p)
+    for a, b in zip(paged, codes_with(tts, p, False)):
+        assert torch.equal(a, b)

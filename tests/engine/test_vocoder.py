@@ -21,10 +21,12 @@ def full(codes: torch.Tensor) -> np.ndarray:
         return tiny_model()(codes)[0].numpy()  # codes [1, K, T] -> [T*1920]
 
 
-def test_interleaved_streams_equal_full_decodes():
-    """Three streams with different chunkings share calls (same-size pieces batch together); one of them
-    is ICL-warmed; a row freed by a finished stream is reused by a new one and starts fresh."""
-    voc = StreamingVocoder(tiny_model(), max_rows=3)
+@pytest.mark.parametrize("max_call_frames", [64, 16])
+def test_interleaved_streams_equal_full_decodes(max_call_frames):
+    """Three streams with different chunkings share calls (same-size pieces batch together, split into calls
+    of at most max_call_frames rows x frames); one of them is ICL-warmed; a row freed by a finished stream is
+    reused by a new one and starts fresh."""
+    voc = StreamingVocoder(tiny_model(), max_rows=3, max_call_frames=max_call_frames)
     codes = {name: rand_codes(T, seed)[0].T for name, T, seed in (("a", 23, 1), ("b", 30, 2), ("c", 9, 3), ("d", 12, 4))}
     ref = rand_codes(11, 5)[0].T  # [11, K]: ICL reference of stream b
     chunks = {"a": [1, 2, 4, 16], "b": [1, 2, 4, 8, 15], "c": [3, 6], "d": [5, 7]}
@@ -60,7 +62,8 @@ def test_graphs_equal_eager_on_gpu():
     try:
         eager = StreamingVocoder(model, max_rows=5)
         graphed = StreamingVocoder(model, max_rows=5, use_graphs=True)
-        assert graphed.capture_graphs() == 4 * 5  # rows 1, 2, 4, 8 x pieces 1, 2, 4, 8, 16
+        # rows 1, 2, 4, 8 x pieces 1, 2, 4, 8; rows 1, 2, 4 x piece 16 (64 rows x frames per call at most)
+        assert graphed.capture_graphs() == 4 * 4 + 3
         streams = [rand_codes(37, s)[0].T for s in range(3)]
         res = []
         for voc in (eager, graphed):

@@ -67,3 +67,24 @@ def test_fused_projections_hold_the_weights_once_and_compute_the_same():
     attn, mlp = layer.self_attn, layer.mlp
     for fused, projs in ((attn.qkv_weight, (attn.q_proj, attn.k_proj, attn.v_proj)), (mlp.gate_up_weight, (mlp.gate_proj, mlp.up_proj))):
         assert all(p.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for p in projs)
+
+
+def test_long_attention_one_kv_head_at_a_time_is_bit_identical(monkeypatch):
+    """Scores above ATTN_SCORES_CHUNK elements (a long prefill) are computed per KV head: same values exactly."""
+    import q3tts.models.layers as L
+    from q3tts.config import DecoderLayerConfig
+    cfg = DecoderLayerConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=10)
+    torch.manual_seed(0)
+    att = L.Attention(cfg).eval()
+    B, S, n = 2, 40, 64
+    x = torch.randn(B, S, 64)
+    pos = torch.arange(S)[None].expand(B, -1)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(32, 1e4), torch.float32)
+    ctx = L.AttnContext(pos, (torch.arange(n)[None, :] <= pos[0][:, None])[None, None])
+    outs = []
+    for chunk in (L.ATTN_SCORES_CHUNK, 100):
+        monkeypatch.setattr(L, "ATTN_SCORES_CHUNK", chunk)
+        with torch.no_grad():
+            outs.append(att(x, cos, sin, torch.zeros(B, 2, n, 32), torch.zeros(B, 2, n, 32), ctx))
+    assert torch.equal(*outs)
