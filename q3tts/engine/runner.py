@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..inputs.request import InputError
 from ..kernels import MAX_ROWS, linear
-from ..models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
+from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
 from .scheduler import FrameResult
@@ -362,9 +362,11 @@ class ModelRunner:
         # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call), and for <= and >
         # MAX_ROWS tokens in all (the skinny GEMM or cuBLAS): compile the four now, not while the first burst of
         # requests waits (measured on an H200: 5 s for the first 16 concurrent requests)
-        D = self.cfg.hidden_size
+        # and a third where a prompt is long enough for the attention's one-head-at-a-time branch, where one fits
+        D, H = self.cfg.hidden_size, self.cfg.num_attention_heads
         for n in (1, 2)[: self.num_rows]:
-            for L in (8, 5 * MAX_ROWS):
+            long = max(self.max_len // 2 + 1, ATTN_SCORES_CHUNK // (n * H * self.max_len) + 1)  # span: max_len
+            for L in (8, 5 * MAX_ROWS) + ((long,) if long < self.max_len else ()):
                 self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)] * n,
                                    [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n, [SamplingParams()] * n)
         torch.cuda.synchronize()

@@ -83,6 +83,27 @@ def test_nothing_compiles_after_warm_up(real06):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
 
 
+def test_long_prompts_compile_nothing_after_warm_up(real06):
+    """Prompts long enough for the attention's one-head-at-a-time branch (models.layers.ATTN_SCORES_CHUNK), alone
+    and two together, compile nothing either: the warm-up compiles that branch too."""
+    import torch._dynamo.utils
+
+    from q3tts.models.layers import ATTN_SCORES_CHUNK
+    tts = real06
+    eng = Engine(tts.ckpt, max_slots=2, max_seq_len=4096)
+    H = tts.ckpt.cfg.talker.num_attention_heads
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    words = "Streams join and leave the batch at every frame while others keep talking".split()
+    for n, num_words in ((1, 2200), (2, 1200)):
+        reqs = [eng.add_request(tts.prepare_custom_voice(" ".join((words * 200)[:num_words]), "ryan",
+                                                         max_new_tokens=4)[0]) for _ in range(n)]
+        L = max(len(r.prepared.layout) for r in reqs)
+        assert n * H * L * eng.runner.kv_span(L) > ATTN_SCORES_CHUNK, L
+        eng.run_to_completion(reqs)
+        assert all(r.status.reason in ("stop", "length") for r in reqs)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+
+
 def test_paged_graphs_equal_contiguous_eager_fp32():
     """The paged cache in captured frames (block tables, scratch rows for padding, blocks handed out as rows grow)
     gives the contiguous eager engine's codes; 3 requests in 4 slots, blocks of 16 positions."""
