@@ -165,14 +165,14 @@ def check_mode(mode: str | None, device: torch.device | str) -> str | None:
 
 def quantize_(talker: nn.Module, mode: str | None, device: torch.device | str) -> None:
     """Replace the talker's per-frame linears by QuantLinear, in place (after loading, on the final device
-    and dtype, and after fuse_projections on CUDA). mode None or "none" leaves the model untouched.
-    Raises ValueError for a mode this device does not run."""
+    and dtype, and after fuse_projections, which the loader runs for CUDA and for quantized CPU runs). mode None
+    or "none" leaves the model untouched. Raises ValueError for a mode this device does not run."""
     mode = check_mode(mode, device)
     if mode is None:
         return
     for m in talker.modules():
-        # fused q|k|v and gate|up (CUDA): quantize the fused weight (per-row scales, so equal to quantizing each
-        # part) and keep the per-name modules as views of it, as fuse_projections does with the dense weights
+        # fused q|k|v and gate|up: quantize the fused weight (per-row scales, so equal to quantizing each part) and
+        # keep the per-name modules as views of it, as fuse_projections does with the dense weights
         for names, fused_name in ((("q_proj", "k_proj", "v_proj"), "qkv_weight"), (("gate_proj", "up_proj"), "gate_up_weight")):
             fused = getattr(m, fused_name, None) if isinstance(m, (Attention, MLP)) else None
             if fused is None or isinstance(fused, QuantLinear):
