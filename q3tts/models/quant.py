@@ -38,13 +38,15 @@ INT4_GROUP_SIZES = (128, 64, 32)  # the largest that divides in_features is used
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-_PACKED: dict[int, object] = {}  # int8dyn: FBGEMM packed weights by handle (torch.compile passes ints, not objects)
+_PACKED: dict[int, object] = {}  # int8dyn: FBGEMM packed weights by handle (torch.compile passes tensors, not objects)
 
 
 @torch.library.custom_op("q3tts::int8dyn_linear", mutates_args=())
-def int8dyn_linear(x: torch.Tensor, handle: int, out_features: int, reduce_range: bool) -> torch.Tensor:
-    """x: [M, K] fp32 -> [M, N] fp32 with the packed weight (and bias) registered under handle."""
-    return torch.ops.quantized.linear_dynamic(x, _PACKED[handle], reduce_range)
+def int8dyn_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int, reduce_range: bool) -> torch.Tensor:
+    """x: [M, K] fp32 -> [M, N] fp32 with the packed weight (and bias) registered under handle (a 0-d int64 tensor:
+    an int would be a constant of the compiled graph, and the code-predictor step, which takes its head as an
+    argument, would compile once per head)."""
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[int(handle)], reduce_range)
 
 
 @int8dyn_linear.register_fake
@@ -75,9 +77,9 @@ class QuantLinear(nn.Module):
                 qw = torch.quantize_per_channel(wf, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0,
                                                 torch.qint8)
                 self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float())
-            self.handle = id(self)
-            _PACKED[self.handle] = self.packed
-            weakref.finalize(self, _PACKED.pop, self.handle, None)
+            self.register_buffer("handle", torch.tensor(id(self)), persistent=False)
+            _PACKED[id(self)] = self.packed
+            weakref.finalize(self, _PACKED.pop, id(self), None)
             self.bias, self.group_size = None, self.in_features  # the bias is packed with the weight
             self.reduce_range = not torch.cpu._is_vnni_supported()
             return
