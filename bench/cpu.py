@@ -11,8 +11,8 @@ frames asked for). Per (quantization, threads), after a warm-up:
 - streaming (first chunk 1 frame, the default schedule, the exact streaming vocoder): time to first audio
   p50 and the streaming real-time factor
 - a batch of --batch streams decoded together: aggregate audio seconds per second
-Prints a table and writes one JSON (--out). --compile adds the compiled variant (on CPU: the talker's decode step
-and the code-predictor step, each one torch.compile'd function). The JSON records the settings that shape the CPU
+Prints a table and writes one JSON (--out). --compile adds the compiled variant (decoder layers compiled one by one,
+the code-predictor step whole for one stream). The JSON records the settings that shape the CPU
 path (ISA torch dispatches to, VNNI, threads, compile).
 """
 
