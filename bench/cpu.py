@@ -1,4 +1,5 @@
-"""CPU benchmark: the engine as shipped, fp32 vs weight-only int8 / int4, at several thread counts.
+"""CPU benchmark: the engine as shipped, fp32 vs int8 / int4 (weight-only) / int8dyn (int8 weights and activations),
+at several thread counts.
 
     python -m bench.make_checkpoint --model 0.6B-CustomVoice --out /tmp/ck06
     CUDA_VISIBLE_DEVICES= python -m bench.cpu --ckpt /tmp/ck06 --threads 2,16 --out cpu.json
@@ -10,7 +11,9 @@ frames asked for). Per (quantization, threads), after a warm-up:
 - streaming (first chunk 1 frame, the default schedule, the exact streaming vocoder): time to first audio
   p50 and the streaming real-time factor
 - a batch of --batch streams decoded together: aggregate audio seconds per second
-Prints a table and writes one JSON (--out). --compile adds torch.compile'd decoder layers as a variant.
+Prints a table and writes one JSON (--out). --compile adds the compiled variant (decoder layers compiled one by one,
+the code-predictor step whole for one stream). The JSON records the settings that shape the CPU
+path (ISA torch dispatches to, VNNI, threads, compile).
 """
 
 from __future__ import annotations
@@ -68,20 +71,23 @@ def measure(tts, N: int, repeats: int, batch: int, ttfa_runs: int, speaker: str)
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--modes", default="fp32,int8,int4", help="fp32 (unquantized) and/or quantizations")
+    ap.add_argument("--modes", default="fp32,int8,int4,int8dyn", help="fp32 (unquantized) and/or quantizations")
     ap.add_argument("--threads", default="2", help="comma-separated torch.set_num_threads values")
     ap.add_argument("--frames", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--ttfa-runs", type=int, default=3)
-    ap.add_argument("--compile", default="off", help="off, on, or both (torch.compile of the decoder layers)")
+    ap.add_argument("--compile", default="off", help="off, on, or both (torch.compile of the decode steps)")
     ap.add_argument("--speaker", default="ryan")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from q3tts import TTS
     res = {"engine": "q3tts", "device": "cpu", "cpu": platform.processor() or platform.machine(),
            "cpu_count": os.cpu_count(), "torch": torch.__version__, "frames": a.frames, "batch": a.batch,
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": [],
+           "settings": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "vnni": torch.cpu._is_vnni_supported(),
+                        "amx": torch.cpu._is_amx_tile_supported(), "mkldnn": torch.backends.mkldnn.is_available(),
+                        "fused_qkv_gate_up": "quantized modes", "int8dyn_reduce_range": not torch.cpu._is_vnni_supported()}}
     try:
         res["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):

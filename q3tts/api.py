@@ -61,8 +61,9 @@ class TTS:
             gpu_memory: the memory budget in GB instead (a GPU shared with other work).
             compile: torch.compile the decoder layers and samplers before capturing CUDA graphs (default: on
                 for CUDA; ~1 min once per process, then 1.7x faster frames; Q3TTS_COMPILE=0 disables).
-            quantization: weight-only quantization of the talker and code predictor: None (exact), "int8" or
-                "int4" on CPU, "int8" or "fp8" on CUDA. Close to, not token-exact with, the unquantized model.
+            quantization: quantization of the talker and code predictor: None (exact), "int8" / "int4"
+                (weight-only) or "int8dyn" (int8 weights and activations: the fastest) on CPU, "int8" or "fp8" on
+                CUDA. Close to, not token-exact with, the unquantized model.
         """
         return cls(load_checkpoint(name_or_path, device, dtype, quantization), max_batch_size, max_seq_len, max_queue,
                    compile, gpu_memory_utilization, gpu_memory)

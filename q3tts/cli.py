@@ -60,8 +60,9 @@ def _common(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument("--dtype", default=None, help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--non-streaming-mode", choices=["true", "false"], default=None,
                    help="text placement in the prompt (official meaning); default as the official API")
-    p.add_argument("--quantization", default=None, help="weight-only: int8 / int4 (CPU), int8 / fp8 (CUDA); "
-                   "default none (exact; quantized output is close, not token-exact)")
+    p.add_argument("--quantization", default=None, help="int8 / int4 (weight-only) or int8dyn (int8 weights and "
+                   "activations) on CPU, int8 / fp8 (weight-only) on CUDA; default none (exact; quantized output is "
+                   "close, not token-exact)")
 
 
 def _read_text(a) -> str:

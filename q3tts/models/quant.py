@@ -11,21 +11,47 @@ fp32 F.linear 1.98 ms, int8 1.36 ms, int4 0.56 ms; 16 cores: 0.59 / 0.26 / 0.19 
   int4  groups of `group_size` inputs, asymmetric 4-bit (min/max -> 16 levels), CPU only:
         aten `_weight_int4pack_mm_for_cpu` (bf16 activations; torchao's CPU int4 layout uses the same op).
   fp8   per-output-channel float8_e4m3fn, scale = max|w_row| / 448, CUDA only (Triton dequant-in-GEMM).
-fp32 activations on CPU are rounded to bf16 for the quantized kernels (their fp32 variants measured 4-30x
+  int8dyn  int8 weights as int8 above, and int8 activations quantized on the fly (per call, one asymmetric
+        scale per input tensor: per token in decode), CPU only: FBGEMM's `quantized::linear_dynamic` (the
+        integer GEMM of torch's dynamic quantization; int32 accumulation). Not weight-only: the activation
+        rounding adds error, so it is the least exact CPU mode, and the fastest (one layer's linears, one row,
+        1 core of an AVX2 EPYC: int4 2.6-3.1 ms, int8 3.2-4.2, int8dyn 1.4-2.3, fp32 5.3).
+        Without VNNI the kernel multiplies u8 x s8 pairs into saturating int16, so activations keep 7 bits
+        there (`reduce_range`, as torch's own dynamic quantization does on x86); with VNNI all 8.
+fp32 activations on CPU are rounded to bf16 for the int8 / int4 kernels (their fp32 variants measured 4-30x
 slower); outputs come back in the activation dtype.
 """
 
 from __future__ import annotations
+
+import warnings
+import weakref
 
 import torch
 from torch import nn
 
 from .layers import MLP, Attention
 
-MODES = {"cpu": ("int8", "int4"), "cuda": ("int8", "fp8")}
-ALL_MODES = ("int8", "int4", "fp8")
+MODES = {"cpu": ("int8", "int4", "int8dyn"), "cuda": ("int8", "fp8")}
+ALL_MODES = ("int8", "int4", "fp8", "int8dyn")
 INT4_GROUP_SIZES = (128, 64, 32)  # the largest that divides in_features is used
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+_PACKED: dict[int, object] = {}  # int8dyn: FBGEMM packed weights by handle (torch.compile passes tensors, not objects)
+
+
+@torch.library.custom_op("q3tts::int8dyn_linear", mutates_args=())
+def int8dyn_linear(x: torch.Tensor, handle: torch.Tensor, out_features: int, reduce_range: bool) -> torch.Tensor:
+    """x: [M, K] fp32 -> [M, N] fp32 with the packed weight (and bias) registered under handle (a 0-d int64 tensor:
+    an int would be a constant of the compiled graph, and the code-predictor step, which takes its head as an
+    argument, would compile once per head)."""
+    return torch.ops.quantized.linear_dynamic(x, _PACKED[int(handle)], reduce_range)
+
+
+@int8dyn_linear.register_fake
+def _(x, handle, out_features, reduce_range):
+    return x.new_empty(x.shape[0], out_features)
 
 
 class QuantLinear(nn.Module):
@@ -43,6 +69,20 @@ class QuantLinear(nn.Module):
         self.mode, self.dtype = mode, w.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         wf = w.float()
+        self.packed = None  # int8dyn: FBGEMM's packed weight (an opaque object, not a tensor)
+        if mode == "int8dyn":
+            scale = (wf.abs().amax(1) / 127).clamp(min=1e-12)  # [N]
+            with warnings.catch_warnings():  # quantized tensors are deprecated; FBGEMM's prepack still takes one
+                warnings.simplefilter("ignore")
+                qw = torch.quantize_per_channel(wf, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0,
+                                                torch.qint8)
+                self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.detach().float())
+            self.register_buffer("handle", torch.tensor(id(self)), persistent=False)
+            _PACKED[id(self)] = self.packed
+            weakref.finalize(self, _PACKED.pop, id(self), None)
+            self.bias, self.group_size = None, self.in_features  # the bias is packed with the weight
+            self.reduce_range = not torch.cpu._is_vnni_supported()
+            return
         if mode in ("int8", "fp8"):
             qmax = 127.0 if mode == "int8" else FP8_MAX
             scale = (wf.abs().amax(1) / qmax).clamp(min=1e-12)  # [N]
@@ -71,7 +111,7 @@ class QuantLinear(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.qweight.device
+        return torch.device("cpu") if self.packed is not None else self.qweight.device
 
     @property
     def shape(self) -> torch.Size:
@@ -80,6 +120,8 @@ class QuantLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight the kernels multiply by, [N, K] fp32 (for tests and error analysis)."""
         N, K = self.out_features, self.in_features
+        if self.packed is not None:
+            return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
         if self.mode == "int4":
             eye = torch.eye(K, dtype=torch.bfloat16, device=self.device)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, self.group_size, self.scale).float().T
@@ -89,6 +131,9 @@ class QuantLinear(nn.Module):
         """x: [..., K] -> [..., N] in x's dtype."""
         lead, K = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, K)
+        if self.packed is not None:  # fp32 in and out; bias inside
+            y = int8dyn_linear(x2.float(), self.handle, self.out_features, self.reduce_range)
+            return y.to(x.dtype).view(*lead, self.out_features)
         if x.is_cuda:
             from ..kernels import quant_linear
             y = quant_linear(x2, self.qweight, self.scale)
@@ -116,20 +161,20 @@ def check_mode(mode: str | None, device: torch.device | str) -> str | None:
     ok = MODES.get(dev, ())
     if mode not in ok:
         raise ValueError(f"quantization {mode!r} is not available on {dev}; accepted on {dev}: "
-                         + (", ".join(("none",) + ok)) + " (int8/int4 on CPU, int8/fp8 on CUDA)")
+                         + (", ".join(("none",) + ok)) + " (int8/int4/int8dyn on CPU, int8/fp8 on CUDA)")
     return mode
 
 
 def quantize_(talker: nn.Module, mode: str | None, device: torch.device | str) -> None:
     """Replace the talker's per-frame linears by QuantLinear, in place (after loading, on the final device
-    and dtype, and after fuse_projections on CUDA). mode None or "none" leaves the model untouched.
-    Raises ValueError for a mode this device does not run."""
+    and dtype, and after fuse_projections, which the loader runs for CUDA and for quantized CPU runs). mode None
+    or "none" leaves the model untouched. Raises ValueError for a mode this device does not run."""
     mode = check_mode(mode, device)
     if mode is None:
         return
     for m in talker.modules():
-        # fused q|k|v and gate|up (CUDA): quantize the fused weight (per-row scales, so equal to quantizing each
-        # part) and keep the per-name modules as views of it, as fuse_projections does with the dense weights
+        # fused q|k|v and gate|up: quantize the fused weight (per-row scales, so equal to quantizing each part) and
+        # keep the per-name modules as views of it, as fuse_projections does with the dense weights
         for names, fused_name in ((("q_proj", "k_proj", "v_proj"), "qkv_weight"), (("gate_proj", "up_proj"), "gate_up_weight")):
             fused = getattr(m, fused_name, None) if isinstance(m, (Attention, MLP)) else None
             if fused is None or isinstance(fused, QuantLinear):
@@ -142,9 +187,11 @@ def quantize_(talker: nn.Module, mode: str | None, device: torch.device | str) -
                 part = QuantLinear.__new__(QuantLinear)
                 nn.Module.__init__(part)
                 part.out_features, part.in_features, part.mode, part.dtype = n, fq.in_features, mode, fq.dtype
-                part.bias, part.group_size = None, fq.group_size
-                part.register_buffer("qweight", fq.qweight[lo:lo + n])
-                part.register_buffer("scale", fq.scale[lo:lo + n])
+                part.bias, part.group_size, part.packed = None, fq.group_size, None
+                if fq.packed is None:
+                    part.register_buffer("qweight", fq.qweight[lo:lo + n])
+                    part.register_buffer("scale", fq.scale[lo:lo + n])
+                # NOTE: int8dyn parts hold nothing (a packed weight has no row views): only the fused module runs
                 setattr(m, name, part)
                 lo += n
     targets = [(parent, name, child) for parent in talker.modules() for name, child in parent.named_children()
@@ -167,11 +214,14 @@ def _per_frame_linears(talker: nn.Module) -> list[nn.Module]:
 
 
 def quantized_bytes(module: nn.Module) -> int:
-    """Bytes held by the module's parameters and buffers (views of one storage counted once)."""
+    """Bytes held by the module's parameters and buffers (views of one storage counted once) and packed weights."""
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
+    for m in module.modules():  # int8dyn: FBGEMM's packed int8 weight, a per-channel scale and the bias
+        if isinstance(m, QuantLinear) and m.packed is not None:
+            total += m.out_features * (m.in_features + 4 + (4 if m.packed.unpack()[1] is not None else 0))
     return total

@@ -21,7 +21,7 @@ class ServerSettings:
     port: int = 8000
     device: str | None = None  # default: cuda if available
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
-    quantization: str | None = None  # weight-only: int8 / int4 (cpu), int8 / fp8 (cuda); default none (exact)
+    quantization: str | None = None  # int8 / int4 / int8dyn (cpu), int8 / fp8 (cuda); default none (exact)
     voice_dir: str = ""  # stored voices (Base models): voices.sqlite3 + one .safetensors per voice
     max_text_length: int = 4096  # characters of `input`
     max_upload_bytes: int = 10 * 1024 * 1024  # a reference clip (multipart file or decoded base64)
@@ -66,8 +66,8 @@ _FLAGS = [
     ("--port", "port", int, "bind port"),
     ("--device", "device", str, "cuda, cuda:1, cpu (none: cuda if available)"),
     ("--dtype", "dtype", str, "bfloat16 / float16 / float32 (none: bf16 on GPU, fp32 on CPU)"),
-    ("--quantization", "quantization", str, "weight-only quantization: int8 / int4 (cpu), int8 / fp8 (cuda); "
-                                            "none (default) is exact"),
+    ("--quantization", "quantization", str, "int8 / int4 (weight-only) or int8dyn (int8 weights and "
+                                            "activations) on cpu, int8 / fp8 on cuda; none (default) is exact"),
     ("--voice-dir", "voice_dir", str, "directory of stored voices (created if missing)"),
     ("--max-text-length", "max_text_length", int, "maximum characters of input text"),
     ("--max-upload-bytes", "max_upload_bytes", int, "maximum size of a reference audio upload"),

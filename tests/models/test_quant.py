@@ -13,7 +13,8 @@ from q3tts.kernels import linear
 from q3tts.models.quant import QuantLinear, quantize_
 from tests.golden import fixtures
 
-CPU_MODES = ("int8", "int4")
+CPU_MODES = ("int8", "int4", "int8dyn")
+WEIGHT_ONLY = ("int8", "int4")
 
 
 def step_bound(w: torch.Tensor, mode: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,7 +29,7 @@ def step_bound(w: torch.Tensor, mode: str, group_size: int) -> tuple[torch.Tenso
     return (step / 2).expand_as(g).reshape_as(w), g.abs().amax(-1, keepdim=True).expand_as(g).reshape_as(w)
 
 
-@pytest.mark.parametrize("mode", CPU_MODES)
+@pytest.mark.parametrize("mode", WEIGHT_ONLY)
 @pytest.mark.parametrize("shape", [(96, 64), (256, 128), (64, 384)])
 def test_quant_linear_within_the_step_bound(mode, shape):
     torch.manual_seed(0)
@@ -50,6 +51,28 @@ def test_quant_linear_within_the_step_bound(mode, shape):
     # and the kernel multiplies by the weight it reports, within the same bound per element (so the packing
     # convention is the one assumed here: a wrong zero point or nibble order is off by whole steps)
     assert ((q.dequantized().double() - w.double()).abs() <= half_step + 2 ** -7 * m + 1e-7).all()
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (256, 128), (64, 384)])
+def test_int8dyn_within_the_weight_and_activation_step_bounds(shape):
+    torch.manual_seed(0)
+    N, K = shape
+    w, b, x = torch.randn(N, K) * 0.05, torch.randn(N), torch.randn(3, 5, K)
+    q = QuantLinear(w, b, "int8dyn")
+    y = q(x)
+    assert y.shape == (3, 5, N) and y.dtype == torch.float32
+    # the weight: int8 per channel, within half a step of w (the packed weight is what the kernel multiplies by)
+    half_step, _ = (t.double() for t in step_bound(w, "int8", K))
+    wq = q.dequantized().double()
+    assert ((wq - w.double()).abs() <= half_step + 1e-7).all()
+    # the activations: one asymmetric scale over the whole input, range (incl. 0) / 127 (7 bits without VNNI) or
+    # / 255, so each x_k moves by at most half a step: |y_q - x @ wq.T - b| <= step / 2 * sum_k |wq_k| (+ fp32 rounding)
+    xd = x.double().reshape(-1, K)
+    levels = 127 if q.reduce_range else 255
+    step = (xd.max().clamp(min=0) - xd.min().clamp(max=0)) / levels
+    bound = step / 2 * wq.abs().sum(1) * 1.001 + 1e-5
+    ref = xd @ wq.T + b.double()
+    assert ((y.double().reshape(-1, N) - ref).abs() <= bound).all()
 
 
 def test_kernels_linear_runs_a_quantized_module_given_as_weight():
@@ -81,8 +104,8 @@ def _talker_logits(tts, n_frames=6):
 def test_each_cpu_mode_loads_generates_streams_and_stays_close(mode):
     tts = _tts(mode)
     quantized = [m for m in tts.ckpt.talker.modules() if isinstance(m, QuantLinear)]
-    # 2 talker + 2 code-predictor layers x 7 projections, codec_head, 15 code-predictor heads
-    assert len(quantized) == 4 * 7 + 1 + 15 and not any(type(m) is nn.Linear for m in (
+    # 2 talker + 2 code-predictor layers x (7 projections + fused q|k|v and gate|up), codec_head, 15 heads
+    assert len(quantized) == 4 * 9 + 1 + 15 and not any(type(m) is nn.Linear for m in (
         tts.ckpt.talker.codec_head, *tts.ckpt.talker.code_predictor.lm_head))
     assert all(m.mode == mode for m in quantized)
     assert type(tts.ckpt.talker.text_projection.linear_fc1) is nn.Linear  # prompt-only: left dense
@@ -103,7 +126,11 @@ def test_each_cpu_mode_loads_generates_streams_and_stays_close(mode):
     # These errors are independent across the ~9 linears on a path through the tiny model (2 layers x 3 on the
     # path + heads) and add in quadrature (~3x), and the bf16 activations add 2^-9 each: ~3% (int8), ~27% (int4)
     # of the logits' scale. Held to the max over every logit relative to the largest logit, with ~2x margin.
-    tol = {"int8": 0.06, "int4": 0.5}[mode]
+    # int8dyn adds the activations' rounding: one scale over the row's range / 127 levels (7 bits without VNNI).
+    # For Gaussian activations (range ~7 sigma) the step is ~0.055 sigma, ~1.6% of a linear's output (step / sqrt(12)
+    # against sigma), but down_proj's input silu(gate) * up is heavy-tailed (range >> 7 sigma): ~3-5% there, so
+    # ~5% per linear on the path's mean and ~10% over it (measured: 4% talker, 10% code predictor); same ~2x margin.
+    tol = {"int8": 0.06, "int4": 0.5, "int8dyn": 0.2}[mode]
     for q, r in ((q_t, ref_t), (q_c, ref_c)):
         rel = (q - r).abs().max() / r.abs().max()
         assert rel < tol, (mode, float(rel))
@@ -111,8 +138,9 @@ def test_each_cpu_mode_loads_generates_streams_and_stays_close(mode):
 
 
 @pytest.mark.parametrize("mode,device,match", [
-    ("int3", "cpu", "unknown quantization 'int3'; accepted: none, int8, int4, fp8"),
-    ("fp8", "cpu", "not available on cpu; accepted on cpu: none, int8, int4"),
+    ("int3", "cpu", "unknown quantization 'int3'; accepted: none, int8, int4, fp8, int8dyn"),
+    ("fp8", "cpu", "not available on cpu; accepted on cpu: none, int8, int4, int8dyn"),
+    ("int8dyn", "cuda", "not available on cuda; accepted on cuda: none, int8, fp8"),
     ("int4", "cuda", "not available on cuda; accepted on cuda: none, int8, fp8"),
 ])
 def test_a_bad_mode_is_a_clear_error(mode, device, match):
@@ -123,7 +151,7 @@ def test_a_bad_mode_is_a_clear_error(mode, device, match):
 
 def test_from_pretrained_rejects_a_bad_mode_before_loading():
     from q3tts import TTS
-    with pytest.raises(ValueError, match="accepted: none, int8, int4, fp8"):
+    with pytest.raises(ValueError, match="accepted: none, int8, int4, fp8, int8dyn"):
         TTS.from_pretrained(fixtures.checkpoint("cv06"), device="cpu", quantization="int2")
 
 
