@@ -271,8 +271,8 @@ def main(argv=None) -> None:
 
     def finish(case, proc, t0, timeout):
         try:
-            out, err = proc.communicate(timeout=max(1.0, timeout))
-            line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+            stdout, err = proc.communicate(timeout=max(1.0, timeout))
+            line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
             res = json.loads(line[7:]) if line else {"case": case, "ok": False, "error": "no result"}
             if not res.get("ok"):
                 res["stderr_tail"] = err[-3000:]
