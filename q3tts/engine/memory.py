@@ -145,6 +145,9 @@ def device_room(device, gpu_memory_utilization: float | None = None, gpu_memory_
     """Bytes the engine may still allocate on a CUDA device: the budget less what PyTorch holds now (the weights),
     and never more than the device has free (other processes count there)."""
     import torch
+    device = torch.device(device)
+    if device.index is None:  # "cuda": the current device (get_per_process_memory_fraction needs an index)
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
     cap = _fraction_cap(torch, device, total)  # a process limited to part of the device sees that part as its GPU

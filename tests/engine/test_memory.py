@@ -157,7 +157,11 @@ def test_size_engine_on_a_simulated_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (total - held["bytes"] - 5 * 10**8, total))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: held["bytes"])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: held["bytes"])
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d=None: fraction["f"])
+    def get_fraction(d):  # as torch's: a device without an index is refused
+        assert isinstance(d, int) or torch.device(d).index is not None, d
+        return fraction["f"]
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", get_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     per = M.slot_bytes(real.cfg.talker).per_position  # the tiny model's: a few KiB per position
     slots, n, _ = M.size_engine(Ckpt, None, None)
     assert (slots, n) == (M.DEFAULT_MAX_SLOTS, M.DEFAULT_SEQ_LEN)  # tiny model: the cap binds
