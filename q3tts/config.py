@@ -157,18 +157,10 @@ def dataclass_kwargs(cls: type, d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layers(d: dict[str, Any], cls: type, **extra: Any) -> Any:
-    return cls(
-        hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
-        num_hidden_layers=d["num_hidden_layers"],
-        num_attention_heads=d["num_attention_heads"],
-        num_key_value_heads=d["num_key_value_heads"],
-        head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=d.get("rope_theta", 10000.0),
-        vocab_size=d["vocab_size"],
-        **extra,
-    )
+    """A decoder stack's config: the fields of cls that d has (head_dim, rms_norm_eps and rope_theta defaulting as
+    upstream's), then `extra`."""
+    defaults = {"head_dim": d["hidden_size"] // d["num_attention_heads"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    return cls(**{**defaults, **dataclass_kwargs(cls, d), **extra})
 
 
 def parse_model_config(d: dict[str, Any]) -> ModelConfig:
@@ -179,27 +171,15 @@ def parse_model_config(d: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json: tokenizer_type {d.get('tokenizer_type')!r} is not supported "
                          "(only the 12 Hz models: qwen3_tts_tokenizer_12hz)")
     t = d["talker_config"]
-    cp = _layers(t["code_predictor_config"], CodePredictorConfig,
-                 num_code_groups=t["code_predictor_config"].get("num_code_groups", 16))
     rope = t.get("rope_scaling") or {}
     talker = _layers(
         t, TalkerConfig,
-        text_hidden_size=t["text_hidden_size"],
-        text_vocab_size=t["text_vocab_size"],
-        num_code_groups=t.get("num_code_groups", 16),
         mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
         mrope_interleaved=bool(rope.get("interleaved", False)),
-        codec_bos_id=t["codec_bos_id"],
-        codec_eos_token_id=t["codec_eos_token_id"],
-        codec_pad_id=t["codec_pad_id"],
-        codec_think_id=t["codec_think_id"],
-        codec_nothink_id=t["codec_nothink_id"],
-        codec_think_bos_id=t["codec_think_bos_id"],
-        codec_think_eos_id=t["codec_think_eos_id"],
         codec_language_id={k.lower(): v for k, v in t.get("codec_language_id", {}).items()},
         spk_id={k.lower(): v for k, v in (t.get("spk_id") or {}).items()},
         spk_is_dialect={k.lower(): v for k, v in (t.get("spk_is_dialect") or {}).items()},
-        code_predictor=cp,
+        code_predictor=_layers(t["code_predictor_config"], CodePredictorConfig),
     )
     spk = None
     if model_type == "base":
@@ -228,8 +208,7 @@ def parse_speech_tokenizer_config(d: dict[str, Any]) -> SpeechTokenizerConfig:
 
 
 def parse_generation_defaults(d: dict[str, Any]) -> GenerationDefaults:
-    fields = GenerationDefaults.__dataclass_fields__
-    return GenerationDefaults(**{k: v for k, v in d.items() if k in fields})
+    return GenerationDefaults(**dataclass_kwargs(GenerationDefaults, d))
 
 
 def read_json(path: str | Path) -> dict[str, Any]:
