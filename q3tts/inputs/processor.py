@@ -115,11 +115,14 @@ class InputProcessor:
     def voice_clone(self, text, voice_clone_prompt, language=None, non_streaming_mode: bool = False,
                     load_voice=None, **kwargs) -> list[PreparedRequest]:
         """voice_clone_prompt: items (ours or qwen_tts's), Voices, voice file paths (read with load_voice), or
-        upstream's dict of lists; one for all texts or one per text."""
+        upstream's dict of lists; one for all texts or one per text. Or a function that returns them (a clone of
+        reference audio), called once the model type and the languages have passed: nothing is cloned in vain."""
         self.require("base", "generate_voice_clone")
         texts = _as_list(text)
         n = len(texts)
         languages = [self.language(x) for x in _as_list(language, n, "language")]
+        if callable(voice_clone_prompt):
+            voice_clone_prompt = voice_clone_prompt()
         items = _as_list(self.voice_items(voice_clone_prompt, load_voice), n, "voice_clone_prompt")
         checked = [self.check_item(i, it) for i, it in enumerate(items)]
         specs = [self.builder.spec(lang, has_xvector=emb is not None, ref_text=it.ref_text,

@@ -92,16 +92,17 @@ class SpeechServing:
                                    "the voice from a description, e.g. \"A warm, low female voice, speaking slowly\"",
                                    param="instructions", code="missing_instructions")
                 return proc.voice_design(text, instructions, req.language, **kw)[0]
-            proc.language(req.language)  # a bad language is answered before the reference is cloned
-            if req.ref_audio:
-                item = await self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)
-            elif req.voice_name:
-                item = self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)
-            else:
+
+            def voice():  # the processor calls it once the language has passed: a bad one is answered before cloning
+                if req.ref_audio:
+                    return [self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)]
+                if req.voice_name:
+                    return [self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)]
                 raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
-            return proc.voice_clone(text, [item], req.language, **kw)[0]
+            # off the event loop: cloning a reference (or reading a voice file) takes a while
+            return (await asyncio.to_thread(proc.voice_clone, text, voice, req.language, **kw))[0]
         except InputError as e:  # it names the library's argument: name this API's field instead
             field = API_FIELDS.get(e.param, e.param)
             msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)

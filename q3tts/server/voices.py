@@ -204,18 +204,15 @@ class VoiceService:
         except ValueError as e:
             raise ApiError(400, str(e), param="ref_audio", code="invalid_reference") from e
 
-    async def inline_prompt_item(self, ref_audio: str, ref_text: str | None, xvec: bool):
-        """A request's own reference (base64 / data URL), cloned off the event loop; recent ones are cached.
-        Called for Base models only (serving.prepare's Base branch)."""
+    def inline_prompt_item(self, ref_audio: str, ref_text: str | None, xvec: bool):
+        """A request's own reference (base64 / data URL), cloned; recent ones are cached. Called for Base models
+        only, in a worker thread (serving.prepare's Base branch): the cache takes only single dict operations."""
         audio = decode_base64_audio(ref_audio, self.max_upload_bytes, "ref_audio")
         key = hashlib.sha256(audio + b"\0" + (ref_text or "").encode() + (b"x" if xvec else b"i")).hexdigest()
-        voice = self._inline.get(key)
-        if voice is None:
-            voice = await asyncio.to_thread(self._clone, audio, ref_text, xvec)
-            self._inline[key] = voice
-            while len(self._inline) > 32:
-                self._inline.popitem(last=False)
-        self._inline.move_to_end(key)
+        voice = self._inline.pop(key, None) or self._clone(audio, ref_text, xvec)
+        self._inline[key] = voice  # (again) the most recent
+        while len(self._inline) > 32:
+            self._inline.popitem(last=False)
         return voice.to_prompt_item(True if xvec else None)
 
     async def create(self, name: str, audio: bytes, ref_text: str | None, xvec: bool) -> VoiceObject:
