@@ -180,14 +180,12 @@ async def list_models(raw_request: Request) -> ModelList:
 
 @router.get("/health")
 async def health(raw_request: Request):
-    """503 once the engine cannot serve: its thread stopped, or a CUDA error poisoned the device context
-    (every later step would fail too). A failed step of another kind is reported but not fatal."""
+    """503 once the engine cannot serve (AsyncEngine.healthy); the last failed step is reported either way."""
     engine = _state(raw_request).engine
-    err = engine.last_error
-    ok = engine.is_alive() and not (err and "CUDA" in err)
+    ok = engine.healthy()
     body = {"status": "ok" if ok else "unhealthy"}
-    if err:
-        body["last_error"] = err
+    if engine.last_error:
+        body["last_error"] = engine.last_error
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

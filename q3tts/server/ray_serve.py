@@ -80,12 +80,10 @@ class Q3TTSReplica:
         return self._app
 
     def check_health(self) -> None:
-        """Serve replaces a replica whose check raises: its engine thread died, or a CUDA error poisoned the
-        device (the same rule as /health)."""
+        """Serve replaces a replica whose check raises: its engine cannot serve (the rule of /health)."""
         engine = self._app.state.engine
-        err = engine.last_error
-        if not engine.is_alive() or (err and "CUDA" in err):
-            raise RuntimeError(f"replica {self.replica_id} cannot serve: {err or 'engine stopped'}")
+        if not engine.healthy():
+            raise RuntimeError(f"replica {self.replica_id} cannot serve: {engine.last_error or 'engine stopped'}")
 
 
 def deployment_options(settings: ServerSettings, num_cpus: float, num_gpus: float, replicas: int = 1,
