@@ -168,7 +168,7 @@ class VoiceService:
         for v in self.list():
             if v.id == voice_id or v.name == voice_id:
                 return v
-        raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id", code="voice_not_found")
+        raise _not_found(voice_id)
 
     def names_hint(self) -> str:
         if self.store is None:
@@ -235,10 +235,12 @@ class VoiceService:
             if voice_id in self.builtin():
                 raise ApiError(400, f"{voice_id!r} is a built-in speaker of this model and cannot be deleted",
                                param="voice_id", code="voice_not_deletable")
-            raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id",
-                           code="voice_not_found")
+            raise _not_found(voice_id)
         rec = self.store.find(voice_id)
         if rec is None or not self.store.delete(rec.id):
-            raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id",
-                           code="voice_not_found")
+            raise _not_found(voice_id)
         return VoiceDeleted(id=rec.id)
+
+
+def _not_found(voice_id: str) -> ApiError:
+    return ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id", code="voice_not_found")
