@@ -299,12 +299,9 @@ class VoiceCloner:
             else:  # upstream: one by one
                 codes = [None if xv else self.encode([w])[0] for w, xv in zip(enc_in, xvecs)]
 
-        items = []
-        for w24, code, t, xv in zip(wavs24, codes, texts, xvecs):
-            items.append(VoiceClonePromptItem(ref_code=None if xv else code,
-                                              ref_spk_embedding=self.speaker_embedding(w24),
-                                              x_vector_only_mode=bool(xv), icl_mode=not xv, ref_text=t))
-        return items
+        return [VoiceClonePromptItem(ref_code=None if xv else code, ref_spk_embedding=self.speaker_embedding(w24),
+                                     x_vector_only_mode=bool(xv), icl_mode=not xv, ref_text=t)
+                for w24, code, t, xv in zip(wavs24, codes, texts, xvecs)]
 
     def create_voice(self, ref_audio: Any, ref_text: str | None = None, x_vector_only_mode: bool = False,
                      name: str | None = None, **kwargs) -> Voice:
