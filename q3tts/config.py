@@ -183,28 +183,16 @@ def parse_model_config(d: dict[str, Any]) -> ModelConfig:
     )
     spk = None
     if model_type == "base":
-        s = d.get("speaker_encoder_config") or {}
-        spk = SpeakerEncoderConfig(**dataclass_kwargs(SpeakerEncoderConfig, s))
-    return ModelConfig(
-        tts_model_type=model_type,
-        tts_model_size=d.get("tts_model_size", ""),
-        tokenizer_type=d.get("tokenizer_type", "qwen3_tts_tokenizer_12hz"),
-        talker=talker,
-        speaker_encoder=spk,
-        **{k: d[k] for k in ("im_start_token_id", "im_end_token_id", "tts_pad_token_id",
-                             "tts_bos_token_id", "tts_eos_token_id", "assistant_token_id") if k in d},
-    )
+        spk = SpeakerEncoderConfig(**dataclass_kwargs(SpeakerEncoderConfig, d.get("speaker_encoder_config") or {}))
+    # the special token ids default in ModelConfig
+    defaults = {"tts_model_size": "", "tokenizer_type": "qwen3_tts_tokenizer_12hz"}
+    return ModelConfig(**{**defaults, **dataclass_kwargs(ModelConfig, d), "talker": talker, "speaker_encoder": spk})
 
 
 def parse_speech_tokenizer_config(d: dict[str, Any]) -> SpeechTokenizerConfig:
-    dec = d.get("decoder_config") or {}
-    decoder = Code2WavConfig(**dataclass_kwargs(Code2WavConfig, dec))
-    return SpeechTokenizerConfig(
-        decoder=decoder,
-        encoder=d.get("encoder_config") or {},
-        **{k: d[k] for k in ("encoder_valid_num_quantizers", "input_sample_rate", "output_sample_rate",
-                             "decode_upsample_rate", "encode_downsample_rate") if k in d},
-    )
+    decoder = Code2WavConfig(**dataclass_kwargs(Code2WavConfig, d.get("decoder_config") or {}))
+    return SpeechTokenizerConfig(**{**dataclass_kwargs(SpeechTokenizerConfig, d), "decoder": decoder,
+                                    "encoder": d.get("encoder_config") or {}})
 
 
 def parse_generation_defaults(d: dict[str, Any]) -> GenerationDefaults:
