@@ -203,8 +203,6 @@ def serve_main(settings: ServerSettings) -> int:
     try:
         start(settings)
         _stop_on_signals()
-        if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("serving on %s without an API key (--api-key)", settings.host)
         log.info("Ray Serve: %d replica(s)%s of %s on http://%s:%d, up in %.1f s", max(1, settings.replicas),
                  f" (autoscaling up to {settings.max_replicas})" if settings.max_replicas else "", settings.model,
                  settings.host, settings.port, time.perf_counter() - t0)
