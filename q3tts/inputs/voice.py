@@ -284,10 +284,8 @@ class VoiceCloner:
         loaded = [load_audio(a, allow_urls=allow_urls, allow_paths=allow_paths, limits=limits,
                              what=f"ref_audio[{i}]" if n > 1 else "ref_audio") for i, a in enumerate(audios)]
         for i, ((wav, sr), t, xv) in enumerate(zip(loaded, texts, xvecs)):
-            if not xv:
-                msg = ref_text_mismatch(t, wav, sr)
-                if msg:
-                    warnings.warn(f"ref_audio[{i}]: {msg}", RefTextWarning, stacklevel=2)
+            if not xv and (msg := ref_text_mismatch(t, wav, sr)):
+                warnings.warn(f"ref_audio[{i}]: {msg}", RefTextWarning, stacklevel=2)
         wavs24 = [resample(wav, sr, TARGET_SR) for wav, sr in loaded]
 
         codes: list[torch.Tensor | None] = [None] * n
