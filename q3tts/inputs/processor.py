@@ -75,10 +75,8 @@ class InputProcessor:
         unknown = sorted(set(kwargs) - self.gen_kwargs)
         if unknown:
             log.warning("ignoring unsupported generation argument(s): %s", ", ".join(unknown))
-        p = SamplingParams(**{f: getattr(self.defaults, f) for f in GenerationDefaults.__dataclass_fields__})
-        for k, v in kwargs.items():
-            if k in self.gen_kwargs and v is not None:
-                setattr(p, k, v)
+        given = {k: v for k, v in kwargs.items() if k in self.gen_kwargs and v is not None}
+        p = SamplingParams(**{**dataclasses.asdict(self.defaults), **given})
         if kwargs.get("seed") is None:
             p.seed = random.randrange(1 << 31)
         try:
