@@ -8,6 +8,7 @@ No torch import here: the scheduler and the HTTP layer may read configs too.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,10 +94,7 @@ class Code2WavConfig:
     @property
     def total_upsample(self) -> int:
         """Waveform samples per codec frame (1920 = 24 kHz / 12.5 Hz)."""
-        n = 1
-        for r in (*self.upsample_rates, *self.upsampling_ratios):
-            n *= r
-        return n
+        return math.prod((*self.upsample_rates, *self.upsampling_ratios))
 
 
 @dataclass(slots=True)
