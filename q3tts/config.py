@@ -41,8 +41,6 @@ class TalkerConfig(DecoderLayerConfig):
     text_hidden_size: int = 2048
     text_vocab_size: int = 151936
     num_code_groups: int = 16
-    mrope_section: tuple[int, ...] = (24, 20, 20)
-    mrope_interleaved: bool = True
     codec_bos_id: int = 2149
     codec_eos_token_id: int = 2150
     codec_pad_id: int = 2148
@@ -102,9 +100,6 @@ class SpeechTokenizerConfig:
     decoder: Code2WavConfig
     encoder: dict[str, Any]  # Mimi config, used by the codec encoder (voice cloning)
     encoder_valid_num_quantizers: int = 16
-    input_sample_rate: int = 24000
-    output_sample_rate: int = 24000
-    decode_upsample_rate: int = 1920
     encode_downsample_rate: int = 1920
 
 
@@ -131,12 +126,9 @@ class ModelConfig:
     tokenizer_type: str
     talker: TalkerConfig
     speaker_encoder: SpeakerEncoderConfig | None
-    im_start_token_id: int = 151644
-    im_end_token_id: int = 151645
     tts_pad_token_id: int = 151671
     tts_bos_token_id: int = 151672
     tts_eos_token_id: int = 151673
-    assistant_token_id: int = 77091
 
     @property
     def speakers(self) -> list[str]:
@@ -169,11 +161,8 @@ def parse_model_config(d: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json: tokenizer_type {d.get('tokenizer_type')!r} is not supported "
                          "(only the 12 Hz models: qwen3_tts_tokenizer_12hz)")
     t = d["talker_config"]
-    rope = t.get("rope_scaling") or {}
     talker = _layers(
         t, TalkerConfig,
-        mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
-        mrope_interleaved=bool(rope.get("interleaved", False)),
         codec_language_id={k.lower(): v for k, v in t.get("codec_language_id", {}).items()},
         spk_id={k.lower(): v for k, v in (t.get("spk_id") or {}).items()},
         spk_is_dialect={k.lower(): v for k, v in (t.get("spk_is_dialect") or {}).items()},
