@@ -189,13 +189,6 @@ class VoiceService:
             raise ApiError(400, f"voice {key!r}: {e}", param="voice") from e
 
     # ---- cloning
-    def _require_base(self) -> None:
-        if self.store is None:
-            what = ("its voices are the built-in speakers: " + ", ".join(self.builtin())
-                    if self.model_type == "custom_voice" else "describe the voice in `instructions` instead")
-            raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model ({what})",
-                           param="voice", code="unsupported_for_model")
-
     def _clone(self, audio: bytes, ref_text: str | None, xvec: bool, name: str | None = None) -> Voice:
         """Reference clip bytes (their size already checked where they came in) -> a Voice."""
         try:
@@ -216,7 +209,11 @@ class VoiceService:
         return voice.to_prompt_item(True if xvec else None)
 
     async def create(self, name: str, audio: bytes, ref_text: str | None, xvec: bool) -> VoiceObject:
-        self._require_base()
+        if self.store is None:
+            what = ("its voices are the built-in speakers: " + ", ".join(self.builtin())
+                    if self.model_type == "custom_voice" else "describe the voice in `instructions` instead")
+            raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model ({what})",
+                           param="voice", code="unsupported_for_model")
         name = (name or "").strip()
         if not NAME_RE.match(name) or ID_RE.match(name):
             raise ApiError(400, f"invalid voice name {name!r}: 1-64 letters, digits, spaces, '_', '.', '-' "
