@@ -212,8 +212,8 @@ class VoiceService:
         if self.store is None:
             what = ("its voices are the built-in speakers: " + ", ".join(self.builtin())
                     if self.model_type == "custom_voice" else "describe the voice in `instructions` instead")
-            raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model ({what})",
-                           param="voice", code="unsupported_for_model")
+            raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model "
+                           f"({what})", param="voice", code="unsupported_for_model")
         name = (name or "").strip()
         if not NAME_RE.match(name) or ID_RE.match(name):
             raise ApiError(400, f"invalid voice name {name!r}: 1-64 letters, digits, spaces, '_', '.', '-' "
