@@ -28,7 +28,8 @@ def triton_dot(bn, bk, warps, stages):
 def triton_sum(bn, bk, warps, stages):
     def f(x, w, y):
         N, K = w.shape
-        _gemv_row[(N // bn,)](x, w, y, N, K, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        _gemv_row[(N // bn,)](x, w, w, y, N, K, BLOCK_N=bn, BLOCK_K=bk, SCALED=False, num_warps=warps,
+                              num_stages=stages)
         return y
     return f
 

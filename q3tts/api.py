@@ -110,13 +110,14 @@ class TTS:
 
     def prepare_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
                             voice_clone_prompt=None, non_streaming_mode: bool = False, **kwargs) -> list[PreparedRequest]:
-        self.processor.require("base", "generate_voice_clone")
         audio_kw = {k: kwargs.pop(k) for k in ("append_silence", "allow_urls", "allow_paths", "limits") if k in kwargs}
-        if voice_clone_prompt is None:
+
+        def clone():  # the processor calls it once the model type and language have passed
             if ref_audio is None:
                 raise ValueError("Either `voice_clone_prompt` or `ref_audio` must be provided.")
-            voice_clone_prompt = self.create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode, **audio_kw)
-        return self.processor.voice_clone(text, voice_clone_prompt, language, non_streaming_mode, **kwargs)
+            return self.create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode, **audio_kw)
+        return self.processor.voice_clone(text, clone if voice_clone_prompt is None else voice_clone_prompt, language,
+                                          non_streaming_mode, **kwargs)
 
     def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
         """Run the talker + code predictor for prepared requests -> codes [T_i, 16] each."""

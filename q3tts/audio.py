@@ -25,7 +25,7 @@ import io
 import math
 import os
 import re
-import wave
+import struct
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -287,18 +287,21 @@ def to_s16(audio: np.ndarray) -> np.ndarray:
     return np.round(np.clip(np.nan_to_num(audio), -1.0, 1.0) * 32767.0).astype("<i2")
 
 
+def wav_header(sample_rate: int, data_bytes: int | None, channels: int = 1) -> bytes:
+    """The 44-byte RIFF/WAVE header of 16-bit PCM; data_bytes None: a stream of unknown length (RIFF and data
+    sizes 0xFFFFFFFF, "until the end of the stream")."""
+    riff, data = (0xFFFFFFFF, 0xFFFFFFFF) if data_bytes is None else (36 + data_bytes, data_bytes)
+    block = channels * 2
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE" + b"fmt " +
+            struct.pack("<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block, block, 16) +
+            b"data" + struct.pack("<I", data))
+
+
 def wav_bytes(wav: np.ndarray, sr: int) -> bytes:
     """float waveform [N] (or [N, C]) in [-1, 1] -> 16-bit PCM WAV file bytes (clipped, rounded)."""
     a = np.asarray(wav, dtype=np.float32)
-    channels = 1 if a.ndim == 1 else a.shape[1]
-    pcm = to_s16(a)
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(2)
-        w.setframerate(int(sr))
-        w.writeframes(pcm.tobytes())
-    return buf.getvalue()
+    pcm = to_s16(a).tobytes()
+    return wav_header(int(sr), len(pcm), 1 if a.ndim == 1 else a.shape[1]) + pcm
 
 
 def write_wav(path: str | os.PathLike, wav: np.ndarray, sr: int) -> None:

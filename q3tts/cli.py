@@ -152,9 +152,7 @@ def cmd_say(a) -> int:
 
 def cmd_clone(a) -> int:
     from .inputs.voice import VoiceCloner, voice_summary
-    ref_text = a.ref_text
-    if a.ref_text_file:
-        ref_text = open(a.ref_text_file, encoding="utf-8").read().strip()
+    ref_text = Path(a.ref_text_file).read_text(encoding="utf-8").strip() if a.ref_text_file else a.ref_text
     progress = Progress(label="clone", enabled=False if a.quiet else None)
     progress.stage(f"loading the encoders of {a.model}…")
     cloner = VoiceCloner.from_pretrained(a.model, device=a.device or "cpu")
@@ -299,19 +297,22 @@ def cmd_voices(a) -> int:
 
 
 def cmd_serve(argv: list[str]) -> int:
+    """One server process (server.app), or replicas behind Ray Serve (--replicas / --ray-address)."""
+    import logging
+
     from .server.settings import parse_args
     settings = parse_args(argv)
-    if settings.replicas or settings.max_replicas or settings.ray_address:  # replicas behind Ray Serve
-        import logging
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("q3tts.server").warning("serving on %s without an API key (--api-key)", settings.host)
+    if settings.replicas or settings.max_replicas or settings.ray_address:
         try:
             from .server.ray_serve import serve_main
         except ImportError as e:
             raise SystemExit(f"--replicas / --ray-address need Ray Serve: pip install 'q3tts[ray]' ({e})") from None
         return serve_main(settings)
     from .server.app import main
-    return main(argv)
+    return main(settings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import os
 import queue
-import struct
 import sys
 import threading
 import time
 
 import numpy as np
 
-from .audio import to_s16
+from .audio import to_s16, wav_header
 
 
 class WavWriter:
@@ -30,13 +29,8 @@ class WavWriter:
     def __init__(self, path: str | os.PathLike, sample_rate: int):
         self.path, self.sample_rate, self.samples = path, sample_rate, 0
         self.f = open(path, "wb")
-        self.f.write(self._header(0))
+        self.f.write(wav_header(sample_rate, 0))
         self.f.flush()
-
-    def _header(self, data_bytes: int) -> bytes:
-        sr = self.sample_rate
-        return (b"RIFF" + struct.pack("<I", 36 + data_bytes) + b"WAVE" + b"fmt " +
-                struct.pack("<IHHIIHH", 16, 1, 1, sr, sr * 2, 2, 16) + b"data" + struct.pack("<I", data_bytes))
 
     def write(self, audio: np.ndarray) -> None:
         """audio: float32 [-1, 1] (or int16), mono."""
@@ -45,7 +39,7 @@ class WavWriter:
         self.f.write(pcm.astype("<i2", copy=False).tobytes())
         self.samples += len(pcm)
         self.f.seek(0)
-        self.f.write(self._header(self.samples * 2))
+        self.f.write(wav_header(self.sample_rate, self.samples * 2))
         self.f.flush()
 
     @property

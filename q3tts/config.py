@@ -8,6 +8,7 @@ No torch import here: the scheduler and the HTTP layer may read configs too.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,6 @@ class TalkerConfig(DecoderLayerConfig):
     text_hidden_size: int = 2048
     text_vocab_size: int = 151936
     num_code_groups: int = 16
-    mrope_section: tuple[int, ...] = (24, 20, 20)
-    mrope_interleaved: bool = True
     codec_bos_id: int = 2149
     codec_eos_token_id: int = 2150
     codec_pad_id: int = 2148
@@ -93,10 +92,7 @@ class Code2WavConfig:
     @property
     def total_upsample(self) -> int:
         """Waveform samples per codec frame (1920 = 24 kHz / 12.5 Hz)."""
-        n = 1
-        for r in (*self.upsample_rates, *self.upsampling_ratios):
-            n *= r
-        return n
+        return math.prod((*self.upsample_rates, *self.upsampling_ratios))
 
 
 @dataclass(slots=True)
@@ -104,9 +100,6 @@ class SpeechTokenizerConfig:
     decoder: Code2WavConfig
     encoder: dict[str, Any]  # Mimi config, used by the codec encoder (voice cloning)
     encoder_valid_num_quantizers: int = 16
-    input_sample_rate: int = 24000
-    output_sample_rate: int = 24000
-    decode_upsample_rate: int = 1920
     encode_downsample_rate: int = 1920
 
 
@@ -133,12 +126,9 @@ class ModelConfig:
     tokenizer_type: str
     talker: TalkerConfig
     speaker_encoder: SpeakerEncoderConfig | None
-    im_start_token_id: int = 151644
-    im_end_token_id: int = 151645
     tts_pad_token_id: int = 151671
     tts_bos_token_id: int = 151672
     tts_eos_token_id: int = 151673
-    assistant_token_id: int = 77091
 
     @property
     def speakers(self) -> list[str]:
@@ -157,18 +147,10 @@ def dataclass_kwargs(cls: type, d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layers(d: dict[str, Any], cls: type, **extra: Any) -> Any:
-    return cls(
-        hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
-        num_hidden_layers=d["num_hidden_layers"],
-        num_attention_heads=d["num_attention_heads"],
-        num_key_value_heads=d["num_key_value_heads"],
-        head_dim=d.get("head_dim", d["hidden_size"] // d["num_attention_heads"]),
-        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=d.get("rope_theta", 10000.0),
-        vocab_size=d["vocab_size"],
-        **extra,
-    )
+    """A decoder stack's config: the fields of cls that d has (head_dim, rms_norm_eps and rope_theta defaulting as
+    upstream's), then `extra`."""
+    defaults = {"head_dim": d["hidden_size"] // d["num_attention_heads"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    return cls(**{**defaults, **dataclass_kwargs(cls, d), **extra})
 
 
 def parse_model_config(d: dict[str, Any]) -> ModelConfig:
@@ -179,57 +161,29 @@ def parse_model_config(d: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"config.json: tokenizer_type {d.get('tokenizer_type')!r} is not supported "
                          "(only the 12 Hz models: qwen3_tts_tokenizer_12hz)")
     t = d["talker_config"]
-    cp = _layers(t["code_predictor_config"], CodePredictorConfig,
-                 num_code_groups=t["code_predictor_config"].get("num_code_groups", 16))
-    rope = t.get("rope_scaling") or {}
     talker = _layers(
         t, TalkerConfig,
-        text_hidden_size=t["text_hidden_size"],
-        text_vocab_size=t["text_vocab_size"],
-        num_code_groups=t.get("num_code_groups", 16),
-        mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
-        mrope_interleaved=bool(rope.get("interleaved", False)),
-        codec_bos_id=t["codec_bos_id"],
-        codec_eos_token_id=t["codec_eos_token_id"],
-        codec_pad_id=t["codec_pad_id"],
-        codec_think_id=t["codec_think_id"],
-        codec_nothink_id=t["codec_nothink_id"],
-        codec_think_bos_id=t["codec_think_bos_id"],
-        codec_think_eos_id=t["codec_think_eos_id"],
         codec_language_id={k.lower(): v for k, v in t.get("codec_language_id", {}).items()},
         spk_id={k.lower(): v for k, v in (t.get("spk_id") or {}).items()},
         spk_is_dialect={k.lower(): v for k, v in (t.get("spk_is_dialect") or {}).items()},
-        code_predictor=cp,
+        code_predictor=_layers(t["code_predictor_config"], CodePredictorConfig),
     )
     spk = None
     if model_type == "base":
-        s = d.get("speaker_encoder_config") or {}
-        spk = SpeakerEncoderConfig(**dataclass_kwargs(SpeakerEncoderConfig, s))
-    return ModelConfig(
-        tts_model_type=model_type,
-        tts_model_size=d.get("tts_model_size", ""),
-        tokenizer_type=d.get("tokenizer_type", "qwen3_tts_tokenizer_12hz"),
-        talker=talker,
-        speaker_encoder=spk,
-        **{k: d[k] for k in ("im_start_token_id", "im_end_token_id", "tts_pad_token_id",
-                             "tts_bos_token_id", "tts_eos_token_id", "assistant_token_id") if k in d},
-    )
+        spk = SpeakerEncoderConfig(**dataclass_kwargs(SpeakerEncoderConfig, d.get("speaker_encoder_config") or {}))
+    # the special token ids default in ModelConfig
+    defaults = {"tts_model_size": "", "tokenizer_type": "qwen3_tts_tokenizer_12hz"}
+    return ModelConfig(**{**defaults, **dataclass_kwargs(ModelConfig, d), "talker": talker, "speaker_encoder": spk})
 
 
 def parse_speech_tokenizer_config(d: dict[str, Any]) -> SpeechTokenizerConfig:
-    dec = d.get("decoder_config") or {}
-    decoder = Code2WavConfig(**dataclass_kwargs(Code2WavConfig, dec))
-    return SpeechTokenizerConfig(
-        decoder=decoder,
-        encoder=d.get("encoder_config") or {},
-        **{k: d[k] for k in ("encoder_valid_num_quantizers", "input_sample_rate", "output_sample_rate",
-                             "decode_upsample_rate", "encode_downsample_rate") if k in d},
-    )
+    decoder = Code2WavConfig(**dataclass_kwargs(Code2WavConfig, d.get("decoder_config") or {}))
+    return SpeechTokenizerConfig(**{**dataclass_kwargs(SpeechTokenizerConfig, d), "decoder": decoder,
+                                    "encoder": d.get("encoder_config") or {}})
 
 
 def parse_generation_defaults(d: dict[str, Any]) -> GenerationDefaults:
-    fields = GenerationDefaults.__dataclass_fields__
-    return GenerationDefaults(**{k: v for k, v in d.items() if k in fields})
+    return GenerationDefaults(**dataclass_kwargs(GenerationDefaults, d))
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

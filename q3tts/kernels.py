@@ -30,8 +30,10 @@ _ENABLED = triton is not None and os.environ.get("Q3TTS_SKINNY_GEMM", "1") != "0
 if triton is not None:
 
     @triton.jit
-    def _gemv_row(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # one row: each program owns BLOCK_N outputs and streams their weight rows over K
+    def _gemv_row(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SCALED: tl.constexpr):
+        # one row: each program owns BLOCK_N outputs and streams their weight rows over K. SCALED: an int8 / fp8
+        # weight (dequantized in registers) with a per-output-channel scale at s_ptr (ignored otherwise)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -39,6 +41,8 @@ if triton is not None:
             x = tl.load(x_ptr + k0 + rk).to(tl.float32)
             w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
             acc += tl.sum(w * x[None, :], axis=1)
+        if SCALED:
+            acc *= tl.load(s_ptr + rn)
         tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
 
     @triton.jit
@@ -63,7 +67,8 @@ if triton is not None:
         y = torch.empty((M, N), device=x.device, dtype=x.dtype)
         if M == 1:  # block sizes: the fastest of a sweep with weights not in L2 on an H200 (bench/probe_gemv.py --cold)
             bk = 1024 if K % 1024 == 0 else 512
-            _gemv_row[(N // 2,)](x, w, y, N, K, BLOCK_N=2, BLOCK_K=bk, num_warps=4, num_stages=3)
+            # s_ptr = w: a placeholder, never read unless SCALED
+            _gemv_row[(N // 2,)](x, w, w, y, N, K, BLOCK_N=2, BLOCK_K=bk, SCALED=False, num_warps=4, num_stages=3)
         else:
             _gemv_rows[(N // 32,)](x, w, y, M, N, K, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
         return y
@@ -71,19 +76,6 @@ if triton is not None:
     @skinny_linear.register_fake
     def _(x, w):
         return x.new_empty((x.shape[0], w.shape[0]))
-
-    @triton.jit
-    def _qgemv_row(x_ptr, w_ptr, s_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # _gemv_row with an int8 / fp8 weight dequantized in registers and a per-output-channel scale
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
-            w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
-        acc *= tl.load(s_ptr + rn)
-        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty))
 
     @triton.jit
     def _qgemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -109,7 +101,8 @@ if triton is not None:
         y = torch.empty((M, N), device=x.device, dtype=x.dtype)
         if M == 1:
             bk = 1024 if K % 1024 == 0 else 256
-            _qgemv_row[(N // 2,)](x, w, scale, y, N, K, BLOCK_N=2, BLOCK_K=bk, num_warps=4, num_stages=3)
+            _gemv_row[(N // 2,)](x, w, scale, y, N, K, BLOCK_N=2, BLOCK_K=bk, SCALED=True, num_warps=4,
+                                 num_stages=3)
         else:
             bm = 16 if M <= 16 else 64
             _qgemm[(N // 32, triton.cdiv(M, bm))](x, w, scale, y, M, N, K, BLOCK_M=bm, BLOCK_N=32,

@@ -28,7 +28,7 @@ class SamplingParams(GenerationDefaults):
     seed: int = 0
 
     def validate(self) -> None:
-        for name in ("temperature", "subtalker_temperature"):
+        for name in ("temperature", "subtalker_temperature", "repetition_penalty"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("top_p", "subtalker_top_p"):
@@ -37,8 +37,6 @@ class SamplingParams(GenerationDefaults):
         for name in ("top_k", "subtalker_top_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 

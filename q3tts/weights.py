@@ -68,14 +68,6 @@ def read_tensors(files: list[Path], prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def list_keys(files: list[Path]) -> list[str]:
-    keys = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            keys.extend(sf.keys())
-    return keys
-
-
 def load_module(module: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """Copy tensors into module's parameters and persistent buffers; every key must match exactly."""
     own = module.state_dict()
@@ -100,6 +92,10 @@ def load_module(module: nn.Module, tensors: dict[str, torch.Tensor], where: str)
 
 
 def check_prefixes(files: list[Path], allowed: tuple[str, ...], where: str) -> None:
-    stray = sorted(k for k in list_keys(files) if not k.startswith(allowed))
+    stray = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            stray += [k for k in sf.keys() if not k.startswith(allowed)]
+    stray.sort()
     if stray:
         raise ValueError(f"{where}: unexpected keys outside {allowed}: {', '.join(stray[:8])}")

@@ -42,6 +42,11 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def healthy(self) -> bool:
+        """False once it cannot serve: its thread stopped, or a CUDA error poisoned the device context (every later
+        step would fail too). A failed step of another kind fails only the requests it held."""
+        return self.is_alive() and not (self.last_error and "CUDA" in self.last_error)
+
     def shutdown(self) -> None:
         self._stop = True
         self.engine.wake.set()

@@ -93,8 +93,6 @@ class Engine:
     def add_request(self, prepared: PreparedRequest, stream: StreamOptions | None = None,
                     request_id: str | None = None) -> EngineRequest:
         """Queue a prepared request. stream=None: offline, codes only. ValueError if it cannot fit the cache."""
-        if stream is not None:
-            stream.validate()
         req = EngineRequest(request_id=request_id or f"req-{next(self._ids)}", prepared=prepared, stream=stream)
         if prepared.layout is not None:
             self._set_prompt(req, prepared.layout)

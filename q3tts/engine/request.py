@@ -38,7 +38,7 @@ class StreamOptions:
     first_chunk_frames: int = 1  # frames in the first audio chunk (80 ms each)
     chunk_frames: int = 16  # the largest chunk
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         if self.first_chunk_frames < 1 or self.chunk_frames < 1:
             raise ValueError("first_chunk_frames and chunk_frames must be >= 1")
 

@@ -124,12 +124,7 @@ class StreamingVocoder:
                         parts[i].append(wav[k])
                         starts[i] += size
         flat = torch.cat([p for ps in parts for p in ps]).cpu()  # the one sync of the call
-        out, at = [], 0
-        for (_, codes) in work:
-            n = codes.shape[0] * self.code2wav.total_upsample
-            out.append(flat[at: at + n].numpy())
-            at += n
-        return out
+        return [w.numpy() for w in flat.split([codes.shape[0] * self.code2wav.total_upsample for _, codes in work])]
 
     def _call(self, rows: list[int], codes: torch.Tensor) -> torch.Tensor:
         """rows: n pool rows, codes [n, K, t] (CPU) -> wav [n, t*1920] float32 on the device (a copy: a graph's

@@ -75,10 +75,8 @@ class InputProcessor:
         unknown = sorted(set(kwargs) - self.gen_kwargs)
         if unknown:
             log.warning("ignoring unsupported generation argument(s): %s", ", ".join(unknown))
-        p = SamplingParams(**{f: getattr(self.defaults, f) for f in GenerationDefaults.__dataclass_fields__})
-        for k, v in kwargs.items():
-            if k in self.gen_kwargs and v is not None:
-                setattr(p, k, v)
+        given = {k: v for k, v in kwargs.items() if k in self.gen_kwargs and v is not None}
+        p = SamplingParams(**{**dataclasses.asdict(self.defaults), **given})
         if kwargs.get("seed") is None:
             p.seed = random.randrange(1 << 31)
         try:
@@ -113,14 +111,17 @@ class InputProcessor:
         return self._prepare(texts, specs, [None] * n, [None] * n, kwargs)
 
     def voice_clone(self, text, voice_clone_prompt, language=None, non_streaming_mode: bool = False,
-                    load_voice=None, **kwargs) -> list[PreparedRequest]:
-        """voice_clone_prompt: items (ours or qwen_tts's), Voices, voice file paths (read with load_voice), or
-        upstream's dict of lists; one for all texts or one per text."""
+                    **kwargs) -> list[PreparedRequest]:
+        """voice_clone_prompt: items (ours or qwen_tts's), Voices, voice file paths, or upstream's dict of lists;
+        one for all texts or one per text. Or a function that returns them (a clone of reference audio), called
+        once the model type and the languages have passed: nothing is cloned in vain."""
         self.require("base", "generate_voice_clone")
         texts = _as_list(text)
         n = len(texts)
         languages = [self.language(x) for x in _as_list(language, n, "language")]
-        items = _as_list(self.voice_items(voice_clone_prompt, load_voice), n, "voice_clone_prompt")
+        if callable(voice_clone_prompt):
+            voice_clone_prompt = voice_clone_prompt()
+        items = _as_list(self.voice_items(voice_clone_prompt), n, "voice_clone_prompt")
         checked = [self.check_item(i, it) for i, it in enumerate(items)]
         specs = [self.builder.spec(lang, has_xvector=emb is not None, ref_text=it.ref_text,
                                    num_ref_frames=0 if ref is None else ref.shape[0],
@@ -140,7 +141,7 @@ class InputProcessor:
         return out
 
     # ------------------------------------------------------------------ voices
-    def voice_items(self, voice_clone_prompt, load_voice=None) -> list[VoiceClonePromptItem]:
+    def voice_items(self, voice_clone_prompt) -> list[VoiceClonePromptItem]:
         """Accept a list of items (ours or qwen_tts's), Voices or voice file paths, or upstream's dict of lists."""
         if isinstance(voice_clone_prompt, dict):
             d = voice_clone_prompt
@@ -151,7 +152,7 @@ class InputProcessor:
         items = []
         for it in _as_list(voice_clone_prompt):
             if isinstance(it, (str, os.PathLike)):
-                it = (load_voice or (lambda path: Voice.load(path, model=self.cfg)))(it)
+                it = Voice.load(it)  # checked against this model below, as a Voice given as such
             if isinstance(it, Voice):
                 it.check_model(self.cfg)
                 it = it.to_prompt_item()

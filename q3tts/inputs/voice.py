@@ -126,20 +126,18 @@ class Voice:
                                     ref_text=None if xvec else self.ref_text)
 
     @classmethod
-    def from_prompt_item(cls, item: Any, model_size: str, name: str | None = None,
-                         model_family: str = MODEL_FAMILY) -> Voice:
+    def from_prompt_item(cls, item: Any, model_size: str, name: str | None = None) -> Voice:
         code = getattr(item, "ref_code", None)
         icl = bool(getattr(item, "icl_mode", False)) and code is not None
         return cls(embedding=torch.as_tensor(item.ref_spk_embedding).detach().float().cpu().reshape(-1),
                    ref_code=torch.as_tensor(code).detach().long().cpu() if icl else None,
-                   ref_text=item.ref_text if icl else None, model_size=model_size, model_family=model_family,
-                   name=name)
+                   ref_text=item.ref_text if icl else None, model_size=model_size, name=name)
 
     def check_model(self, cfg: ModelConfig) -> None:
         """ValueError unless this voice fits the model (a Base model of the same family and size)."""
-        fam = _family(cfg)
-        if self.model_family != fam:
-            raise ValueError(f"voice {self.name or ''} is for {self.model_family!r} models; this model is {fam!r}")
+        if self.model_family != MODEL_FAMILY:  # parse_model_config accepts the 12 Hz models only
+            raise ValueError(f"voice {self.name or ''} is for {self.model_family!r} models; this model is "
+                             f"{MODEL_FAMILY!r}")
         if cfg.tts_model_type != "base":
             raise ValueError(f"voices need a Base model; this model is a {cfg.tts_model_type} model")
         D = cfg.talker.hidden_size
@@ -197,10 +195,6 @@ class Voice:
         if model is not None:
             voice.check_model(model)
         return voice
-
-
-def _family(cfg: ModelConfig) -> str:
-    return MODEL_FAMILY if cfg.tokenizer_type == "qwen3_tts_tokenizer_12hz" else cfg.tokenizer_type
 
 
 # --------------------------------------------------------------------------- the cloner
@@ -290,10 +284,8 @@ class VoiceCloner:
         loaded = [load_audio(a, allow_urls=allow_urls, allow_paths=allow_paths, limits=limits,
                              what=f"ref_audio[{i}]" if n > 1 else "ref_audio") for i, a in enumerate(audios)]
         for i, ((wav, sr), t, xv) in enumerate(zip(loaded, texts, xvecs)):
-            if not xv:
-                msg = ref_text_mismatch(t, wav, sr)
-                if msg:
-                    warnings.warn(f"ref_audio[{i}]: {msg}", RefTextWarning, stacklevel=2)
+            if not xv and (msg := ref_text_mismatch(t, wav, sr)):
+                warnings.warn(f"ref_audio[{i}]: {msg}", RefTextWarning, stacklevel=2)
         wavs24 = [resample(wav, sr, TARGET_SR) for wav, sr in loaded]
 
         codes: list[torch.Tensor | None] = [None] * n
@@ -305,12 +297,9 @@ class VoiceCloner:
             else:  # upstream: one by one
                 codes = [None if xv else self.encode([w])[0] for w, xv in zip(enc_in, xvecs)]
 
-        items = []
-        for w24, code, t, xv in zip(wavs24, codes, texts, xvecs):
-            items.append(VoiceClonePromptItem(ref_code=None if xv else code,
-                                              ref_spk_embedding=self.speaker_embedding(w24),
-                                              x_vector_only_mode=bool(xv), icl_mode=not xv, ref_text=t))
-        return items
+        return [VoiceClonePromptItem(ref_code=None if xv else code, ref_spk_embedding=self.speaker_embedding(w24),
+                                     x_vector_only_mode=bool(xv), icl_mode=not xv, ref_text=t)
+                for w24, code, t, xv in zip(wavs24, codes, texts, xvecs)]
 
     def create_voice(self, ref_audio: Any, ref_text: str | None = None, x_vector_only_mode: bool = False,
                      name: str | None = None, **kwargs) -> Voice:
@@ -318,7 +307,7 @@ class VoiceCloner:
         if isinstance(ref_audio, list):
             raise ValueError("create_voice takes one reference clip; use create_voice_clone_prompt for a batch")
         item = self.create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode, **kwargs)[0]
-        return Voice.from_prompt_item(item, self.cfg.tts_model_size, name=name, model_family=_family(self.cfg))
+        return Voice.from_prompt_item(item, self.cfg.tts_model_size, name=name)
 
 
 def voice_summary(voice: Voice) -> str:

@@ -312,9 +312,6 @@ class CodecEncoder(nn.Module):
         p = next(self.parameters())
         rows = [torch.as_tensor(w).float().reshape(-1) for w in wavs]
         lens = [r.shape[0] for r in rows]
-        batch = torch.zeros(len(rows), max(lens))
-        for i, r in enumerate(rows):
-            batch[i, :lens[i]] = r
-        codes = self(batch.to(device=p.device, dtype=p.dtype))
+        codes = self(nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device=p.device, dtype=p.dtype))  # zeros
         hop = hop or self.cfg.hop_length
         return [c[:, :-(-n // hop)].transpose(0, 1).cpu() for c, n in zip(codes, lens)]

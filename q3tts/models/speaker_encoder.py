@@ -32,27 +32,22 @@ FMAX = 12000.0
 
 
 # --------------------------------------------------------------------------- mel front end
-def _hz_to_mel(f: np.ndarray) -> np.ndarray:
-    """Slaney mel scale (librosa htk=False): linear below 1 kHz, logarithmic above."""
-    f = np.asanyarray(f, dtype=np.float64)
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    min_log_mel, logstep = min_log_hz / f_sp, np.log(6.4) / 27.0
-    mels = f / f_sp
-    if mels.ndim:
-        log_t = f >= min_log_hz
-        mels[log_t] = min_log_mel + np.log(f[log_t] / min_log_hz) / logstep
-    elif f >= min_log_hz:
-        mels = min_log_mel + np.log(f / min_log_hz) / logstep
-    return mels
+# the Slaney mel scale (librosa htk=False): linear below 1 kHz, logarithmic above
+_F_SP, _MIN_LOG_HZ = 200.0 / 3, 1000.0
+_MIN_LOG_MEL, _LOGSTEP = _MIN_LOG_HZ / _F_SP, np.log(6.4) / 27.0
+
+
+def _hz_to_mel(f: float) -> float:
+    if f < _MIN_LOG_HZ:
+        return f / _F_SP
+    return _MIN_LOG_MEL + np.log(f / _MIN_LOG_HZ) / _LOGSTEP
 
 
 def _mel_to_hz(m: np.ndarray) -> np.ndarray:
     m = np.asanyarray(m, dtype=np.float64)
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    min_log_mel, logstep = min_log_hz / f_sp, np.log(6.4) / 27.0
-    freqs = f_sp * m
-    log_t = m >= min_log_mel
-    freqs[log_t] = min_log_hz * np.exp(logstep * (m[log_t] - min_log_mel))
+    freqs = _F_SP * m
+    log_t = m >= _MIN_LOG_MEL
+    freqs[log_t] = _MIN_LOG_HZ * np.exp(_LOGSTEP * (m[log_t] - _MIN_LOG_MEL))
     return freqs
 
 

@@ -43,7 +43,7 @@ from .protocol import (
 )
 from .serving import SpeechServing
 from .session import SpeechSession
-from .settings import ServerSettings, parse_args
+from .settings import ServerSettings
 from .voices import VoiceService, check_not_url, decode_base64_audio
 
 log = logging.getLogger("q3tts.server")
@@ -180,14 +180,12 @@ async def list_models(raw_request: Request) -> ModelList:
 
 @router.get("/health")
 async def health(raw_request: Request):
-    """503 once the engine cannot serve: its thread stopped, or a CUDA error poisoned the device context
-    (every later step would fail too). A failed step of another kind is reported but not fatal."""
+    """503 once the engine cannot serve (AsyncEngine.healthy); the last failed step is reported either way."""
     engine = _state(raw_request).engine
-    err = engine.last_error
-    ok = engine.is_alive() and not (err and "CUDA" in err)
+    ok = engine.healthy()
     body = {"status": "ok" if ok else "unhealthy"}
-    if err:
-        body["last_error"] = err
+    if engine.last_error:
+        body["last_error"] = engine.last_error
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -418,10 +416,8 @@ def load_model(settings: ServerSettings):
                                quantization=settings.quantization)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`q3tts serve [flags]`: load the model and serve until interrupted (--replicas: cli runs ray_serve)."""
-    settings = parse_args(argv)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def main(settings: ServerSettings) -> int:
+    """`q3tts serve [flags]` (cli.cmd_serve parses them): load the model and serve until interrupted."""
     import uvicorn
 
     t0 = time.perf_counter()
@@ -429,8 +425,6 @@ def main(argv: list[str] | None = None) -> int:
     log.info("loaded %s (%s, %s) on %s in %.1f s", settings.model, tts.cfg.tts_model_type, tts.cfg.tts_model_size,
              tts.device, time.perf_counter() - t0)
     app = create_app(tts, settings)
-    if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("serving on %s without an API key (--api-key)", settings.host)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 timeout_graceful_shutdown=5)
     return 0

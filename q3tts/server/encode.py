@@ -22,23 +22,14 @@ chunking gives the same output as feeding it at once.
 from __future__ import annotations
 
 import logging
-import struct
 from typing import ClassVar
 
 import numpy as np
 
-from q3tts.audio import to_s16
+from q3tts.audio import to_s16, wav_header
 
 MEDIA_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac",
                "wav": "audio/wav", "pcm": "audio/pcm"}
-
-
-def wav_stream_header(sample_rate: int, channels: int = 1, bits: int = 16) -> bytes:
-    """44-byte RIFF/WAVE header for a stream of unknown length (RIFF and data sizes 0xFFFFFFFF)."""
-    block = channels * bits // 8
-    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + b"fmt " +
-            struct.pack("<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block, block, bits) +
-            b"data" + struct.pack("<I", 0xFFFFFFFF))
 
 
 # --------------------------------------------------------------------------- time stretch
@@ -159,7 +150,7 @@ class PcmEncoder:
 
 class WavEncoder(PcmEncoder):
     def __init__(self, sample_rate: int):
-        self._header = wav_stream_header(sample_rate)
+        self._header = wav_header(sample_rate, None)
 
     def encode(self, audio: np.ndarray) -> bytes:
         head, self._header = self._header, b""

@@ -34,12 +34,10 @@ class Metrics:
                               buckets=TTFA_BUCKETS, registry=r)
         self.rtf = Histogram("q3tts_real_time_factor", "Per finished request: wall time / audio duration "
                              "(below 1 is faster than real time)", buckets=RTF_BUCKETS, registry=r)
-        Gauge("q3tts_queue_depth", "Requests waiting for an engine slot", registry=r).set_function(
-            lambda: engine_stats().queue_depth)
-        Gauge("q3tts_active_slots", "Engine slots generating now", registry=r).set_function(
-            lambda: engine_stats().active_slots)
-        Gauge("q3tts_max_slots", "Engine slots (max concurrent streams)", registry=r).set_function(
-            lambda: engine_stats().max_slots)
+        for stat, doc in (("queue_depth", "Requests waiting for an engine slot"),
+                          ("active_slots", "Engine slots generating now"),
+                          ("max_slots", "Engine slots (max concurrent streams)")):
+            Gauge(f"q3tts_{stat}", doc, registry=r).set_function(lambda stat=stat: getattr(engine_stats(), stat))
         # memory, for soak tests and leak alarms: both must stay flat under steady load after warm-up
         Gauge("q3tts_process_resident_bytes", "Resident set size of the server process", registry=r).set_function(
             process_rss_bytes)

@@ -82,12 +82,10 @@ class Q3TTSReplica:
         return self._app
 
     def check_health(self) -> None:
-        """Serve replaces a replica whose check raises: its engine thread died, or a CUDA error poisoned the
-        device (the same rule as /health)."""
+        """Serve replaces a replica whose check raises: its engine cannot serve (the rule of /health)."""
         engine = self._app.state.engine
-        err = engine.last_error
-        if not engine.is_alive() or (err and "CUDA" in err):
-            raise RuntimeError(f"replica {self.replica_id} cannot serve: {err or 'engine stopped'}")
+        if not engine.healthy():
+            raise RuntimeError(f"replica {self.replica_id} cannot serve: {engine.last_error or 'engine stopped'}")
 
 
 def deployment_options(settings: ServerSettings, num_cpus: float, num_gpus: float, replicas: int = 1,
@@ -208,8 +206,6 @@ def serve_main(settings: ServerSettings) -> int:
     try:
         start(settings)
         _stop_on_signals()
-        if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("serving on %s without an API key (--api-key)", settings.host)
         log.info("Ray Serve: %d replica(s)%s of %s on http://%s:%d, up in %.1f s", max(1, settings.replicas),
                  f" (autoscaling up to {settings.max_replicas})" if settings.max_replicas else "", settings.model,
                  settings.host, settings.port, time.perf_counter() - t0)

@@ -92,16 +92,17 @@ class SpeechServing:
                                    "the voice from a description, e.g. \"A warm, low female voice, speaking slowly\"",
                                    param="instructions", code="missing_instructions")
                 return proc.voice_design(text, instructions, req.language, **kw)[0]
-            proc.language(req.language)  # a bad language is answered before the reference is cloned
-            if req.ref_audio:
-                item = await self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)
-            elif req.voice_name:
-                item = self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)
-            else:
+
+            def voice():  # the processor calls it once the language has passed: a bad one is answered before cloning
+                if req.ref_audio:
+                    return [self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)]
+                if req.voice_name:
+                    return [self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)]
                 raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
-            return proc.voice_clone(text, [item], req.language, **kw)[0]
+            # off the event loop: cloning a reference (or reading a voice file) takes a while
+            return (await asyncio.to_thread(proc.voice_clone, text, voice, req.language, **kw))[0]
         except InputError as e:  # it names the library's argument: name this API's field instead
             field = API_FIELDS.get(e.param, e.param)
             msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)
@@ -122,22 +123,18 @@ class SpeechServing:
                                       request_id=run.request_id, arrival_time=arrival)
         try:
             first = await chunks.__anext__()
-        except QueueFullError as e:
-            enc.close()
-            raise ApiError(503, str(e), type="server_busy", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-        except InputError as e:  # the engine refused it (the prompt does not fit --max-seq-len): the client's
-            enc.close()
-            raise ApiError(400, str(e), param="input", code=e.code) from e
-        except Exception as e:  # an engine step failed while it held this request: ours, not the client's
+        except BaseException as e:  # no response: release the encoder and the request
             enc.close()
             await chunks.aclose()
-            raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
-                           code="engine_error") from e
-        except BaseException:  # cancelled (client gone)
-            enc.close()
-            await chunks.aclose()
-            raise
+            if isinstance(e, QueueFullError):
+                raise ApiError(503, str(e), type="server_busy", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+            if isinstance(e, InputError):  # the engine refused it (the prompt does not fit --max-seq-len): the client's
+                raise ApiError(400, str(e), param="input", code=e.code) from e
+            if isinstance(e, Exception):  # an engine step failed while it held this request: ours, not the client's
+                raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
+                               code="engine_error") from e
+            raise  # cancelled (client gone)
         if req.stream_format == "sse":
             return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc))
         return SpeechStream(run.request_id, enc.media_type, self._encoded(run, first, chunks, enc))
@@ -216,9 +213,7 @@ class SpeechServing:
         try:
             async for _ in self.engine.generate(self._warmup_request(), StreamOptions(1, 4), request_id="warmup"):
                 pass
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
+        except Exception as e:  # (a cancellation is no Exception: it goes through)
             self.warmup_error = f"{type(e).__name__}: {e}"
             log.exception("warm-up failed")
             return

@@ -168,7 +168,7 @@ class VoiceService:
         for v in self.list():
             if v.id == voice_id or v.name == voice_id:
                 return v
-        raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id", code="voice_not_found")
+        raise _not_found(voice_id)
 
     def names_hint(self) -> str:
         if self.store is None:
@@ -189,13 +189,6 @@ class VoiceService:
             raise ApiError(400, f"voice {key!r}: {e}", param="voice") from e
 
     # ---- cloning
-    def _require_base(self) -> None:
-        if self.store is None:
-            what = ("its voices are the built-in speakers: " + ", ".join(self.builtin())
-                    if self.model_type == "custom_voice" else "describe the voice in `instructions` instead")
-            raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model ({what})",
-                           param="voice", code="unsupported_for_model")
-
     def _clone(self, audio: bytes, ref_text: str | None, xvec: bool, name: str | None = None) -> Voice:
         """Reference clip bytes (their size already checked where they came in) -> a Voice."""
         try:
@@ -204,22 +197,23 @@ class VoiceService:
         except ValueError as e:
             raise ApiError(400, str(e), param="ref_audio", code="invalid_reference") from e
 
-    async def inline_prompt_item(self, ref_audio: str, ref_text: str | None, xvec: bool):
-        """A request's own reference (base64 / data URL), cloned off the event loop; recent ones are cached.
-        Called for Base models only (serving.prepare's Base branch)."""
+    def inline_prompt_item(self, ref_audio: str, ref_text: str | None, xvec: bool):
+        """A request's own reference (base64 / data URL), cloned; recent ones are cached. Called for Base models
+        only, in a worker thread (serving.prepare's Base branch): the cache takes only single dict operations."""
         audio = decode_base64_audio(ref_audio, self.max_upload_bytes, "ref_audio")
         key = hashlib.sha256(audio + b"\0" + (ref_text or "").encode() + (b"x" if xvec else b"i")).hexdigest()
-        voice = self._inline.get(key)
-        if voice is None:
-            voice = await asyncio.to_thread(self._clone, audio, ref_text, xvec)
-            self._inline[key] = voice
-            while len(self._inline) > 32:
-                self._inline.popitem(last=False)
-        self._inline.move_to_end(key)
+        voice = self._inline.pop(key, None) or self._clone(audio, ref_text, xvec)
+        self._inline[key] = voice  # (again) the most recent
+        while len(self._inline) > 32:
+            self._inline.popitem(last=False)
         return voice.to_prompt_item(True if xvec else None)
 
     async def create(self, name: str, audio: bytes, ref_text: str | None, xvec: bool) -> VoiceObject:
-        self._require_base()
+        if self.store is None:
+            what = ("its voices are the built-in speakers: " + ", ".join(self.builtin())
+                    if self.model_type == "custom_voice" else "describe the voice in `instructions` instead")
+            raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model "
+                           f"({what})", param="voice", code="unsupported_for_model")
         name = (name or "").strip()
         if not NAME_RE.match(name) or ID_RE.match(name):
             raise ApiError(400, f"invalid voice name {name!r}: 1-64 letters, digits, spaces, '_', '.', '-' "
@@ -238,10 +232,12 @@ class VoiceService:
             if voice_id in self.builtin():
                 raise ApiError(400, f"{voice_id!r} is a built-in speaker of this model and cannot be deleted",
                                param="voice_id", code="voice_not_deletable")
-            raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id",
-                           code="voice_not_found")
+            raise _not_found(voice_id)
         rec = self.store.find(voice_id)
         if rec is None or not self.store.delete(rec.id):
-            raise ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id",
-                           code="voice_not_found")
+            raise _not_found(voice_id)
         return VoiceDeleted(id=rec.id)
+
+
+def _not_found(voice_id: str) -> ApiError:
+    return ApiError(404, f"no voice {voice_id!r}", type="not_found_error", param="voice_id", code="voice_not_found")
