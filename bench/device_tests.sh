@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
 lscpu | grep -E "Model name|^CPU\(s\)" | tee "$OUT/cpu.txt"
 N=$(nproc)
 # GPU tests: 4 workers on the first cores (compilation is the long part, and it runs on the CPU)
-timeout 570 taskset -c 0-$((N * 5 / 8 - 1)) python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests > "$OUT/gpu_tests.txt" 2>&1 &
+timeout 570 taskset -c 0-$((N * 5 / 8 - 1)) python3 -m pytest -q -p no:cacheprovider -m gpu -n 3 tests > "$OUT/gpu_tests.txt" 2>&1 &
 G=$!
 # the CPU suite with no GPU visible, on the other cores
 CUDA_VISIBLE_DEVICES= timeout 570 taskset -c $((N * 5 / 8))-$((N - 1)) python3 -m pytest -q -p no:cacheprovider -n $((N * 3 / 8 - 1)) tests \

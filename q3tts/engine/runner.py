@@ -18,7 +18,9 @@ captured once per (batch bucket, length bucket) as one CUDA graph and replayed w
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import os
 import torch
 import torch.nn.functional as F
@@ -50,6 +52,22 @@ def compile_layers(talker: Talker) -> None:
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
             m.forward = functools.partial(fwd, m)
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool=None):
+    """torch.cuda.graph(graph, pool) with Python's cycle collector paused: a collection during the capture can free
+    an engine dropped earlier, whose graphs then reset mid-capture and invalidate it (seen in the GPU tests, which
+    build engine after engine in one process)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def want_compile(device: torch.device, flag: bool | None) -> bool:
@@ -355,18 +373,23 @@ class ModelRunner:
         torch.cuda.current_stream().wait_stream(stream)
         for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
+            with graph_capture(g, self._pool):
                 self._frame(*key)
             self._pool = g.pool()
             self.graphs[key] = g
         # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call), and for <= and >
         # MAX_ROWS tokens in all (the skinny GEMM or cuBLAS): compile the four now, not while the first burst of
         # requests waits (measured on an H200: 5 s for the first 16 concurrent requests)
-        # and a third where a prompt is long enough for the attention's one-head-at-a-time branch, where one fits
+        # and prompts long enough for the attention's one-head-at-a-time branch, where they fit: over part of the
+        # cache and over all of it (a slice to the end compiles apart)
         D, H = self.cfg.hidden_size, self.cfg.num_attention_heads
         for n in (1, 2)[: self.num_rows]:
-            long = max(self.max_len // 2 + 1, ATTN_SCORES_CHUNK // (n * H * self.max_len) + 1)  # span: max_len
-            for L in (8, 5 * MAX_ROWS) + ((long,) if long < self.max_len else ()):
+            lens = [8, 5 * MAX_ROWS]
+            for span in (self.max_len // 2, self.max_len):  # prompts of span/2 < L <= span attend over `span`
+                L = max(span // 2 + 1, ATTN_SCORES_CHUNK // (n * H * span) + 1)
+                if L <= min(span, self.max_len - 1):
+                    lens.append(L)
+            for L in lens:
                 self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)] * n,
                                    [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n, [SamplingParams()] * n)
         torch.cuda.synchronize()

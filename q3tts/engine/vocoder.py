@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..models.codec import Code2Wav, Code2WavState, SnakeBeta
+from .runner import graph_capture
 
 
 def compile_snakes(code2wav: Code2Wav) -> None:
@@ -162,7 +163,7 @@ class StreamingVocoder:
         pool = None
         for k in sorted(keys, reverse=True):  # the largest first: the shared pool is sized by it
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with graph_capture(g, pool):
                 wav = self._run(*static[k])
             pool = g.pool()
             self.graphs[k] = (g, *static[k], wav)
