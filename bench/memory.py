@@ -154,8 +154,7 @@ def _engine(case: str, ckpt: str, res: dict):
         opts.update(max_slots=int(case.rsplit("-", 1)[1]), max_seq_len=512)
     else:
         torch.cuda.empty_cache()
-        row = ck.code2wav.init_state(1, "meta", ck.dtype)
-        per = M.slot_bytes(ck.cfg.talker, 2, sum(t.nbytes for t in (*row.tails, row.keys, row.values)))
+        per = M.slot_bytes(ck.cfg.talker, 2, M.vocoder_state_bytes(ck.code2wav, ck.dtype))
         room = M.device_room(ck.device)
         if case == "fit-after-512":
             p = M.plan(room, per, lambda s, k: M.workspace(ck.cfg.talker, s, k), max_seq_len=512, cap_slots=8192)

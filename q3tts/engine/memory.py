@@ -33,10 +33,21 @@ class SlotBytes:
         return self.per_position * positions + self.fixed
 
 
+def kv_bytes_per_position(talker_cfg, elem: int = 2) -> int:
+    t = talker_cfg
+    return t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * elem
+
+
+def vocoder_state_bytes(code2wav, dtype) -> int:
+    """One stream's StreamingVocoder state (its row of the pool)."""
+    row = code2wav.init_state(1, "meta", dtype)
+    return sum(t.nbytes for t in (*row.tails, row.keys, row.values))
+
+
 def slot_bytes(talker_cfg, elem: int = 2, vocoder_state: int = 3 * MIB) -> SlotBytes:
     """Per-slot bytes of a talker config (elem: bytes per element of the model dtype)."""
     t, cp = talker_cfg, talker_cfg.code_predictor
-    kv = t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * elem  # per position
+    kv = kv_bytes_per_position(t, elem)
     trailing = t.hidden_size * elem  # trailing text embedding, per position
     cp_kv = cp.num_hidden_layers * 2 * cp.num_key_value_heads * t.num_code_groups * cp.head_dim * elem
     seen = t.vocab_size  # bool code-0 history
@@ -185,8 +196,7 @@ def size_engine(ckpt, max_slots: int | None, max_seq_len: int | None, gpu_memory
         return slots, n, (slots * alloc_len(n) // block_size + 1) if block_size else None  # as much as contiguous
     torch.cuda.empty_cache()  # loading's temporaries
     cfg, elem = ckpt.cfg.talker, ckpt.dtype.itemsize
-    row = ckpt.code2wav.init_state(1, "meta", ckpt.dtype)  # one stream's vocoder state
-    per = slot_bytes(cfg, elem, sum(t.nbytes for t in (*row.tails, row.keys, row.values)))
+    per = slot_bytes(cfg, elem, vocoder_state_bytes(ckpt.code2wav, ckpt.dtype))
     room = device_room(ckpt.device, gpu_memory_utilization, gpu_memory)
     weights = torch.cuda.memory_allocated(ckpt.device)
     if block_size:
@@ -219,11 +229,6 @@ def size_engine(ckpt, max_slots: int | None, max_seq_len: int | None, gpu_memory
         raise ValueError(f"{e} (weights {weights / GIB:.2f} GiB)") from None
     log.info("memory: weights %.2f GiB; %s", weights / GIB, p.describe())
     return p.max_slots, p.max_seq_len, None
-
-
-def kv_bytes_per_position(talker_cfg, elem: int = 2) -> int:
-    t = talker_cfg
-    return t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * elem
 
 
 def paged_blocks(room: int, slots: int, positions: int, block_size: int, kv_per_position: int,

@@ -30,6 +30,7 @@ from ..kernels import MAX_ROWS, linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
+from .memory import alloc_len
 from .scheduler import FrameResult
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -88,7 +89,7 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         self.talker, self.cfg = talker, cfg
         self.K = cfg.num_code_groups
-        self.max_len = max(MIN_KV_SPAN, 1 << (max_len - 1).bit_length())  # a power of two: the last length bucket
+        self.max_len = alloc_len(max_len, MIN_KV_SPAN)  # a power of two: the last length bucket
         self.use_graphs = (self.device.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
         # graph batch buckets: the powers of two below max_slots, then max_slots itself, so a padded replay never
         # touches a row past the slots (no KV rows allocated for padding alone)
@@ -187,7 +188,7 @@ class ModelRunner:
 
     def kv_span(self, length: int) -> int:
         """Cache positions attended for sequences up to `length`: a power of two (one graph per bucket)."""
-        return min(self.max_len, max(MIN_KV_SPAN, 1 << (length - 1).bit_length()))
+        return min(self.max_len, alloc_len(length, MIN_KV_SPAN))
 
     # ------------------------------------------------------------------ admission
     def check_prompt(self, num_positions: int, num_trailing: int) -> None:
