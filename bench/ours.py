@@ -62,6 +62,25 @@ def replay_ms(g, n=50):
     return start.elapsed_time(end) / n
 
 
+def set_inductor(spec: str) -> dict:
+    """'a.b=True,c=3' -> torch._inductor.config.a.b = True, .c = 3 (values parsed as Python literals)."""
+    import ast
+    import torch._inductor.config as cfg
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        v = ast.literal_eval(value)
+        if name not in cfg.get_config_copy():
+            raise SystemExit(f"unknown Inductor setting {name!r} in torch {torch.__version__}")
+        *parents, leaf = name.split(".")
+        obj = cfg
+        for part in parents:
+            obj = getattr(obj, part)
+        setattr(obj, leaf, v)
+        out[name] = v
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
@@ -71,13 +90,18 @@ def main(argv=None):
     ap.add_argument("--ttfa-runs", type=int, default=20)
     ap.add_argument("--speaker", default="ryan")
     ap.add_argument("--quantization", default=None, help="int8 / fp8 (weight-only; default none: bf16)")
+    ap.add_argument("--inductor", default="", help="Inductor settings to try before anything compiles, comma-separated "
+                    "name=value (e.g. triton.enable_pdl=True,combo_kernels=True): an A/B of the compiler's options")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from q3tts import TTS
+    inductor = set_inductor(a.inductor)
     N = a.frames
     res = {"engine": "q3tts", "compile": os.environ.get("Q3TTS_COMPILE", "default(on)"), "frames": N, "audio_s": N * 0.08, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     res["quantization"] = a.quantization or "none"
+    if inductor:
+        res["inductor"] = inductor
     batches = [int(b) for b in str(a.batch).split(",")]
     t_load, tts = timed(lambda: TTS.from_pretrained(a.ckpt, max_batch_size=max(batches), max_seq_len=512,
                                                         quantization=a.quantization))
