@@ -30,12 +30,13 @@ from .models.loaders import Checkpoint, load_checkpoint
 class TTS:
     def __init__(self, ckpt: Checkpoint, max_batch_size: int | None = 8, max_seq_len: int | None = None,
                  max_queue: int = 256, compile: bool | None = None, gpu_memory_utilization: float | None = None,
-                 gpu_memory: float | None = None):
+                 gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None):
         self.ckpt, self.cfg = ckpt, ckpt.cfg
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = dict(max_slots=max_batch_size, max_seq_len=max_seq_len, max_queue=max_queue,
-                                   compile=compile, gpu_memory_utilization=gpu_memory_utilization, gpu_memory=gpu_memory)
+                                   compile=compile, gpu_memory_utilization=gpu_memory_utilization, gpu_memory=gpu_memory,
+                                   compile_cache=compile_cache)
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
         self._cloner: VoiceCloner | None = None
@@ -46,7 +47,7 @@ class TTS:
                         dtype: torch.dtype | str | None = None, max_batch_size: int | None = 8,
                         max_seq_len: int | None = None, max_queue: int = 256, compile: bool | None = None,
                         quantization: str | None = None, gpu_memory_utilization: float | None = None,
-                        gpu_memory: float | None = None) -> TTS:
+                        gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
@@ -60,13 +61,17 @@ class TTS:
             gpu_memory_utilization: the memory budget as a fraction of the GPU's memory (default 0.9).
             gpu_memory: the memory budget in GB instead (a GPU shared with other work).
             compile: torch.compile the decoder layers and samplers before capturing CUDA graphs (default: on
-                for CUDA; ~1 min once per process, then 1.7x faster frames; Q3TTS_COMPILE=0 disables).
+                for CUDA; then 1.7x faster frames; Q3TTS_COMPILE=0 disables). What it compiles is kept in
+                compile_cache.
+            compile_cache: directory of torch.compile's caches, so the next process reuses what this one compiled
+                (default: $Q3TTS_COMPILE_CACHE, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/q3tts/compile/torch-<v>;
+                False or "off": torch's default, /tmp/torchinductor_<user>).
             quantization: quantization of the talker and code predictor: None (exact), "int8" / "int4"
                 (weight-only) or "int8dyn" (int8 weights and activations: the fastest) on CPU, "int8" or "fp8" on
                 CUDA. Close to, not token-exact with, the unquantized model.
         """
         return cls(load_checkpoint(name_or_path, device, dtype, quantization), max_batch_size, max_seq_len, max_queue,
-                   compile, gpu_memory_utilization, gpu_memory)
+                   compile, gpu_memory_utilization, gpu_memory, compile_cache)
 
     # ------------------------------------------------------------------ info
     @property

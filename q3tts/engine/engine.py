@@ -20,6 +20,7 @@ text is complete), so the frames equal those of the whole text whatever the pace
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,11 +31,14 @@ import torch
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
 from ..models.talker import embed_prompt
+from .compile_cache import compile_counts, describe_counts
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
 from .vocoder import StreamingVocoder
+
+log = logging.getLogger("q3tts.engine")
 
 
 @dataclass(slots=True)
@@ -64,23 +68,29 @@ class Engine:
     def __init__(self, ckpt: Checkpoint, max_slots: int | None = 8, max_seq_len: int | None = 4096,
                  max_queue: int = 256, use_cuda_graphs: bool | None = None, compile: bool | None = None,
                  gpu_memory_utilization: float | None = None, gpu_memory: float | None = None,
-                 kv_block_size: int | None = None):
+                 kv_block_size: int | None = None, compile_cache: str | bool | None = None):
         """max_slots / max_seq_len None: fitted to the memory budget on CUDA (q3tts.engine.memory.size_engine): a
         fraction of the device (gpu_memory_utilization, default 0.9) or gpu_memory GB. kv_block_size (e.g. 64): a
         paged KV cache, whose blocks follow the positions streams use (as many as the budget holds on CUDA)
-        instead of max_seq_len positions per slot from the start."""
+        instead of max_seq_len positions per slot from the start. compile_cache: where torch.compile's caches
+        live (q3tts.engine.compile_cache: default a per-user directory that survives restarts; False: torch's)."""
+        t0, counts = time.perf_counter(), compile_counts()
         self.ckpt = ckpt
         max_slots, max_seq_len, num_blocks = size_engine(ckpt, max_slots, max_seq_len, gpu_memory_utilization,
                                                          gpu_memory, block_size=kv_block_size)
         self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
                                   use_cuda_graphs=use_cuda_graphs, compile=compile, block_size=kv_block_size,
-                                  num_blocks=num_blocks)
+                                  num_blocks=num_blocks, compile_cache=compile_cache)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0)
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs,
                                         compile=self.runner.compiled)
         self.vocoder.capture_graphs()
+        if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)
+            log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s", time.perf_counter() - t0,
+                     len(self.runner.graphs) + len(self.vocoder.graphs), describe_counts(counts),
+                     self.runner.compile_cache or ("torch's default" if self.runner.compiled else "unused"))
         self._ids = itertools.count()
         self._lock = threading.Lock()  # add/abort/text may come from another thread than step()
         self.wake = threading.Event()  # set when there may be new work: a request, a cancellation, text

@@ -30,6 +30,7 @@ from ..kernels import MAX_ROWS, linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
+from .compile_cache import use_compile_cache
 from .memory import alloc_len
 from .scheduler import FrameResult
 
@@ -49,6 +50,10 @@ def compile_layers(talker: Talker) -> None:
     # prefill whose attention span (64) equalled the head dim (64) was compiled for that span only, and every
     # request with a longer prompt recompiled (seconds, while every stream waits)
     fx_config.use_duck_shape = False
+    # NOTE: float attributes (the norms' eps) as constants: with dynamic=True Dynamo first makes them symbolic
+    # floats, then finds Inductor cannot keep them so and restarts the whole trace (measured: 7 of 10 s of the
+    # layer's tracing in a process whose compile cache is warm, and a wasted AOTAutograd cache lookup)
+    torch._dynamo.config.specialize_float = True
     fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
@@ -82,7 +87,7 @@ def want_compile(device: torch.device, flag: bool | None) -> bool:
 class ModelRunner:
     def __init__(self, talker: Talker, tts_pad_embed: torch.Tensor, max_slots: int, max_len: int,
                  use_cuda_graphs: bool | None = None, compile: bool | None = None, block_size: int | None = None,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, compile_cache: str | bool | None = None):
         cfg = talker.cfg
         cp = cfg.code_predictor
         p = next(talker.parameters())
@@ -146,7 +151,9 @@ class ModelRunner:
         self._sample, self._sample_topk, self._rules = sample, sample_topk, talker_logits_rules
         self._cp_step_fused = None
         self.compiled = want_compile(self.device, compile)  # the vocoder follows the same decision
+        self.compile_cache = None  # the directory of torch's compile caches (None: torch's default, or no compile)
         if self.compiled:
+            self.compile_cache = use_compile_cache(compile_cache)  # before the first compilation (they are lazy)
             compile_layers(talker)
             self._sample, self._sample_topk, self._rules = (
                 torch.compile(f, dynamic=True) for f in (sample, sample_topk, talker_logits_rules))

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from q3tts.engine.async_engine import AsyncEngine
+from q3tts.engine.compile_cache import compile_counts, describe_counts
 from q3tts.engine.engine import AudioChunk
 from q3tts.engine.request import StreamOptions
 from q3tts.engine.scheduler import QueueFullError
@@ -209,7 +210,7 @@ class SpeechServing:
 
     async def warmup(self) -> None:
         """One short request through the whole path (prefill, decode, vocoder); then ready."""
-        t0 = time.perf_counter()
+        t0, counts = time.perf_counter(), compile_counts()
         try:
             async for _ in self.engine.generate(self._warmup_request(), StreamOptions(1, 4), request_id="warmup"):
                 pass
@@ -219,7 +220,7 @@ class SpeechServing:
             return
         self.ready = True
         self.metrics.ready.set(1)
-        log.info("warm-up done in %.2f s: ready", time.perf_counter() - t0)
+        log.info("warm-up done in %.2f s (%s): ready", time.perf_counter() - t0, describe_counts(counts))
 
 
 def _sse_event(event) -> bytes:

@@ -32,6 +32,8 @@ class ServerSettings:
     gpu_memory_utilization: float | None = None  # the budget as a fraction of the GPU's memory (default 0.9)
     gpu_memory: float | None = None  # the budget in GB (a GPU shared with other work, e.g. a Jetson)
     kv_block_size: int = 0  # > 0: paged KV cache with blocks of this many positions (memory follows use); 0: per slot
+    compile_cache: str | None = None  # torch.compile's cache directory ("off": torch's /tmp default; None:
+    # ~/.cache/q3tts/compile/torch-<version>, or TORCHINDUCTOR_CACHE_DIR where the user set it)
     api_key: str | None = None  # when set, all but /health, /ready and / need "Authorization: Bearer <key>"
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
@@ -83,6 +85,9 @@ _FLAGS = [
     ("--kv-block-size", "kv_block_size", int, "paged KV cache: blocks of this many positions (1..64, a power of "
                                               "two, e.g. 64) handed to streams as they grow, as many as the budget "
                                               "holds; 0: max-seq-len positions per slot from the start"),
+    ("--compile-cache", "compile_cache", str, "directory that keeps what torch.compile compiled, so a restart "
+                                              "reuses it ('off': torch's default under /tmp; default "
+                                              "~/.cache/q3tts/compile/torch-<version>, or $TORCHINDUCTOR_CACHE_DIR)"),
     ("--api-key", "api_key", str, "require this Bearer token on every route but /health, /ready and the web "
                                   "page (WebSockets: also ?api_key=)"),
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),

@@ -1,0 +1,117 @@
+"""Start-up time: process start -> engine ready, with an empty compile cache (cold) and with the cache the cold
+process left (warm), each in its own Python process. One JSON on --out, a table on stderr.
+
+    python -m bench.startup --ckpt /tmp/ck06 --device cpu --quantization int8dyn,none --max-slots 4 --max-seq-len 1024
+    bash bench/startup.sh                                                                   # the GPU machine
+
+"Ready" is what `q3tts serve` waits for before /ready says true: TTS.from_pretrained(compile=True), the engine
+built with the server's sizes (CUDA: fitted to the memory budget, graphs captured) and the server's warm-up
+request (8 frames, streamed). Each run: a fresh temporary cache directory (cold), then a second process on the
+same directory (warm). The child reports its phases and the compile-cache counters (q3tts.engine.compile_cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def child(a) -> None:
+    """One start, as the server does it; prints one JSON line (times in seconds since the process started)."""
+    t_start = float(os.environ["Q3TTS_STARTUP_T0"])  # the parent's clock just before it spawned this process
+    import torch
+
+    from q3tts import TTS
+    from q3tts.engine.compile_cache import compile_counts
+    t_import = time.time()
+    quant = None if a.quantization in (None, "none") else a.quantization
+    tts = TTS.from_pretrained(a.ckpt, device=a.device, compile=True, quantization=quant,
+                              compile_cache=a.compile_cache)
+    t_load = time.time()
+    tts.build_engine(max_slots=a.max_slots, max_seq_len=a.max_seq_len, max_queue=256)  # as create_app
+    t_engine = time.time()
+    counts_engine = compile_counts()
+    kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}  # serving._warmup_request
+    prepared = tts.prepare_custom_voice("Hello.", tts.get_supported_speakers()[0], **kw)
+    for _ in tts.stream(prepared, first_chunk_frames=1, chunk_frames=4):
+        pass
+    if tts.device.type == "cuda":
+        torch.cuda.synchronize()
+    t_ready = time.time()
+    print(json.dumps({"import_s": t_import - t_start, "load_s": t_load - t_import, "engine_s": t_engine - t_load,
+                      "warmup_s": t_ready - t_engine, "ready_s": t_ready - t_start,
+                      "graphs": len(tts.engine.runner.graphs) + len(tts.engine.vocoder.graphs),
+                      "engine_counts": counts_engine, "counts": compile_counts(),
+                      "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
+                      "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len}), flush=True)
+
+
+def start(a, quantization: str, cache: str) -> dict:
+    env = dict(os.environ, Q3TTS_STARTUP_T0=repr(time.time()))
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "Q3TTS_COMPILE_CACHE"):
+        env.pop(k, None)  # the child's only cache is the one given (--compile-cache)
+    cmd = [sys.executable, "-m", "bench.startup", "--child", "--ckpt", a.ckpt, "--quantization", quantization,
+           "--compile-cache", cache] + (["--device", a.device] if a.device else [])
+    cmd += [x for k in ("max_slots", "max_seq_len") if getattr(a, k) for x in (f"--{k.replace('_', '-')}",
+                                                                               str(getattr(a, k)))]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
+    ap.add_argument("--quantization", default="none", help="comma-separated: none (exact), int8dyn, int8, fp8, ...")
+    ap.add_argument("--max-slots", type=int, default=None, help="engine slots (default: as `q3tts serve`: fitted "
+                    "to the memory budget on CUDA, 8 on CPU)")
+    ap.add_argument("--max-seq-len", type=int, default=None, help="KV positions per slot (default: as `q3tts serve`)")
+    ap.add_argument("--runs", type=int, default=2, help="cold + warm pairs per quantization")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child(a)
+    res = {"bench": "startup", "command": " ".join([os.path.basename(sys.executable), "-m", "bench.startup",
+                                                     *sys.argv[1:]]),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
+           "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "runs": []}
+    print(f"{'quantization':<12} {'run':>3} {'cache':<5} {'ready s':>8} {'import':>7} {'load':>6} {'engine':>7} "
+          f"{'warm-up':>8} {'fx hit/miss':>12}", file=sys.stderr)
+    for q in a.quantization.split(","):
+        for i in range(a.runs):
+            cache = tempfile.mkdtemp(prefix="q3tts-startup-cache-")
+            try:
+                for kind in ("cold", "warm"):
+                    r = dict(start(a, q, cache), quantization=q, run=i, cache=kind)
+                    res["runs"].append(r)
+                    res["device"] = r["device"]
+                    c = r["counts"]
+                    print(f"{q:<12} {i:>3} {kind:<5} {r['ready_s']:>8.1f} {r['import_s']:>7.1f} {r['load_s']:>6.1f} "
+                          f"{r['engine_s']:>7.1f} {r['warmup_s']:>8.1f} {c['fx_hit']:>6}/{c['fx_miss']:<5}",
+                          file=sys.stderr, flush=True)
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+    import torch
+    res["torch"] = torch.__version__
+    out = json.dumps(res, indent=1)
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(out)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The compile cache: where q3tts points torch's caches (and where it leaves the user's choice), and a real hit
+across processes: a second process compiles nothing that the first one compiled."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from q3tts.engine.compile_cache import default_compile_cache, describe_counts, use_compile_cache
+from q3tts.server.settings import parse_args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    """No cache variable set; XDG_CACHE_HOME in tmp_path (every variable is restored after the test)."""
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "Q3TTS_COMPILE_CACHE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return monkeypatch
+
+
+def test_default_is_a_per_user_directory_that_survives(env, tmp_path):
+    path = use_compile_cache()
+    assert path == default_compile_cache() and path.startswith(str(tmp_path / "xdg" / "q3tts" / "compile" / "torch-"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == path and os.path.isdir(path)
+    assert "TRITON_CACHE_DIR" not in os.environ  # Triton's kernels follow (torch's triton/ subfolder)
+
+
+def test_the_users_own_setting_wins(env, tmp_path):
+    env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_compile_cache() == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    # ... unless it is torch's own /tmp default, which torch writes into the environment once it has compiled
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    env.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert use_compile_cache() == default_compile_cache()
+    # Q3TTS_COMPILE_CACHE, then an explicit argument, win over it
+    env.setenv("Q3TTS_COMPILE_CACHE", str(tmp_path / "q3"))
+    assert use_compile_cache() == str(tmp_path / "q3") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    assert use_compile_cache(tmp_path / "arg") == str(tmp_path / "arg") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def test_off_leaves_torchs_defaults(env, tmp_path):
+    assert use_compile_cache(False) is None and use_compile_cache("off") is None
+    env.setenv("Q3TTS_COMPILE_CACHE", "off")
+    assert use_compile_cache() is None
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_serve_flag_and_environment(env, tmp_path):
+    assert parse_args([], environ={}).compile_cache is None
+    assert parse_args(["--compile-cache", "/c"], environ={}).compile_cache == "/c"
+    assert parse_args([], environ={"Q3TTS_COMPILE_CACHE": "off"}).compile_cache == "off"
+
+
+def test_describe_counts():
+    zero = {"fx_hit": 0, "fx_miss": 0, "aot_hit": 0, "aot_miss": 0}
+    assert describe_counts(zero, dict(zero, fx_hit=3)) == "3 graphs from the compile cache, 0 compiled (warm)"
+    assert describe_counts(zero, dict(zero, fx_miss=2)).endswith("(cold)")
+
+
+# Two decoder layers (two instances: one compiled function must serve both) through compile_layers, as the talker's.
+CHILD = """
+import json, torch
+torch.set_num_threads(1)
+from q3tts.config import DecoderLayerConfig
+from q3tts.engine.compile_cache import compile_counts, use_compile_cache
+from q3tts.engine.runner import compile_layers
+from q3tts.models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
+use_compile_cache()  # from Q3TTS_COMPILE_CACHE
+cfg = DecoderLayerConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=8)
+torch.manual_seed(0)
+layers = torch.nn.ModuleList(DecoderLayer(cfg) for _ in range(2))
+compile_layers(layers)
+L, n = 5, 16
+kv = torch.zeros(2, 2, 1, 2, n, 16)
+pos = torch.arange(L)[None]
+cos, sin = rope_cos_sin(pos, rope_inv_freq(16, 10000.0), torch.float32)
+ctx = AttnContext(pos, (torch.arange(n)[None] <= pos[0][:, None])[None, None])
+with torch.inference_mode():
+    x = torch.randn(1, L, 32)
+    for i, layer in enumerate(layers):
+        x = layer(x, cos, sin, kv[i][0], kv[i][1], ctx)
+print(json.dumps(compile_counts()))
+"""
+
+
+@pytest.mark.slow  # a cold Inductor compile on the CPU: ~45 s of the ~70 s on a loaded 2-core box
+def test_second_process_hits_the_cache(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env.update(Q3TTS_COMPILE_CACHE=str(tmp_path / "cc"), OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    cold, warm = run(), run()
+    # one graph for both layers, compiled once, found by the second process; no AOTAutograd miss either (a Dynamo
+    # restart, as float attributes once caused, would show one)
+    assert cold == {"fx_hit": 0, "fx_miss": 1, "aot_hit": 0, "aot_miss": 1}, cold
+    assert warm == {"fx_hit": 1, "fx_miss": 0, "aot_hit": 1, "aot_miss": 0}, warm
+    assert any((tmp_path / "cc").iterdir())
