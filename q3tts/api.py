@@ -55,10 +55,11 @@ class TTS:
             device: default CUDA when available, else CPU.
             dtype: default bfloat16 on CUDA, float32 on CPU.
             max_batch_size: requests decoded together (more are queued, up to max_queue); None: as many as the
-                memory budget holds (CUDA; at most 32).
+                memory budget holds (at most 32 on CUDA, 4 on a CPU).
             max_seq_len: KV-cache positions per request: prompt + frames (12.5 frames per second of audio); None
-                (default): 4096, or less on CUDA where the memory budget cannot hold max_batch_size x 4096.
-            gpu_memory_utilization: the memory budget as a fraction of the GPU's memory (default 0.9).
+                (default): 4096, or less where the memory budget cannot hold max_batch_size x 4096.
+            gpu_memory_utilization: the memory budget as a fraction of the GPU's memory (default 0.9); on a CPU,
+                of the host memory available after loading (default 0.5).
             gpu_memory: the memory budget in GB instead (a GPU shared with other work).
             compile: torch.compile the decoder layers and samplers before capturing CUDA graphs (default: on
                 for CUDA; then 1.7x faster frames; Q3TTS_COMPILE=0 disables). What it compiles is kept in

@@ -16,6 +16,8 @@ MIB, GIB = 1 << 20, 1 << 30
 DEFAULT_SEQ_LEN = 4096  # positions per slot when the budget allows (5 min of audio after a short prompt)
 MIN_SEQ_LEN = 256  # never size below this: a prompt + ~15 s of audio
 DEFAULT_MAX_SLOTS = 32  # the most slots sizing chooses on its own (more: --max-concurrent)
+CPU_MAX_SLOTS = 4  # on a CPU: a few streams at once (one 0.6B stream runs at ~0.5x real time on 2 cores, int8dyn)
+HOST_MEMORY_FRACTION = 0.5  # on a CPU, the default budget: this share of the host's available memory
 # Measured / bounded workspace constants (bf16, eager; compile only lowers them)
 VOCODER_BYTES_PER_FRAME_ROW = 8 * MIB  # one frame of one row through Code2Wav.decode_step (~6 MiB measured, CPU)
 VOCODER_FIXED = 64 * MIB
@@ -166,6 +168,27 @@ def device_room(device, gpu_memory_utilization: float | None = None, gpu_memory_
     return max(0, min(min(budget, cap) - held, free))
 
 
+def host_room(memory_utilization: float | None = None, memory_gb: float | None = None) -> int:
+    """Bytes a CPU engine may allocate: a share of the host memory available now (default HOST_MEMORY_FRACTION; the
+    rest stays for the activations and other programs), or an absolute size; never more than is available."""
+    avail = _host_available()
+    u = HOST_MEMORY_FRACTION if memory_utilization is None else memory_utilization
+    return min(budget_bytes(avail, u, memory_gb), avail)
+
+
+def _host_available() -> int:
+    """MemAvailable of /proc/meminfo (free + reclaimable cache); elsewhere the free pages."""
+    import os
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def _fraction_cap(torch, device, total: int) -> int:
     """The allocator's own limit (torch.cuda.set_per_process_memory_fraction), or total if none is set."""
     try:
@@ -183,34 +206,39 @@ def alloc_len(max_seq_len: int, min_span: int = 64) -> int:
 def size_engine(ckpt, max_slots: int | None, max_seq_len: int | None, gpu_memory_utilization: float | None = None,
                 gpu_memory: float | None = None, max_call_frames: int = 64,
                 block_size: int | None = None) -> tuple[int, int, int | None]:
-    """The engine's (max_slots, max_seq_len, num_blocks): the given ones, the rest fitted to the device's memory
-    budget (CUDA; on other devices DEFAULT_MAX_SLOTS / DEFAULT_SEQ_LEN). Logs the plan. ValueError if nothing
-    fits; given sizes that exceed the budget only warn unless a budget was given too.
+    """The engine's (max_slots, max_seq_len, num_blocks): the given ones, the rest fitted to the memory budget: on
+    CUDA a share of the GPU (device_room; at most DEFAULT_MAX_SLOTS slots), on a CPU a share of the host memory
+    available after loading (host_room, the same two options; at most CPU_MAX_SLOTS slots). Logs the plan.
+    ValueError if nothing fits; given sizes that exceed the budget only warn unless a budget was given too.
     block_size: a paged KV cache (see paged_blocks); num_blocks is None without one."""
     import logging
 
     import torch
     log = logging.getLogger("q3tts.engine")
-    if ckpt.device.type != "cuda":
-        slots, n = max_slots or DEFAULT_MAX_SLOTS, max_seq_len or DEFAULT_SEQ_LEN
-        return slots, n, (slots * alloc_len(n) // block_size + 1) if block_size else None  # as much as contiguous
-    torch.cuda.empty_cache()  # loading's temporaries
+    cuda = ckpt.device.type == "cuda"
+    cap = DEFAULT_MAX_SLOTS if cuda else CPU_MAX_SLOTS
+    if cuda:
+        torch.cuda.empty_cache()  # loading's temporaries
     cfg, elem = ckpt.cfg.talker, ckpt.dtype.itemsize
     per = slot_bytes(cfg, elem, vocoder_state_bytes(ckpt.code2wav, ckpt.dtype))
-    room = device_room(ckpt.device, gpu_memory_utilization, gpu_memory)
-    weights = torch.cuda.memory_allocated(ckpt.device)
+    if cuda:
+        room = device_room(ckpt.device, gpu_memory_utilization, gpu_memory)
+        held = f"weights {torch.cuda.memory_allocated(ckpt.device) / GIB:.2f} GiB"
+    else:
+        room = host_room(gpu_memory_utilization, gpu_memory)
+        held = "host memory, after the weights"
     if block_size:
-        slots, n = max_slots or DEFAULT_MAX_SLOTS, max_seq_len or DEFAULT_SEQ_LEN
+        slots, n = max_slots or cap, max_seq_len or DEFAULT_SEQ_LEN
         kv = kv_bytes_per_position(cfg, elem)
         blocks = paged_blocks(room - workspace(cfg, slots, alloc_len(n), elem, max_call_frames=max_call_frames,
                                                paged=True),
                               slots, alloc_len(n), block_size, kv, SlotBytes(per.per_position - kv, per.fixed))
         if blocks is None:
             raise ValueError(f"a paged KV cache for {slots} slot(s) x {n} positions does not fit the memory budget: "
-                             f"{room / GIB:.2f} GiB left after the weights ({weights / GIB:.2f} GiB); raise the budget "
-                             "or lower --max-concurrent / --max-seq-len")
-        log.info("memory: weights %.2f GiB; paged KV: %d blocks of %d positions (%.2f GiB, %d positions in all) for "
-                 "%d slots of up to %d positions", weights / GIB, blocks, block_size, blocks * block_size * kv / GIB,
+                             f"{room / GIB:.2f} GiB ({held}); raise the budget or lower --max-concurrent / "
+                             "--max-seq-len")
+        log.info("memory (%s): paged KV: %d blocks of %d positions (%.2f GiB, %d positions in all) for %d slots of "
+                 "up to %d positions", held, blocks, block_size, blocks * block_size * kv / GIB,
                  (blocks - 1) * block_size, slots, n)
         return slots, n, blocks
 
@@ -221,13 +249,13 @@ def size_engine(ckpt, max_slots: int | None, max_seq_len: int | None, gpu_memory
         return per(alloc_len(n))
 
     try:
-        p = plan(room, per_slot, reserve, max_slots, max_seq_len)
+        p = plan(room, per_slot, reserve, max_slots, max_seq_len, cap_slots=cap)
     except ValueError as e:
         if max_slots and max_seq_len and gpu_memory_utilization is None and gpu_memory is None:
             log.warning("memory: %s (estimate; going on as asked)", e)
             return max_slots, max_seq_len, None
-        raise ValueError(f"{e} (weights {weights / GIB:.2f} GiB)") from None
-    log.info("memory: weights %.2f GiB; %s", weights / GIB, p.describe())
+        raise ValueError(f"{e} ({held})") from None
+    log.info("memory (%s): %s", held, p.describe())
     return p.max_slots, p.max_seq_len, None
 
 

@@ -75,11 +75,12 @@ _FLAGS = [
     ("--max-upload-bytes", "max_upload_bytes", int, "maximum size of a reference audio upload"),
     ("--max-queue", "max_queue", int, "requests that may wait for a slot; more are refused with 503"),
     ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots; default: as many as the "
-                                                "memory budget holds at --max-seq-len, at most 32)"),
+                                                "memory budget holds at --max-seq-len, at most 32; on a CPU 4)"),
     ("--max-seq-len", "max_seq_len", int, "KV-cache positions per stream (prompt + 12.5 frames per second; "
                                           "default 4096, less if not even one stream fits the budget)"),
     ("--gpu-memory-utilization", "gpu_memory_utilization", float, "memory budget as a fraction of the GPU's "
-                                                                  "total (default 0.9)"),
+                                                                  "total (default 0.9; on a CPU, of the host memory "
+                                                                  "available, default 0.5)"),
     ("--gpu-memory", "gpu_memory", float, "memory budget in GB (for a GPU shared with other work; overrides "
                                           "--gpu-memory-utilization)"),
     ("--kv-block-size", "kv_block_size", int, "paged KV cache: blocks of this many positions (1..64, a power of "

@@ -109,13 +109,27 @@ def test_alloc_len_is_the_runners_rounding():
     assert [M.alloc_len(n) for n in (1, 64, 65, 300, 4096, 4097)] == [64, 64, 128, 512, 4096, 8192]
 
 
-def test_cpu_engine_keeps_the_defaults():
-    class Ckpt:
-        class device:
-            type = "cpu"
-    assert M.size_engine(Ckpt, None, None) == (M.DEFAULT_MAX_SLOTS, M.DEFAULT_SEQ_LEN, None)
-    assert M.size_engine(Ckpt, 3, 100) == (3, 100, None)
-    assert M.size_engine(Ckpt, 3, 100, block_size=64) == (3, 100, 3 * 128 // 64 + 1)  # paged: as much as contiguous
+def test_cpu_engine_fits_host_memory(monkeypatch):
+    """On a CPU the slots and positions not given fit a share of the host's available memory, at most CPU_MAX_SLOTS
+    slots (the server's defaults once asked 30 GB of fp32 KV for 0.6B: 32 slots x 4096 positions x 224 KiB)."""
+    from tests.golden.fixtures import tts
+    ckpt = tts("cv06").ckpt
+    assert ckpt.device.type == "cpu"
+    avail = {"bytes": 64 * 10**9}
+    monkeypatch.setattr(M, "_host_available", lambda: avail["bytes"])
+    assert M.size_engine(ckpt, None, None) == (M.CPU_MAX_SLOTS, M.DEFAULT_SEQ_LEN, None)
+    assert M.size_engine(ckpt, 3, 100) == (3, 100, None)
+    assert M.size_engine(ckpt, 3, 100, block_size=64) == (3, 100, 3 * 128 // 64 + 1)  # paged: as much as contiguous
+    # a host with room for ~2 slots of 4096 positions (after the workspace reserve) at the default share
+    cfg, elem = ckpt.cfg.talker, ckpt.dtype.itemsize
+    per = M.slot_bytes(cfg, elem, M.vocoder_state_bytes(ckpt.code2wav, ckpt.dtype))
+    need2 = 2 * per(4096) + M.workspace(cfg, 2, 4096, elem)
+    avail["bytes"] = int(need2 / M.HOST_MEMORY_FRACTION) + 1
+    assert M.size_engine(ckpt, None, None) == (2, M.DEFAULT_SEQ_LEN, None)
+    assert M.host_room() <= avail["bytes"] * M.HOST_MEMORY_FRACTION
+    assert M.host_room(memory_gb=1000.0) == avail["bytes"]  # never more than is available
+    with pytest.raises(ValueError, match="memory budget"):
+        M.size_engine(ckpt, None, None, gpu_memory=0.01)
 
 
 def test_offline_decode_groups_bound_rows_x_frames():
