@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     ap.add_argument("--quantization", default="none", help="comma-separated: none (exact), int8dyn, int8, fp8, ...")
     ap.add_argument("--max-slots", type=int, default=None, help="engine slots (default: as `q3tts serve`: fitted "
-                    "to the memory budget on CUDA, 8 on CPU)")
+                    "to the memory budget: at most 32 on CUDA, 4 on a CPU)")
     ap.add_argument("--max-seq-len", type=int, default=None, help="KV positions per slot (default: as `q3tts serve`)")
     ap.add_argument("--runs", type=int, default=2, help="cold + warm pairs per quantization")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")

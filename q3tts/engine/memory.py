@@ -10,6 +10,7 @@ left of a budget after the weights and the workspaces, and `device_room` reads t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -178,7 +179,6 @@ def host_room(memory_utilization: float | None = None, memory_gb: float | None =
 
 def _host_available() -> int:
     """MemAvailable of /proc/meminfo (free + reclaimable cache); elsewhere the free pages."""
-    import os
     try:
         with open("/proc/meminfo") as f:
             for line in f:
