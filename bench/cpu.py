@@ -68,6 +68,19 @@ def measure(tts, N: int, repeats: int, batch: int, ttfa_runs: int, speaker: str)
     return r
 
 
+def profile(tts, N: int, speaker: str, top: int = 25) -> dict:
+    """One decode of N frames under torch.profiler (after the timed runs: nothing compiles in it). Per frame: wall ms,
+    and the `top` ops by self CPU time (ms and calls per frame); 'other_ms' is the self time of every other op."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    pr = tts.prepare_custom_voice(TEXT, speaker=speaker, language="English", max_new_tokens=N + 1, seed=0)
+    with prof(activities=[ProfilerActivity.CPU]) as p:
+        wall, _ = clock(lambda: tts.generate_codes(pr))
+    ev = sorted(p.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    ops = [dict(op=e.key, self_ms=round(e.self_cpu_time_total / 1000 / N, 2), calls=round(e.count / N, 1)) for e in ev[:top]]
+    return dict(frames=N, wall_ms_per_frame=round(1000 * wall / N, 1), ops=ops,
+                other_ms=round(sum(e.self_cpu_time_total for e in ev[top:]) / 1000 / N, 2))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
@@ -79,15 +92,22 @@ def main(argv=None):
     ap.add_argument("--ttfa-runs", type=int, default=3)
     ap.add_argument("--compile", default="off", help="off, on, or both (torch.compile of the decode steps)")
     ap.add_argument("--speaker", default="ryan")
+    ap.add_argument("--inductor", default="", help="Inductor settings before anything compiles (bench.ours' flag), "
+                    "e.g. cpp_wrapper=True")
+    ap.add_argument("--profile", type=int, default=0, help="also profile a decode of N frames per run: the ops with the "
+                    "most self CPU time, per frame (JSON key 'profile')")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    from bench.ours import set_inductor
     from q3tts import TTS
+    inductor = set_inductor(a.inductor)
     res = {"engine": "q3tts", "device": "cpu", "cpu": platform.processor() or platform.machine(),
            "cpu_count": os.cpu_count(), "torch": torch.__version__, "frames": a.frames, "batch": a.batch,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": [],
            "settings": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "vnni": torch.cpu._is_vnni_supported(),
                         "amx": torch.cpu._is_amx_tile_supported(), "mkldnn": torch.backends.mkldnn.is_available(),
-                        "fused_qkv_gate_up": "quantized modes", "int8dyn_reduce_range": not torch.cpu._is_vnni_supported()}}
+                        "fused_qkv_gate_up": "quantized modes", "int8dyn_reduce_range": not torch.cpu._is_vnni_supported(),
+                        **({"inductor": inductor} if inductor else {})}}
     try:
         res["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
     except (OSError, StopIteration):
@@ -101,8 +121,12 @@ def main(argv=None):
                 torch.set_num_threads(th)
                 r = dict(quantization=mode, compile=comp, threads=th,
                          **measure(tts, a.frames, a.repeats, a.batch, a.ttfa_runs, a.speaker))
+                if a.profile:
+                    r["profile"] = profile(tts, a.profile, a.speaker)
                 res["runs"].append(r)
-                print(json.dumps(r), flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
+                if a.out:  # after every run: a run cut short by a time limit keeps what it measured
+                    open(a.out, "w").write(json.dumps(res, indent=1))
             del tts
     base = {(r["threads"], r["compile"]): r["decode_ms_per_frame"] for r in res["runs"] if r["quantization"] == "fp32"}
     for r in res["runs"]:

@@ -121,9 +121,11 @@ def top_values(x: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     decode-sized batches (H200, 2048 logits: 12.6 us vs 20.9 for one row, even at 4 rows). Larger batches use torch.topk (ties among equal values may then come in another
     order)."""
     B, V = x.shape
-    if not x.is_cuda:  # the same values and order from a stable sort (ranking would materialise [B, V, V])
-        vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
-        return vals[:, :cap], idx[:, :cap]
+    if not x.is_cuda:  # no ranking ([B, V, V]); one row of 3072 logits, 2 cores: a full stable sort 88 us, this 37
+        vals, idx = x.topk(cap, dim=-1)
+        idx, by_index = idx.sort(dim=-1)  # the cap chosen, in index order, then stably by value: a stable sort's
+        vals, order = vals.gather(-1, by_index).sort(dim=-1, descending=True, stable=True)  # order of them
+        return vals, idx.gather(-1, order)
     if B > RANK_MAX_ROWS:
         return x.topk(cap, dim=-1)
     return _rank_top(x, cap)

@@ -67,3 +67,17 @@ def test_unsupported_model_type(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="only the 12 Hz"):
         TTS.from_pretrained(d, device="cpu")
+
+
+@pytest.mark.gpu
+def test_text_embedding_stays_in_host_memory_on_cuda():
+    """On a GPU the text table is looked up in host memory; the projected rows equal a lookup on the device."""
+    tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cuda", dtype=torch.float32)
+    talker = tts.ckpt.talker
+    table = talker.model.text_embedding.weight
+    assert table.device.type == "cpu" and talker.codec_head.weight.device.type == "cuda"
+    ids = torch.tensor([[0, 7, table.shape[0] - 1]], device="cuda")
+    with torch.inference_mode():
+        got = talker.embed_text(ids)
+        want = talker.text_projection(table.cuda()[ids])
+    assert got.device.type == "cuda" and torch.equal(got, want)

@@ -168,7 +168,7 @@ class Engine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             elif ids:
                 with torch.inference_mode():
-                    emb = self.ckpt.talker.embed_text(torch.tensor(ids, device=self.ckpt.device))
+                    emb = self.ckpt.talker.embed_text(torch.tensor(ids))  # ids on the host: see embed_text
                 self.runner.append_trailing(req.slot, req.text_fed, emb)
                 req.text_fed += len(ids)
         return failed

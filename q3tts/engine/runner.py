@@ -360,6 +360,22 @@ class ModelRunner:
         return FrameResult(codes, self.last_code0[:B].tolist())  # the one sync per frame
 
     # ------------------------------------------------------------------ CUDA graphs
+    def graph_keys(self) -> list[tuple[int, int, bool]]:
+        """(batch bucket, length bucket, capped sampler): one CUDA graph each."""
+        lens, n = [], MIN_KV_SPAN
+        while n <= self.max_len:
+            lens.append(n)
+            n *= 2
+        return [(B, n, c) for B in self.batch_buckets for n in lens for c in (True, False)]
+
+    def warm_up_frames(self, keys) -> None:
+        """Run one frame per key before capturing (compilation, allocations, cuBLAS handles). Each starts at
+        position 0: a frame advances its rows' positions, and a position past the key's span n would write
+        outside the n // block_size blocks a paged row attends (an out-of-range index: a device-side assert)."""
+        for key in keys:
+            self.position.zero_()
+            self._frame(*key)
+
     @torch.inference_mode()
     def capture_graphs(self) -> int:
         """Capture one graph per (batch bucket up to the allocated rows, length bucket up to max_len, sampler).
@@ -367,17 +383,11 @@ class ModelRunner:
         reset afterwards)."""
         if not self.use_graphs:
             return 0
-        batches = self.batch_buckets
-        lens, n = [], MIN_KV_SPAN
-        while n <= self.max_len:
-            lens.append(n)
-            n *= 2
+        keys = self.graph_keys()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        keys = [(B, n, c) for B in batches for n in lens for c in (True, False)]
         with torch.cuda.stream(stream):
-            for key in keys:
-                self._frame(*key)  # warm-up (compilation, allocations, cuBLAS handles) outside the capture
+            self.warm_up_frames(keys)
         torch.cuda.current_stream().wait_stream(stream)
         for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
             g = torch.cuda.CUDAGraph()

@@ -83,8 +83,12 @@ class Talker(nn.Module):
         self.code_predictor = CodePredictor(cfg)
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
-        """Text token ids [...] -> [..., D]: text_embedding then text_projection."""
-        return self.text_projection(self.model.text_embedding(ids))
+        """Text token ids [...] -> [..., D]: text_embedding then text_projection. The table may live in host
+        memory while the rest of the model is on the GPU (see load_checkpoint): the rows are looked up where the
+        table is and projected where the projection is (ids given on the host need no device sync)."""
+        table = self.model.text_embedding.weight
+        x = F.embedding(ids.to(table.device), table)
+        return self.text_projection(x.to(self.codec_head.weight.device))
 
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """A frame of K codes [..., K] -> [..., D]: the sum of its K codec embeddings.
@@ -110,12 +114,12 @@ def embed_prompt(talker: Talker, layout, speaker_embedding: torch.Tensor | None 
     """
     dev = talker.codec_head.weight.device
     dt = talker.codec_head.weight.dtype
-    text_ids = torch.tensor(layout.text_ids, device=dev)
+    text_ids = torch.tensor(layout.text_ids)  # on the host, where the text table is on a GPU (load_checkpoint)
     codec_ids = torch.tensor(layout.codec_ids, device=dev)
     x = torch.zeros(len(layout), talker.cfg.hidden_size, device=dev, dtype=dt)
     has_text = text_ids != NONE
     if has_text.any():
-        x[has_text] += talker.embed_text(text_ids[has_text])
+        x[has_text.to(dev)] += talker.embed_text(text_ids[has_text])
     is_code = codec_ids >= 0
     if is_code.any():
         x[is_code] += talker.model.codec_embedding(codec_ids[is_code])
@@ -128,6 +132,6 @@ def embed_prompt(talker: Talker, layout, speaker_embedding: torch.Tensor | None 
         if ref_codes is None or ref_codes.shape[0] != int(is_ref.sum()):
             raise ValueError("ICL prompt: reference codes do not match the layout")
         x[is_ref] += talker.embed_codes(ref_codes.to(dev))
-    trailing = (talker.embed_text(torch.tensor(layout.trailing_ids, device=dev)) if layout.trailing_ids
+    trailing = (talker.embed_text(torch.tensor(layout.trailing_ids)) if layout.trailing_ids
                 else x.new_zeros(0, talker.cfg.hidden_size))
     return x, trailing

@@ -86,3 +86,17 @@ def test_a_full_pool_fails_the_newest_stream_and_the_others_finish(monkeypatch):
     assert second.status == RequestStatus.FINISHED_ERROR and "out of KV-cache memory" in second.error
     assert first.status.reason == "length" and torch.equal(torch.stack(first.frames), alone)
     assert len(eng.scheduler.free_blocks) == eng.runner.num_blocks - 1
+
+
+def test_graph_warm_up_frames_stay_inside_each_span():
+    """Before capturing, the engine runs one frame per (batch, span) graph key: 84 here, more than the smallest
+    span's 64 positions. Each starts at position 0; otherwise a paged row writes past the blocks its span holds
+    (on a GPU a device-side assert, which stopped `q3tts serve --kv-block-size 64` from starting)."""
+    from q3tts import TTS
+    from q3tts.engine.runner import MIN_KV_SPAN
+    tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cpu")
+    runner = Engine(tts.ckpt, max_slots=32, max_seq_len=4096, kv_block_size=64).runner
+    keys = runner.graph_keys()
+    assert len(keys) > MIN_KV_SPAN
+    with torch.inference_mode():
+        runner.warm_up_frames(keys)
