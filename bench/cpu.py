@@ -76,7 +76,8 @@ def profile(tts, N: int, speaker: str, top: int = 25) -> dict:
     with prof(activities=[ProfilerActivity.CPU]) as p:
         wall, _ = clock(lambda: tts.generate_codes(pr))
     ev = sorted(p.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    ops = [dict(op=e.key, self_ms=round(e.self_cpu_time_total / 1000 / N, 2), calls=round(e.count / N, 1)) for e in ev[:top]]
+    ops = [dict(op=e.key, self_ms=round(e.self_cpu_time_total / 1000 / N, 2), calls=round(e.count / N, 1))
+           for e in ev[:top]]
     return dict(frames=N, wall_ms_per_frame=round(1000 * wall / N, 1), ops=ops,
                 other_ms=round(sum(e.self_cpu_time_total for e in ev[top:]) / 1000 / N, 2))
 
@@ -94,8 +95,8 @@ def main(argv=None):
     ap.add_argument("--speaker", default="ryan")
     ap.add_argument("--inductor", default="", help="Inductor settings before anything compiles (bench.ours' flag), "
                     "e.g. cpp_wrapper=True")
-    ap.add_argument("--profile", type=int, default=0, help="also profile a decode of N frames per run: the ops with the "
-                    "most self CPU time, per frame (JSON key 'profile')")
+    ap.add_argument("--profile", type=int, default=0, help="also profile a decode of N frames per run: the ops with "
+                    "the most self CPU time, per frame (JSON key 'profile')")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from bench.ours import set_inductor
@@ -106,7 +107,8 @@ def main(argv=None):
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": [],
            "settings": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "vnni": torch.cpu._is_vnni_supported(),
                         "amx": torch.cpu._is_amx_tile_supported(), "mkldnn": torch.backends.mkldnn.is_available(),
-                        "fused_qkv_gate_up": "quantized modes", "int8dyn_reduce_range": not torch.cpu._is_vnni_supported(),
+                        "fused_qkv_gate_up": "quantized modes",
+                        "int8dyn_reduce_range": not torch.cpu._is_vnni_supported(),
                         **({"inductor": inductor} if inductor else {})}}
     try:
         res["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))

@@ -72,8 +72,9 @@ class Engine:
         """max_slots / max_seq_len None: fitted to the memory budget (q3tts.engine.memory.size_engine): a fraction
         of the GPU (gpu_memory_utilization, default 0.9; on a CPU of the host memory available, default 0.5) or
         gpu_memory GB. kv_block_size (e.g. 64): a paged KV cache, whose blocks follow the positions streams use (as
-        many as the budget holds) instead of max_seq_len positions per slot from the start. compile_cache: where torch.compile's caches
-        live (q3tts.engine.compile_cache: default a per-user directory that survives restarts; False: torch's)."""
+        many as the budget holds) instead of max_seq_len positions per slot from the start. compile_cache: where
+        torch.compile's caches live (q3tts.engine.compile_cache: default a per-user directory that survives
+        restarts; False: torch's)."""
         t0, counts = time.perf_counter(), compile_counts()
         self.ckpt = ckpt
         max_slots, max_seq_len, num_blocks = size_engine(ckpt, max_slots, max_seq_len, gpu_memory_utilization,
