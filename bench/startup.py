@@ -31,6 +31,7 @@ def child(a) -> None:
     from q3tts import TTS
     from q3tts.engine.compile_cache import compile_counts
     t_import = time.time()
+    prof = PhaseProfile() if a.profile else None
     quant = None if a.quantization in (None, "none") else a.quantization
     tts = TTS.from_pretrained(a.ckpt, device=a.device, compile=True, quantization=quant,
                               compile_cache=a.compile_cache)
@@ -50,7 +51,48 @@ def child(a) -> None:
                       "graphs": len(tts.engine.runner.graphs) + len(tts.engine.vocoder.graphs),
                       "engine_counts": counts_engine, "counts": compile_counts(),
                       "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
-                      "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len}), flush=True)
+                      "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len,
+                      **({"profile": prof.report()} if prof else {})}), flush=True)
+
+
+class PhaseProfile:
+    """--profile: wall time of each warm-up frame key, prefill shape and vocoder capture (synchronised), and Dynamo's
+    per-function compile times: where a cold start goes."""
+
+    def __init__(self):
+        import torch
+        from q3tts.engine import runner, vocoder
+        self.calls: list[tuple[str, float]] = []
+
+        def sync():  # (not while a CUDA graph is being captured: a sync there invalidates the capture)
+            if torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize()
+
+        def wrap(cls, name, label):
+            orig = getattr(cls, name)
+
+            def timed(this, *args, **kw):
+                sync()
+                t = time.time()
+                out = orig(this, *args, **kw)
+                sync()
+                self.calls.append((label(args), time.time() - t))
+                return out
+            setattr(cls, name, timed)
+        wrap(runner.ModelRunner, "_frame", lambda a: f"frame B={a[0]} n={a[1]} capped={a[2] if len(a) > 2 else False}")
+        wrap(runner.ModelRunner, "prefill_batch", lambda a: f"prefill N={len(a[1])} L={a[1][0].shape[0]}")
+        wrap(vocoder.StreamingVocoder, "capture_graphs", lambda a: "vocoder capture_graphs")
+
+    def report(self) -> dict:
+        import torch._dynamo.utils as du
+        first: dict[str, float] = {}
+        for label, s in self.calls:  # the first call per label: compilation + warm-up; later ones: capture, replays
+            first.setdefault(label, s)
+        slow = sorted(first.items(), key=lambda kv: -kv[1])
+        return {"first_call_s": dict(slow), "sum_first_calls_s": sum(first.values()),
+                "sum_all_calls_s": sum(s for _, s in self.calls), "num_calls": len(self.calls),
+                "unique_graphs": du.counters["stats"]["unique_graphs"],
+                "dynamo_compile_times": du.compile_times(repr="str", aggregate=True)[-6000:]}
 
 
 def start(a, quantization: str, cache: str) -> dict:
@@ -59,9 +101,15 @@ def start(a, quantization: str, cache: str) -> dict:
         env.pop(k, None)  # the child's only cache is the one given (--compile-cache)
     cmd = [sys.executable, "-m", "bench.startup", "--child", "--ckpt", a.ckpt, "--quantization", quantization,
            "--compile-cache", cache] + (["--device", a.device] if a.device else [])
+    cmd += ["--profile"] if a.profile else []
     cmd += [x for k in ("max_slots", "max_seq_len") if getattr(a, k) for x in (f"--{k.replace('_', '-')}",
                                                                                str(getattr(a, k)))]
+    if a.profile:
+        env["TORCH_LOGS"] = "recompiles"  # why each variant compiled: into the child's stderr, kept beside --out
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    if a.profile and a.out:
+        with open(f"{a.out}.{quantization}.{os.path.basename(cache)}.{int(time.time())}.stderr.txt", "w") as f:
+            f.write(out.stderr)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -78,6 +126,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="cold + warm pairs per quantization")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="time each warm-up frame key, prefill shape and the "
+                    "vocoder's capture, and record Dynamo's compile times per function (in each run's JSON)")
+    ap.add_argument("--cold-only", action="store_true", help="skip the warm restart")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -93,9 +144,10 @@ def main() -> None:
         for i in range(a.runs):
             cache = tempfile.mkdtemp(prefix="q3tts-startup-cache-")
             try:
-                for kind in ("cold", "warm"):
+                for kind in ("cold",) if a.cold_only else ("cold", "warm"):
                     r = dict(start(a, q, cache), quantization=q, run=i, cache=kind)
                     res["runs"].append(r)
+                    save(res, a.out)
                     res["device"] = r["device"]
                     c = r["counts"]
                     print(f"{q:<12} {i:>3} {kind:<5} {r['ready_s']:>8.1f} {r['import_s']:>7.1f} {r['load_s']:>6.1f} "
@@ -103,14 +155,19 @@ def main() -> None:
                           file=sys.stderr, flush=True)
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
+    print(save(res, a.out))
+
+
+def save(res: dict, path: str | None) -> str:
+    """Written after every run, so a call cut short keeps what it measured."""
     import torch
     res["torch"] = torch.__version__
     out = json.dumps(res, indent=1)
-    if a.out:
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        with open(a.out, "w") as f:
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
             f.write(out)
-    print(out)
+    return out
 
 
 if __name__ == "__main__":

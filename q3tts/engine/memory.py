@@ -25,6 +25,12 @@ VOCODER_FIXED = 64 * MIB
 NON_TORCH_RESERVE = 512 * MIB  # CUDA graph executables, cuBLAS / cuDNN workspaces, Triton modules, fragmentation
 
 
+# A contiguous KV cache holds this many positions past its last length bucket, never written or attended: a frame's
+# span then never reaches the end of the cache, where torch.compile compiled each layer variant apart (a slice to the
+# end is contiguous; measured: 3 more compilations of the decoder layer in a start-up)
+KV_SPARE = 1
+
+
 @dataclass(slots=True)
 class SlotBytes:
     """Bytes the engine allocates per slot: per_position * positions + fixed."""
@@ -48,13 +54,14 @@ def vocoder_state_bytes(code2wav, dtype) -> int:
 
 
 def slot_bytes(talker_cfg, elem: int = 2, vocoder_state: int = 3 * MIB) -> SlotBytes:
-    """Per-slot bytes of a talker config (elem: bytes per element of the model dtype)."""
+    """Per-slot bytes of a talker config (elem: bytes per element of the model dtype), with a contiguous KV cache
+    (its KV_SPARE positions are in the fixed part)."""
     t, cp = talker_cfg, talker_cfg.code_predictor
     kv = kv_bytes_per_position(t, elem)
     trailing = t.hidden_size * elem  # trailing text embedding, per position
     cp_kv = cp.num_hidden_layers * 2 * cp.num_key_value_heads * t.num_code_groups * cp.head_dim * elem
     seen = t.vocab_size  # bool code-0 history
-    return SlotBytes(kv + trailing, cp_kv + seen + vocoder_state + 64 * 1024)
+    return SlotBytes(kv + trailing, KV_SPARE * kv + cp_kv + seen + vocoder_state + 64 * 1024)
 
 
 def prefill_workspace(talker_cfg, max_len: int, max_prefill_tokens: int, max_slots: int, elem: int = 2) -> int:
@@ -232,7 +239,8 @@ def size_engine(ckpt, max_slots: int | None, max_seq_len: int | None, gpu_memory
         kv = kv_bytes_per_position(cfg, elem)
         blocks = paged_blocks(room - workspace(cfg, slots, alloc_len(n), elem, max_call_frames=max_call_frames,
                                                paged=True),
-                              slots, alloc_len(n), block_size, kv, SlotBytes(per.per_position - kv, per.fixed))
+                              slots, alloc_len(n), block_size, kv,
+                              SlotBytes(per.per_position - kv, per.fixed - KV_SPARE * kv))
         if blocks is None:
             raise ValueError(f"a paged KV cache for {slots} slot(s) x {n} positions does not fit the memory budget: "
                              f"{room / GIB:.2f} GiB ({held}); raise the budget or lower --max-concurrent / "

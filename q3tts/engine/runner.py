@@ -31,7 +31,7 @@ from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_c
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
 from .compile_cache import use_compile_cache
-from .memory import alloc_len
+from .memory import KV_SPARE, alloc_len
 from .scheduler import FrameResult
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -44,6 +44,7 @@ def compile_layers(talker: Talker) -> None:
     kernels: measured 1.7x faster frames on an H200). One compiled function serves every layer instance;
     batch and length are dynamic, so a handful of compilations cover all graph buckets."""
     import torch._dynamo
+    import torch._inductor.config
     import torch.fx.experimental._config as fx_config
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     # NOTE: no duck shaping: by default two sizes that happen to be equal at compile time share one symbol, so a
@@ -54,6 +55,10 @@ def compile_layers(talker: Talker) -> None:
     # floats, then finds Inductor cannot keep them so and restarts the whole trace (measured: 7 of 10 s of the
     # layer's tracing in a process whose compile cache is warm, and a wasted AOTAutograd cache lookup)
     torch._dynamo.config.specialize_float = True
+    # NOTE: no matmul padding: Inductor's pad_mm pass guards the attended span (3 <= n <= 127), so the 128- and
+    # 256-position spans each compiled every layer variant again (measured: 6 of a start-up's 60 compilations); the
+    # dims it would pad are multiples of 64 already
+    torch._inductor.config.shape_padding = False
     fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
@@ -61,16 +66,17 @@ def compile_layers(talker: Talker) -> None:
 
 
 @contextlib.contextmanager
-def graph_capture(graph: torch.cuda.CUDAGraph, pool=None):
-    """torch.cuda.graph(graph, pool) with Python's cycle collector paused: a collection during the capture can free
-    an engine dropped earlier, whose graphs then reset mid-capture and invalidate it (seen in the GPU tests, which
-    build engine after engine in one process)."""
+def gc_paused():
+    """Python's cycle collector paused for a loop of CUDA-graph captures, after one collection.
+    - Paused: a collection during a capture can free an engine dropped earlier, whose graphs then reset mid-capture
+      and invalidate it (seen in the GPU tests, which build engine after engine in one process).
+    - Once per loop, not per capture: with Dynamo and Inductor loaded a collection takes 0.2-0.5 s, and a start-up
+      captures ~100 graphs (the ~60 s of a cold start that no warm-up frame or compilation accounted for)."""
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool):
-            yield
+        yield
     finally:
         if enabled:
             gc.enable()
@@ -113,8 +119,8 @@ class ModelRunner:
                                   cfg.head_dim, device=dev, dtype=dt)
             self.block_table = torch.zeros(S, self.max_len // block_size, dtype=torch.long, device=dev)
         else:
-            self.kv = torch.zeros(cfg.num_hidden_layers, 2, S, cfg.num_key_value_heads, self.max_len, cfg.head_dim,
-                                  device=dev, dtype=dt)
+            self.kv = torch.zeros(cfg.num_hidden_layers, 2, S, cfg.num_key_value_heads, self.max_len + KV_SPARE,
+                                  cfg.head_dim, device=dev, dtype=dt)
             self.block_table = None
         self.cp_kv = torch.zeros(cp.num_hidden_layers, 2, S, cp.num_key_value_heads, self.K, cp.head_dim,
                                  device=dev, dtype=dt)
@@ -197,6 +203,13 @@ class ModelRunner:
         """Cache positions attended for sequences up to `length`: a power of two (one graph per bucket)."""
         return min(self.max_len, alloc_len(length, MIN_KV_SPAN))
 
+    def eager_prefill(self, N: int, L: int) -> bool:
+        """A compiled runner prefills N prompts of up to L tokens uncompiled when they take the attention's
+        one-head-at-a-time branch (ATTN_SCORES_CHUNK): prompts of a thousand tokens and more, rare, whose GEMMs
+        dominate; compiling that branch cost a cold start 14-20 s per variant (measured on an H200), warmed up for
+        requests that may never come."""
+        return self.compiled and N * self.cfg.num_attention_heads * L * self.kv_span(L) > ATTN_SCORES_CHUNK
+
     # ------------------------------------------------------------------ admission
     def check_prompt(self, num_positions: int, num_trailing: int) -> None:
         """ValueError unless a prompt of num_positions (+ num_trailing streamed text tokens) fits the cache.
@@ -237,7 +250,8 @@ class ModelRunner:
         n = self.kv_span(Lmax)
         kv, ctx = self._kv_ctx(r, pos, (self.key_pos[None, :n] <= pos[0][:, None])[None, None])  # mask [1, 1, Lmax, n]
         cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        out = self.talker(x, cos, sin, kv, ctx)  # [N, Lmax, D]
+        with torch.compiler.set_stance("force_eager") if self.eager_prefill(N, Lmax) else contextlib.nullcontext():
+            out = self.talker(x, cos, sin, kv, ctx)  # [N, Lmax, D]
         last = torch.tensor(lens, device=self.device)
         h = out[torch.arange(N, device=self.device), last - 1]  # [N, D]: each row's last real token
         self.position[r] = last
@@ -280,10 +294,11 @@ class ModelRunner:
         for i in range(self.K - 1):
             sl = slice(0, 2) if i == 0 else slice(i + 1, i + 2)  # positions 0,1; then i+1
             emb = cp.model.codec_embedding[min(i, self.K - 3)].weight  # (the last step's next input is unused)
+            # (the noise contiguous: the compiled samplers compile each stride layout apart)
             code, x = step(x, self.cp_cos[:, sl], self.cp_sin[:, sl], kv, self.cp_pos[sl][None].expand(B, -1),
                            self.cp_masks[i], cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
                            p["subtalker_temperature"][r], p["subtalker_top_k"][r], p["subtalker_top_p"][r],
-                           noise_all[:, i], capped)
+                           noise_all[:, i].contiguous(), capped)
             out.append(code)
         return torch.stack(out, dim=1)
 
@@ -389,25 +404,20 @@ class ModelRunner:
         with torch.cuda.stream(stream):
             self.warm_up_frames(keys)
         torch.cuda.current_stream().wait_stream(stream)
-        for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
-            g = torch.cuda.CUDAGraph()
-            with graph_capture(g, self._pool):
-                self._frame(*key)
-            self._pool = g.pool()
-            self.graphs[key] = g
+        with gc_paused():
+            for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    self._frame(*key)
+                self._pool = g.pool()
+                self.graphs[key] = g
         # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call), and for <= and >
         # MAX_ROWS tokens in all (the skinny GEMM or cuBLAS): compile the four now, not while the first burst of
-        # requests waits (measured on an H200: 5 s for the first 16 concurrent requests)
-        # and prompts long enough for the attention's one-head-at-a-time branch, where they fit: over part of the
-        # cache and over all of it (a slice to the end compiles apart)
-        D, H = self.cfg.hidden_size, self.cfg.num_attention_heads
+        # requests waits (measured on an H200: 5 s for the first 16 concurrent requests). Long prompts run
+        # uncompiled (eager_prefill).
+        D = self.cfg.hidden_size
         for n in (1, 2)[: self.num_rows]:
-            lens = [8, 5 * MAX_ROWS]
-            for span in (self.max_len // 2, self.max_len):  # prompts of span/2 < L <= span attend over `span`
-                L = max(span // 2 + 1, ATTN_SCORES_CHUNK // (n * H * span) + 1)
-                if L <= min(span, self.max_len - 1):
-                    lens.append(L)
-            for L in lens:
+            for L in (8, 5 * MAX_ROWS):
                 self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)] * n,
                                    [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n, [SamplingParams()] * n)
         torch.cuda.synchronize()

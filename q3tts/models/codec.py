@@ -119,9 +119,12 @@ class SnakeBeta(nn.Module):
 
     def forward(self, x: Tensor, tails: list[Tensor] | None = None) -> Tensor:
         # x: [B, C, N]; pointwise, so no streaming state
-        alpha = self.alpha.exp()[None, :, None]
-        beta = self.beta.exp()[None, :, None]
-        return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
+        return snake_beta(x, self.alpha, self.beta)
+
+
+def snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
+    """SnakeBeta of x [B, C, N] with log-parameters alpha, beta [C]."""
+    return x + (1.0 / (beta.exp()[None, :, None] + 1e-9)) * torch.sin(x * alpha.exp()[None, :, None]).pow(2)
 
 
 class ConvNeXtBlock(nn.Module):

@@ -207,3 +207,24 @@ def test_stream_consumer_closing_early_frees_the_slot():
     next(it)
     it.close()
     assert tts.engine.scheduler.num_running == 0 and not tts.engine.has_work()
+
+
+def test_attending_to_the_end_of_the_cache_compiles_nothing_new():
+    """The contiguous cache holds KV_SPARE positions past its last span, so a prompt whose span reaches the end of
+    the cache reuses the layers compiled for a short prompt and for frames (on a CPU the frames compile as they
+    come; the first request's frames go past 64 positions, to the last span), where a slice to the end of the cache
+    compiled apart before. Its greedy codes equal the uncompiled engine's (fp32: compiled kernels differ from eager
+    ones by rounding only, ~1e-6 relative, far below the random tiny model's logit gaps)."""
+    import torch._dynamo.utils
+    tts = fx.tts("cv06")
+    eng = Engine(tts.ckpt, max_slots=1, max_seq_len=128, compile=True)
+    warm = eng.generate_codes(tts.prepare_custom_voice("Hi.", "ryan", **dict(GREEDY, max_new_tokens=80)))[0]
+    assert warm.shape[0] > 64, "the first request's frames must attend to the end of the cache too"
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    long = tts.prepare_custom_voice("A sentence long enough to pass sixty-four prompt positions, so the prefill "
+                                    "attends to the end of this small cache. " * 3, "ryan", **GREEDY)
+    L = len(long[0].layout)
+    assert eng.runner.kv_span(L) == eng.runner.max_len and not eng.runner.eager_prefill(1, L), L
+    codes = eng.generate_codes(long)[0]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+    assert torch.equal(codes, run_alone(tts, long[0], max_seq_len=128))

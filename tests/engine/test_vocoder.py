@@ -77,3 +77,26 @@ def test_graphs_equal_eager_on_gpu():
             assert np.abs(e - g).max() <= 1e-4
     finally:
         tiny_model().to("cpu")
+
+
+def test_compiled_snakes_one_graph_for_every_layer():
+    """compile_snakes: one compiled SnakeBeta serves every channel count and input layout of the decoder (one
+    compilation per batch class: 1 row is specialised apart from >= 2), and gives the eager audio: the same
+    elementwise formula, fused (fp32 rounding only, within the tests' TOL)."""
+    import torch._dynamo.utils
+    streams = [rand_codes(9, s)[0].T for s in range(2)]
+    res = []
+    for compile in (False, True):
+        voc = StreamingVocoder(tiny_model(), max_rows=2, compile=compile)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        rows = voc.open([None, None])
+        outs = [[] for _ in streams]
+        for lo, hi in ((0, 1), (1, 3), (3, 9)):  # pieces 1, 2, (4, 2) of both rows, then of one row
+            for o, wav in zip(outs, voc.decode([(r, s[lo:hi]) for r, s in zip(rows, streams)])):
+                o.append(wav)
+        outs[0].append(voc.decode([(rows[0], streams[0][:1])])[0])
+        res.append([np.concatenate(o) for o in outs])
+        if compile:
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before <= 2
+    for e, c in zip(*res):
+        assert np.abs(e - c).max() <= TOL
