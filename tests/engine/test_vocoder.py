@@ -91,10 +91,10 @@ def test_compiled_snakes_one_graph_for_every_layer():
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         rows = voc.open([None, None])
         outs = [[] for _ in streams]
-        for lo, hi in ((0, 1), (1, 3), (3, 9)):  # pieces 1, 2, (4, 2) of both rows, then of one row
+        for lo, hi in ((0, 1), (1, 3), (3, 9)):  # pieces 1, 2, (4, 2) of both rows together
             for o, wav in zip(outs, voc.decode([(r, s[lo:hi]) for r, s in zip(rows, streams)])):
                 o.append(wav)
-        outs[0].append(voc.decode([(rows[0], streams[0][:1])])[0])
+        outs[0].append(voc.decode([(rows[0], streams[0][:1])])[0])  # one more frame of one row alone (batch 1)
         res.append([np.concatenate(o) for o in outs])
         if compile:
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before <= 2
