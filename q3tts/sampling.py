@@ -54,15 +54,16 @@ def _hash31(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
     """seed, step: [B] int64 -> [B, vocab] float32 uniforms in (0, 1), a pure function of its inputs."""
-    return frame_noise(seed, step, vocab, stream, 1)[:, 0]
+    return frame_noise(seed, step, vocab, stream, 1)[0]
 
 
 def frame_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int, first_stream: int, num_streams: int) -> torch.Tensor:
-    """All the uniforms one frame needs at once: [B, num_streams, vocab] for streams first_stream.. (stream 0:
+    """All the uniforms one frame needs at once: [num_streams, B, vocab] for streams first_stream.. (stream 0:
     code 0; 1..15: the code predictor's codebooks). One batched hash instead of one per sample keeps the
-    frame short. Nothing here copies from the host (CUDA-graph capture forbids it)."""
+    frame short. Nothing here copies from the host (CUDA-graph capture forbids it). Stream-major, so each
+    stream's [B, vocab] is contiguous: the compiled samplers compile each stride layout apart."""
     s = torch.arange(first_stream, first_stream + num_streams, device=seed.device, dtype=torch.int64)
-    key = _hash31(_hash31(_hash31(seed & _MASK31) ^ (step & _MASK31))[:, None] ^ s[None, :])  # [B, n]
+    key = _hash31(_hash31(_hash31(seed & _MASK31) ^ (step & _MASK31))[None, :] ^ s[:, None])  # [n, B]
     idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     h = _hash31(_hash31(key[:, :, None] ^ idx) ^ 0x2545F49)
     return (h.float() + 0.5) * (1.0 / (1 << 31))

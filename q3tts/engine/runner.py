@@ -287,18 +287,17 @@ class ModelRunner:
         # [layers, 2, B, ...] view, torch.compile copied it whole for every write)
         kv = [(self.cp_kv[i, 0, :B], self.cp_kv[i, 1, :B]) for i in range(self.cp_kv.shape[0])]
         frame = self.num_generated[r] - 1  # this frame's index: noise differs per frame and codebook
-        noise_all = frame_noise(self.seed[r], frame, cp.lm_head[0].out_features, 1, self.K - 1)
+        noise_all = frame_noise(self.seed[r], frame, cp.lm_head[0].out_features, 1, self.K - 1)  # [K-1, B, V]
         x = torch.stack([h, self.talker.model.codec_embedding(code0)], dim=1)  # [B, 2, D]
         step = self._cp_step_fused if B <= FUSED_CP_MAX_BATCH and self._cp_step_fused else self._cp_step
         out = []
         for i in range(self.K - 1):
             sl = slice(0, 2) if i == 0 else slice(i + 1, i + 2)  # positions 0,1; then i+1
             emb = cp.model.codec_embedding[min(i, self.K - 3)].weight  # (the last step's next input is unused)
-            # (the noise contiguous: the compiled samplers compile each stride layout apart)
             code, x = step(x, self.cp_cos[:, sl], self.cp_sin[:, sl], kv, self.cp_pos[sl][None].expand(B, -1),
                            self.cp_masks[i], cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
                            p["subtalker_temperature"][r], p["subtalker_top_k"][r], p["subtalker_top_p"][r],
-                           noise_all[:, i].contiguous(), capped)
+                           noise_all[i], capped)
             out.append(code)
         return torch.stack(out, dim=1)
 
