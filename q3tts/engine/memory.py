@@ -59,7 +59,7 @@ def slot_bytes(talker_cfg, elem: int = 2, vocoder_state: int = 3 * MIB) -> SlotB
     t, cp = talker_cfg, talker_cfg.code_predictor
     kv = kv_bytes_per_position(t, elem)
     trailing = t.hidden_size * elem  # trailing text embedding, per position
-    cp_kv = cp.num_hidden_layers * 2 * cp.num_key_value_heads * t.num_code_groups * cp.head_dim * elem
+    cp_kv = cp.num_hidden_layers * 2 * cp.num_key_value_heads * (t.num_code_groups + KV_SPARE) * cp.head_dim * elem
     seen = t.vocab_size  # bool code-0 history
     return SlotBytes(kv + trailing, KV_SPARE * kv + cp_kv + seen + vocoder_state + 64 * 1024)
 

@@ -122,7 +122,8 @@ class ModelRunner:
             self.kv = torch.zeros(cfg.num_hidden_layers, 2, S, cfg.num_key_value_heads, self.max_len + KV_SPARE,
                                   cfg.head_dim, device=dev, dtype=dt)
             self.block_table = None
-        self.cp_kv = torch.zeros(cp.num_hidden_layers, 2, S, cp.num_key_value_heads, self.K, cp.head_dim,
+        # (KV_SPARE as in the talker's cache: the steps attend all K positions, never a slice to the end)
+        self.cp_kv = torch.zeros(cp.num_hidden_layers, 2, S, cp.num_key_value_heads, self.K + KV_SPARE, cp.head_dim,
                                  device=dev, dtype=dt)
         self.tts_pad_embed = tts_pad_embed.to(dev, dt)  # [D]
         # per-slot state
@@ -143,13 +144,9 @@ class ModelRunner:
         self.active = torch.ones(S, dtype=torch.bool, device=dev)  # rows whose frame counts (see module doc)
         self.active_cpu = [True] * S
         self.key_pos = torch.arange(self.max_len, device=dev)
-        self.cp_pos = torch.arange(self.K, device=dev)
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(dev)
         self.cp_inv_freq = rope_inv_freq(cp.head_dim, cp.rope_theta).to(dev)
-        # the code predictor always runs positions 0..15: its RoPE tables and masks are constants
-        self.cp_cos, self.cp_sin = rope_cos_sin(self.cp_pos[None], self.cp_inv_freq, dt)  # [1, 16, Dh]
-        self.cp_masks = [self.cp_pos[None, None, None, :] <= (self.cp_pos[:2] if i == 0 else self.cp_pos[i + 1:i + 2])
-                         [None, None, :, None] for i in range(self.K - 1)]  # [1, 1, S, 16] per step
+        self.cp_steps = [self._cp_step_inputs(i) for i in range(self.K - 1)]  # (cos, sin, write_pos, mask) per step
         # the capped sampler (topk instead of full sorts) serves rows whose top_k fits TOPK_CAP
         self.topk_ok_cpu = [True] * S
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
@@ -292,14 +289,33 @@ class ModelRunner:
         step = self._cp_step_fused if B <= FUSED_CP_MAX_BATCH and self._cp_step_fused else self._cp_step
         out = []
         for i in range(self.K - 1):
-            sl = slice(0, 2) if i == 0 else slice(i + 1, i + 2)  # positions 0,1; then i+1
             emb = cp.model.codec_embedding[min(i, self.K - 3)].weight  # (the last step's next input is unused)
-            code, x = step(x, self.cp_cos[:, sl], self.cp_sin[:, sl], kv, self.cp_pos[sl][None].expand(B, -1),
-                           self.cp_masks[i], cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
+            cos, sin, write_pos, mask = (t[:B] for t in self.cp_steps[i])
+            code, x = step(x, cos, sin, kv, write_pos, mask, cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
                            p["subtalker_temperature"][r], p["subtalker_top_k"][r], p["subtalker_top_p"][r],
                            noise_all[i], capped)
             out.append(code)
         return torch.stack(out, dim=1)
+
+    def _cp_step_inputs(self, i: int) -> tuple[torch.Tensor, ...]:
+        """The code predictor's step i attends positions 0, 1 (i = 0), then i + 1: its constant inputs for every row,
+        (cos, sin [rows, s, Dh], write_pos [rows, s], mask), laid out exactly as the talker's own so that the layers
+        compiled for the talker serve these steps too (batches of 2 and more run them through the compiled layers):
+        step 0 as a prefill's (write_pos an expanded arange, mask [1, 1, 2, 16]), later steps as a frame's (write_pos
+        [rows, 1] a plain tensor like `position`, mask [rows, 1, 1, 16]); inference tensors where the talker's are
+        (computed in inference mode). A compiled layer guards on its inputs' dispatch keys, sizes of 1 and strides:
+        with one broadcast table for all rows, 4 of a start-up's 24 compilations were these steps' own (H100)."""
+        S, dev = self.num_rows, self.device
+        pos = torch.arange(2, device=dev) if i == 0 else torch.full((1,), i + 1, device=dev)  # [s]
+        write_pos = pos.repeat(S)[:, None] if i > 0 else None  # [S, 1]: a plain tensor, as `position`
+        with torch.inference_mode():
+            cos, sin = rope_cos_sin(pos[None].expand(S, -1), self.cp_inv_freq, self.dtype)  # [S, s, Dh]
+            mask = torch.arange(self.K, device=dev)[None, None, None, :] <= pos[None, None, :, None]  # [1, 1, s, 16]
+            if i == 0:
+                write_pos = torch.arange(2, device=dev)[None].expand(S, -1)  # [S, 2], as a prefill's positions
+            else:
+                mask = mask.expand(S, -1, -1, -1).contiguous()  # [S, 1, 1, 16], as a frame's mask
+        return cos, sin, write_pos, mask
 
     def _cp_step(self, x, cos, sin, kv, write_pos, mask, head_w, emb_w, do_sample, temperature, top_k, top_p, noise,
                  capped: bool):

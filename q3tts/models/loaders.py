@@ -52,7 +52,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
     on CUDA, fp32 on CPU; quantization: see q3tts.models.quant). The cloning encoders are loaded separately,
     on first use."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    check_quantization(quantization, device)  # a bad value fails before the weights are read
+    quantization = check_quantization(quantization, device)  # a bad value fails before the weights are read
     d = resolve_model_dir(name_or_path)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -61,30 +61,44 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
 
     files = safetensors_files(d / "model")
     check_prefixes(files, ("talker.", "speaker_encoder."), str(d / "model.safetensors"))
+    # NOTE: built on the meta device, then given memory in its final dtype where each part lives, so each weight is
+    # copied once, from the file to its place (an fp32 model built on the host and then moved cost ~6 s of a start).
+    # On a GPU the text embedding table (151936 x 2048: 0.58 GiB in bf16, 30% of 0.6B's weights) stays in host
+    # memory: a request looks up its few hundred rows once (streamed text: a few at a time) and only the [L, 2048]
+    # result crosses to the device. A lookup is a copy, so nothing changes numerically.
     with torch.device("meta"):
-        talker = Talker(cfg.talker)
-    talker = talker.to_empty(device="cpu")  # no buffers: every tensor is loaded below
+        talker = Talker(cfg.talker).to(dtype)
+    text_embedding = talker.model.text_embedding.to_empty(device="cpu")
+    talker.model.text_embedding = None
+    talker = talker.to_empty(device=device)  # no buffers: every tensor is loaded below
+    talker.model.text_embedding = text_embedding
     load_module(talker, read_tensors(files, "talker."), f"{d}/model.safetensors (talker.*)")
+    talker.eval()
     speech_files = safetensors_files(d / "speech_tokenizer" / "model")
     check_prefixes(speech_files, ("decoder.", "encoder."), f"{d}/speech_tokenizer/model.safetensors")
     code2wav = Code2Wav(speech_cfg.decoder)
     load_module(code2wav, read_tensors(speech_files, "decoder."), f"{d}/speech_tokenizer (decoder.*)")
-    # NOTE: on a GPU the text embedding table (151936 x 2048: 0.58 GiB in bf16, 30% of 0.6B's weights) stays in
-    # host memory: a request looks up its few hundred rows once (streamed text: a few at a time) and only the
-    # [L, 2048] result crosses to the device. A lookup is a copy, so nothing changes numerically.
-    text_embedding, talker.model.text_embedding = talker.model.text_embedding, None
-    talker = talker.to(device=device, dtype=dtype).eval()
-    talker.model.text_embedding = text_embedding.to(dtype=dtype).eval()
-    if device.type == "cuda" or check_quantization(quantization, device):
+    if device.type == "cuda" or quantization:
         # one GEMM for q|k|v and for gate|up: 4 calls per layer instead of 7 (quantized CPU runs are not exact
         # anyway, and a per-row quantization is the same fused or not); the exact CPU path stays upstream-shaped
         fuse_projections(talker)
     quantize_(talker, quantization, device)
-    code2wav = code2wav.to(device=device, dtype=dtype).eval()
+    code2wav = code2wav.to(device=device, dtype=vocoder_dtype(device, dtype, quantization)).eval()
     with torch.inference_mode():
         pad = talker.embed_text(torch.tensor([cfg.tts_pad_token_id]))[0]
     return Checkpoint(d, cfg, speech_cfg, parse_generation_defaults(read_json(d / "generation_config.json")),
                       talker, code2wav, pad, device, dtype)
+
+
+def vocoder_dtype(device: torch.device, dtype: torch.dtype, quantization: str | None) -> torch.dtype:
+    """The model dtype, but bf16 for a quantized model on a CPU with AMX tiles (Intel Sapphire Rapids and later),
+    where oneDNN runs bf16 convolutions on AMX: measured on 16 cores of one, 11.4 -> 6.5 ms per 80 ms frame for a
+    whole utterance and 14.0 -> 10.4 in streaming chunks (bench/probe_cpu.py --vocoder). Quantized output is not
+    exact anyway; unquantized, the CPU vocoder stays fp32 (exact), and so it does without AMX, where bf16
+    convolutions are emulated (3.8 s per frame on an AVX2 EPYC, measured)."""
+    if quantization and device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return torch.bfloat16
+    return dtype
 
 
 def _load_encoder(files_stem: Path, prefix: str, module: torch.nn.Module, what: str, device, dtype):

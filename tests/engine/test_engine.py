@@ -228,3 +228,27 @@ def test_attending_to_the_end_of_the_cache_compiles_nothing_new():
     codes = eng.generate_codes(long)[0]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
     assert torch.equal(codes, run_alone(tts, long[0], max_seq_len=128))
+
+
+def test_code_predictor_steps_reuse_the_layers_compiled_for_the_talker():
+    """Batches of 2 and more run the code predictor's steps through the compiled decoder layer. Where its layers
+    have the talker's shape (the real 0.6B models: 1024 wide, 16 x 128 heads), its steps after the first reuse the
+    variant compiled for the talker's frames, and its first step (2 positions) the prefill's: a frame of 2 rows
+    compiles the layer twice (1 position, 2 positions). With its own layout of constant inputs (one broadcast RoPE
+    table and mask, not inference tensors, a cache of exactly 16 positions) the code predictor's steps compiled
+    their own variant too. Random weights: only the compiled variants are counted."""
+    import dataclasses
+
+    from q3tts.engine.runner import ModelRunner
+    from q3tts.models.layers import DecoderLayer
+    from q3tts.models.talker import Talker
+    cfg = fx.tts("cv06").ckpt.talker.cfg
+    cfg = dataclasses.replace(cfg, code_predictor=dataclasses.replace(cfg.code_predictor, head_dim=cfg.head_dim))
+    torch.manual_seed(0)
+    runner = ModelRunner(Talker(cfg).eval(), torch.zeros(cfg.hidden_size), max_slots=2, max_len=64,
+                         use_cuda_graphs=False, compile=True)
+    torch._dynamo.reset()  # the layer's variants of earlier tests (other shapes) are not this test's
+    with torch.inference_mode():
+        runner.warm_up_frames([(2, 64, True)])
+    variants = torch._dynamo.eval_frame._debug_get_cache_entry_list(DecoderLayer.forward.__code__)
+    assert len(variants) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -160,3 +161,28 @@ def test_none_leaves_the_model_untouched():
     assert not any(isinstance(m, QuantLinear) for m in tts.ckpt.talker.modules())
     quantize_(tts.ckpt.talker, "none", "cpu")
     assert not any(isinstance(m, QuantLinear) for m in tts.ckpt.talker.modules())
+
+
+def test_quantized_cpu_vocoder_is_bf16_only_with_amx(monkeypatch):
+    """Quantized on a CPU with AMX tiles the vocoder runs in bf16 (its convolutions on AMX); unquantized, or without
+    AMX (bf16 convolutions emulated), it keeps the model dtype."""
+    from q3tts import TTS
+    from q3tts.models.loaders import vocoder_dtype
+    cpu = torch.device("cpu")
+    for amx in (False, True):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert vocoder_dtype(cpu, torch.float32, None) == torch.float32
+        assert vocoder_dtype(cpu, torch.float32, "int4") == (torch.bfloat16 if amx else torch.float32)
+    assert vocoder_dtype(torch.device("cuda"), torch.bfloat16, "int8") == torch.bfloat16
+    # loaded that way, it streams the offline audio's waveform, not its bits: the streaming and the whole-utterance
+    # decodes round differently, and bf16 keeps 8 significant bits, which this random tiny decoder's ~30 layers
+    # compound to ~15% rms of the signal (measured: 14.5%, correlation 0.989; 1e-5 in fp32). Held to a correlation of
+    # 0.9: a wrong state or a misplaced chunk decorrelates the waveform entirely
+    tts = TTS.from_pretrained(fixtures.checkpoint("cv06"), device="cpu", quantization="int8")
+    assert next(tts.ckpt.code2wav.parameters()).dtype == torch.bfloat16
+    assert next(tts.ckpt.talker.parameters()).dtype == torch.float32
+    kw = dict(speaker=tts.get_supported_speakers()[0], language="English", max_new_tokens=5, seed=1)
+    wavs, _ = tts.generate_custom_voice("Hello there.", **kw)
+    streamed = np.concatenate([c.audio for c in tts.generate_custom_voice_stream("Hello there.", **kw)])
+    assert streamed.dtype == np.float32 and streamed.shape == wavs[0].shape and np.isfinite(streamed).all()
+    assert np.corrcoef(streamed, wavs[0])[0, 1] > 0.9
