@@ -38,7 +38,6 @@ def per_call_us(fn, xs, n: int) -> float:
 
 def gemms(threads: list[int], n: int) -> list[dict]:
     rows = []
-    x = torch.randn(1, 1024, dtype=torch.bfloat16)
     for name, (N, K) in SHAPES.items():
         x = torch.randn(1, K, dtype=torch.bfloat16)
         for mode in ("int4", "int8"):
@@ -128,7 +127,8 @@ def vocoder(ckpt: str, threads: int, frames: int = 40) -> list[dict]:
                 dt = time.perf_counter() - t
                 voc.close(row)
                 best = dt if best is None else min(best, dt)
-            rows.append(dict(dtype=str(dtype), schedule=name, threads=threads, ms_per_frame=round(1000 * best / frames, 2)))
+            rows.append(dict(dtype=str(dtype), schedule=name, threads=threads,
+                             ms_per_frame=round(1000 * best / frames, 2)))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

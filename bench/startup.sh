@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: start-up time of the engine as `q3tts serve` builds it (compile + CUDA graphs + warm-up request),
 # with an empty compile cache (cold, a fresh machine) and then with the cache the cold process left (warm, a restart).
-#   run: command: bash bench/startup.sh        (one cold + warm pair fits the 10-minute call: 283 s + 123 s on an
-#                                               H200 for serve's defaults; RUNS=2 for two pairs, QUANT=none,fp8;
+#   run: command: bash bench/startup.sh        (one cold + warm pair fits the 10-minute call: 145 s + 58 s on an
+#                                               H100 host for serve's defaults; RUNS=2 for two pairs, QUANT=none,fp8;
 #                                               PROFILE=1: per-key times, compile times, recompile reasons)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
