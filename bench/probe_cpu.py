@@ -1,8 +1,9 @@
 """Where a CPU frame's fixed costs come from (exploration): per-call time of the quantized GEMMs at the 0.6B's decode
 shapes (one row) by thread count, weights hot (one matrix again and again: the code predictor's 5 layers run 15
-times a frame) and cold (cycling through more matrices than the last-level cache holds: the talker's 28 layers);
-the cost of an empty parallel region; and the same GEMMs compiled by Inductor with frozen weights and its C++ GEMM
-templates (max-autotune), against the aten kernels the engine calls.
+times a frame) and cold (cycling through 48 matrices, as the talker's 28 layers do: beyond the L2 caches, though a
+large L3 may hold them); the cost of an empty parallel region; the same GEMMs compiled by Inductor with frozen
+weights and its C++ GEMM templates (max-autotune), against the aten kernels the engine calls. --vocoder CKPT: the
+streaming vocoder's cost per frame in fp32 and bf16 instead.
 
     CUDA_VISIBLE_DEVICES= python -m bench.probe_cpu --threads 16,8,4 --out probe.json
     CUDA_VISIBLE_DEVICES= OMP_WAIT_POLICY=ACTIVE python -m bench.probe_cpu ...     # spinning OpenMP workers
@@ -24,7 +25,7 @@ from q3tts.models.quant import QuantLinear
 # (out, in) of the per-frame linears of the 0.6B talker and code predictor (q/k/v and gate/up fused)
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072),
           "cp_head": (2048, 1024)}
-COLD_COPIES = 48  # 48 x ~3 MB (int4 gate_up) > a Sapphire Rapids' L2 + its share of L3
+COLD_COPIES = 48  # int4 gate_up: 48 x 3 MiB, past the 16-core Xeon's 32 MiB of L2 (its L3 is 300 MiB)
 
 
 def per_call_us(fn, xs, n: int) -> float:
