@@ -16,7 +16,8 @@ from bench.ours import graph_of, replay_ms, sync
 from q3tts.models.talker import embed_prompt
 
 
-def kernel_profile(fn, n=10, rows=25):
+def kernel_profile(fn, n=10, rows=25, ordered=0):
+    """ordered: also list the first `ordered` kernels of one call in launch order (name, device us)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     sync()
@@ -28,7 +29,12 @@ def kernel_profile(fn, n=10, rows=25):
     per_call = len(kernels) / n
     busy_ms = sum(e.device_time for e in kernels) / 1000 / n
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=rows), flush=True)
-    return {"kernels_per_call": per_call, "kernel_busy_ms_per_call": round(busy_ms, 3)}
+    out = {"kernels_per_call": per_call, "kernel_busy_ms_per_call": round(busy_ms, 3)}
+    if ordered:
+        first = sorted(kernels, key=lambda e: e.time_range.start)[:ordered]
+        out["ordered"] = [(e.name[:90], round(e.device_time, 1)) for e in first]
+        print("\n".join(f"{i:4d} {d:7.1f} us  {name}" for i, (name, d) in enumerate(out["ordered"])), flush=True)
+    return out
 
 
 def main():
@@ -64,6 +70,15 @@ def main():
 
     r = new_runner(True)
     secs = a.sections.split(",")
+    if "kernels" in secs:  # one stream: each half's graph, its kernels in order (a CP step ~1/15, a talker layer ~1/28)
+        with torch.inference_mode():
+            for tag, fn, k in (("cp", lambda: r._frame_codes(1, True), 200),
+                               ("talker", lambda: r._frame_talker(1, n, True), 60),
+                               ("frame", lambda: r._frame(1, n, True), 0)):
+                g = graph_of(fn)
+                res[f"{tag}_graph_ms_b1"] = round(replay_ms(g, 200), 3)
+                print(f"== {tag}, batch 1: {res[f'{tag}_graph_ms_b1']} ms ==", flush=True)
+                res[f"{tag}_profile_b1"] = kernel_profile(g.replay, n=5, rows=12, ordered=k)
     if "cp" in secs:
         res["cp_shipped"] = cp_times(r, "shipped")
     with torch.inference_mode():

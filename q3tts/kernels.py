@@ -26,6 +26,11 @@ except ImportError:  # CPU-only installs: F.linear everywhere
 
 MAX_ROWS = 16
 _ENABLED = triton is not None and os.environ.get("Q3TTS_SKINNY_GEMM", "1") != "0"
+# Programmatic dependent launch (Hopper and later): a kernel is scheduled while the one before it finishes and loads
+# what does not depend on it (its weights) before waiting for it (griddepcontrol). Inductor's kernels take part too
+# (engine.runner.compile_layers). Q3TTS_PDL=1 turns it on.
+PDL = (_ENABLED and os.environ.get("Q3TTS_PDL", "0") == "1" and torch.cuda.is_available()
+       and torch.cuda.get_device_capability()[0] >= 9)
 
 if triton is not None:
 
@@ -135,3 +140,231 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch
             and w.shape[1] % 256 == 0:
         return torch.ops.q3tts.quant_linear_triton(x.contiguous(), w, scale)
     return F.linear(x, (w.to(torch.float32) * scale[:, None]).to(x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------- one-row layer GEMVs
+# One token of one row (a stream's frame): the decoder layer's RMSNorms, SiLU gate and residual adds ride in its
+# GEMVs (normed input computed per program, epilogues on the outputs) instead of a kernel each between them: 3 of a
+# layer pass's ~9 launches. Rounded where the eager module rounds, as the attention kernel below.
+if triton is not None:
+
+    @triton.jit
+    def _bf(x):  # round fp32 to bf16 and back: where the eager module stores a bf16 result
+        return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def _gemv_row_ex(x_ptr, w_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
+        # y [N] = x [K] @ w.T; NORM: x is first RMSNormed (weight nw); GLU: w is [gate; up] (2N rows) and
+        # y = silu(gate) * up; RES: y += r. PDL: the first weight block is loaded before waiting for the kernel
+        # that wrote x (and r)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :]).to(tl.float32)
+        wu = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :]).to(tl.float32) if GLU else w
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        if NORM:
+            ss = tl.zeros((BLOCK_K,), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xv = tl.load(x_ptr + k0 + rk).to(tl.float32)
+                ss += xv * xv
+            r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=0) / K + eps)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if k0 > 0:
+                w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
+                if GLU:
+                    wu = tl.load(w_ptr + (N + rn)[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
+            xv = tl.load(x_ptr + k0 + rk).to(tl.float32)
+            if NORM:
+                xv = _bf(_bf(xv * r) * tl.load(nw_ptr + k0 + rk).to(tl.float32))
+            acc += tl.sum(w * xv[None, :], axis=1)
+            if GLU:
+                acc_up += tl.sum(wu * xv[None, :], axis=1)
+        y = _bf(acc)
+        if GLU:  # F.silu on bf16 computes x / (1 + exp(-x)) in fp32, rounded; times up, rounded
+            y = _bf(_bf(y / (1.0 + tl.exp(-y))) * _bf(acc_up))
+        if RES:
+            y = _bf(y + tl.load(r_ptr + rn).to(tl.float32))
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty))
+
+    @torch.library.custom_op("q3tts::gemv_ex", mutates_args=())
+    def gemv_ex_op(x: torch.Tensor, w: torch.Tensor, norm_w: torch.Tensor | None, residual: torch.Tensor | None,
+                   eps: float, glu: bool) -> torch.Tensor:
+        """See gemv_ex."""
+        K = x.shape[-1]
+        N = w.shape[0] // 2 if glu else w.shape[0]
+        y = torch.empty((1, N), device=x.device, dtype=x.dtype)
+        _gemv_row_ex[(N // 2,)](x, w, w if norm_w is None else norm_w, w if residual is None else residual, y, N, K,
+                                eps, BLOCK_N=2, BLOCK_K=1024 if K % 1024 == 0 else 512, NORM=norm_w is not None,
+                                GLU=glu, RES=residual is not None, PDL=PDL, num_warps=4, num_stages=3, launch_pdl=PDL)
+        return y
+
+    @gemv_ex_op.register_fake
+    def _(x, w, norm_w, residual, eps, glu):
+        return x.new_empty((1, w.shape[0] // 2 if glu else w.shape[0]))
+
+
+def gemv_ex_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether gemv_ex serves x [..., K] (one row in all) with these weights (bf16 [N, K], contiguous)."""
+    return (_ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1]
+            and all(isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.is_contiguous() and w.shape[0] % 4 == 0
+                    and w.shape[1] % 512 == 0 for w in weights))
+
+
+def gemv_ex(x: torch.Tensor, w: torch.Tensor, norm: torch.nn.Module | None = None,
+            residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+    """One row: [norm(x)] @ w.T [silu(gate) * up for w = [gate; up]] [+ residual] -> x's shape with N outputs. norm:
+    an RMSNorm module (its weight and eps); residual: N values. Only where gemv_ex_applies."""
+    y = torch.ops.q3tts.gemv_ex(x.reshape(1, -1).contiguous(), w, None if norm is None else norm.weight,
+                                None if residual is None else residual.reshape(1, -1).contiguous(),
+                                0.0 if norm is None else norm.eps, glu)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------- decode attention
+# One query token per row over a short span (a code-predictor step: 16 positions; a talker frame early on): q/k
+# norms, RoPE, scores, softmax and the weighted values in one kernel per (row, KV head), instead of Inductor's
+# norm/RoPE kernels, two cuBLAS batched GEMMs and the softmax. It rounds where the eager module rounds (each bf16
+# op's result, the scores before and after the scale, the probabilities), so it gives the eager layer's values up
+# to fp32 summation order (which can move a result by one bf16 step).
+ATTN_FUSED_MAX_SPAN = 64  # one block of positions per program; longer spans (measured on an H100: a 256-position span
+# looped in one program per KV head took 30 us, the batched GEMMs ~11) keep the GEMMs, which spread over many SMs
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_rope(x, x_rot, w, w_rot, cos, sin, sign, eps, DH: tl.constexpr):
+        # x [R, DH] fp32 (bf16 values), x_rot the same rows with halves swapped (rotate_half's order): RMSNorm
+        # (fp32 statistics, weight times the bf16-rounded normed value) then x * cos + rotate_half(x) * sin
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / DH + eps)[:, None]
+        xn = _bf(_bf(x * r) * w[None, :])
+        xn_rot = _bf(_bf(x_rot * r) * w_rot[None, :])
+        return _bf(_bf(xn * cos[None, :]) + _bf(sign[None, :] * xn_rot * sin[None, :]))
+
+    @triton.jit
+    def _decode_attn(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, wpos_ptr, mask_ptr, out_ptr, kvnew_ptr,
+                     s_qkv, s_cos, s_wpos, s_mask, skb, skh, skl, svb, svh, svl, n, eps, scale,
+                     H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        b = tl.program_id(0)
+        hk = tl.program_id(1)
+        d = tl.arange(0, DH)
+        rot = (d + DH // 2) % DH
+        sign = tl.where(d < DH // 2, -1.0, 1.0)
+        row = qkv_ptr + b * s_qkv
+        cos = tl.load(cos_ptr + b * s_cos + d).to(tl.float32)
+        sin = tl.load(sin_ptr + b * s_cos + d).to(tl.float32)
+        qw, qw_rot = tl.load(qw_ptr + d).to(tl.float32), tl.load(qw_ptr + rot).to(tl.float32)
+        kw, kw_rot = tl.load(kw_ptr + d).to(tl.float32), tl.load(kw_ptr + rot).to(tl.float32)
+        # this token's key (normed, rotated) and value: returned for the cache write; the cache still holds the old
+        # ones at this token's position wp, so the attention takes these there
+        wp = tl.load(wpos_ptr + b * s_wpos)
+        koff = (H + hk) * DH
+        k = _norm_rope(tl.load(row + koff + d[None, :]).to(tl.float32), tl.load(row + koff + rot[None, :]).to(tl.float32),
+                       kw, kw_rot, cos, sin, sign, eps, DH)  # [1, DH]
+        v = tl.load(row + (H + HKV + hk) * DH + d[None, :])
+        tl.store(kvnew_ptr + (b * 2 * HKV + hk) * DH + d[None, :], k.to(kvnew_ptr.dtype.element_ty))
+        tl.store(kvnew_ptr + ((b * 2 + 1) * HKV + hk) * DH + d[None, :], v.to(kvnew_ptr.dtype.element_ty))
+        # the G query heads of this KV head, padded to GP rows for tensor-core dots
+        g = tl.arange(0, GP)
+        qoff = (hk * G + g)[:, None] * DH
+        qmask = (g < G)[:, None]
+        q = _norm_rope(tl.load(row + qoff + d[None, :], mask=qmask, other=0.0).to(tl.float32),
+                       tl.load(row + qoff + rot[None, :], mask=qmask, other=0.0).to(tl.float32),
+                       qw, qw_rot, cos, sin, sign, eps, DH).to(tl.bfloat16)  # [GP, DH]
+        pos = tl.arange(0, BLOCK_N)
+        here = (pos == wp)[:, None]
+        kb = tl.load(kc_ptr + b * skb + hk * skh + pos[:, None] * skl + d[None, :], mask=(pos < n)[:, None], other=0.0)
+        kb = tl.where(here, k, kb.to(tl.float32)).to(tl.bfloat16)
+        vb = tl.load(vc_ptr + b * svb + hk * svh + pos[:, None] * svl + d[None, :], mask=(pos < n)[:, None], other=0.0)
+        vb = tl.where(here, v, vb)
+        # as the eager module: scores rounded to bf16, scaled and rounded again, masked; fp32 softmax; probabilities
+        # rounded to bf16 times the values
+        ok = (tl.load(mask_ptr + b * s_mask + pos, mask=pos < n, other=0) != 0)[None, :]
+        s = tl.where(ok, _bf(_bf(tl.dot(q, tl.trans(kb))) * scale), float("-inf"))
+        e = tl.where(ok, tl.exp(s - tl.max(s, axis=1)[:, None]), 0.0)
+        p = (e / tl.sum(e, axis=1)[:, None]).to(tl.bfloat16)
+        acc = tl.dot(p, vb.to(tl.bfloat16))
+        tl.store(out_ptr + b * (H * DH) + qoff + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=qmask)
+
+    @torch.library.custom_op("q3tts::decode_attention", mutates_args=())
+    def decode_attention_op(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_pos: torch.Tensor,
+                            mask: torch.Tensor, num_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """See decode_attention."""
+        B, Hkv, _, Dh = k_cache.shape
+        G = num_heads // Hkv
+        n = mask.shape[-1]
+        out = torch.empty((B, 1, num_heads * Dh), device=qkv.device, dtype=qkv.dtype)
+        kv_new = torch.empty((B, 1, 2, Hkv, Dh), device=qkv.device, dtype=k_cache.dtype)
+        m = mask.reshape(mask.shape[0], n)
+        _decode_attn[(B, Hkv)](qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, m.view(torch.uint8),
+                               out, kv_new, qkv.stride(0), cos.stride(0), write_pos.stride(0),
+                               m.stride(0) if m.shape[0] > 1 else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
+                               n, eps, Dh ** -0.5, H=num_heads, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)),
+                               DH=Dh, BLOCK_N=max(16, triton.next_power_of_2(n)), PDL=PDL, num_warps=4,
+                               launch_pdl=PDL)
+        return out, kv_new
+
+    @decode_attention_op.register_fake
+    def _(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, mask, num_heads, eps):
+        B, Hkv, _, Dh = k_cache.shape
+        return qkv.new_empty((B, 1, num_heads * Dh)), k_cache.new_empty((B, 1, 2, Hkv, Dh))
+
+
+def decode_attention_applies(x: torch.Tensor, k_cache: torch.Tensor, n: int) -> bool:
+    """Whether decode_attention serves a one-token step on x [B, 1, D] over n positions of this cache."""
+    return (_ENABLED and x.is_cuda and x.shape[1] == 1 and x.dtype == torch.bfloat16 and k_cache.dtype == x.dtype
+            and n <= ATTN_FUSED_MAX_SPAN and k_cache.stride(-1) == 1)
+
+
+def decode_attention(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, mask, num_heads: int,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query token per row. qkv [B, 1, (H + 2 Hkv) * Dh] (the fused projection's output); q_norm_w,
+    k_norm_w [Dh]; cos, sin [B, 1, Dh]; k_cache, v_cache [B, Hkv, L, Dh]; write_pos [B, 1]: this token's position;
+    mask [B | 1, 1, 1, n] bool over the first n positions -> (attention output [B, 1, H * Dh] before o_proj, this
+    token's key (normed, rotated) and value [B, 1, 2, Hkv, Dh]). The caller writes those into the cache: a custom
+    op that wrote them itself would be handed copies of the cache under torch.compile (k and v are views of one
+    tensor, and the compiled graph copies such mutated inputs whole)."""
+    return torch.ops.q3tts.decode_attention(qkv.contiguous(), q_norm_w, k_norm_w, cos.contiguous(),
+                                            sin.contiguous(), k_cache, v_cache, write_pos, mask.contiguous(),
+                                            num_heads, eps)
+
+
+# ---------------------------------------------------------------------------------------------- sampling noise
+if triton is not None:
+
+    @triton.jit
+    def _hash31(x):  # q3tts.sampling._hash31 on int64 values < 2**31
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0x7FFFFFFF
+        x = ((x >> 16) ^ x) * 0x45D9F3B & 0x7FFFFFFF
+        return (x >> 16) ^ x
+
+    @triton.jit
+    def _frame_noise(seed_ptr, step_ptr, out_ptr, B, V, first_stream, BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # stream-major rows: stream row // B, batch row row % B
+        b = row % B
+        seed = tl.load(seed_ptr + b)
+        step = tl.load(step_ptr + b)
+        key = _hash31(_hash31(_hash31(seed & 0x7FFFFFFF) ^ (step & 0x7FFFFFFF)) ^ (first_stream + row // B))
+        for v0 in range(0, V, BLOCK):
+            idx = v0 + tl.arange(0, BLOCK)
+            h = _hash31(_hash31(key ^ idx.to(tl.int64)) ^ 0x2545F49)
+            tl.store(out_ptr + row * V + idx, (h.to(tl.float32) + 0.5) * (1.0 / (1 << 31)), mask=idx < V)
+
+
+def frame_noise_cuda(seed: torch.Tensor, step: torch.Tensor, vocab: int, first_stream: int,
+                     num_streams: int) -> torch.Tensor:
+    """q3tts.sampling.frame_noise in one launch (the same values bit for bit: the same integer hash, the same
+    int -> fp32 rounding); the torch version is ~60 tiny kernels, a few % of a one-stream frame."""
+    B = seed.shape[0]
+    out = torch.empty((num_streams, B, vocab), device=seed.device, dtype=torch.float32)
+    _frame_noise[(num_streams * B,)](seed, step.contiguous(), out, B, vocab, first_stream, BLOCK=1024, num_warps=4)
+    return out

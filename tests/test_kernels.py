@@ -46,3 +46,97 @@ def test_quant_linear_matches_the_dequantized_weight(wdtype, rows):
     assert out.shape == (rows, N) and out.dtype == torch.bfloat16
     # one bf16 rounding of an fp32 sum (relative 2**-8), plus fp32 summation-order differences over K terms
     assert ((out.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-3 * ref.abs().max()).all()
+
+
+def _random_layer(hidden: int, n: int, B: int):
+    """A bf16 decoder layer of the real models' head shape (16 x 128, 8 KV heads) with random weights (norm weights
+    away from 1), its float64 twin (the same bf16 values), one token per row at positions < n (row 0 at n - 1) and
+    caches of 300 positions holding random older keys and values."""
+    import copy
+
+    from q3tts.config import DecoderLayerConfig
+    from q3tts.models import layers
+    torch.manual_seed(hidden + 100 * n + B)
+    H, Hkv, Dh = 16, 8, 128
+    lay = layers.DecoderLayer(DecoderLayerConfig(hidden, 3 * hidden, 1, H, Hkv, Dh, 1e-6, 1e6, 2048))
+    with torch.no_grad():
+        for p in lay.parameters():
+            p.normal_(0, 0.05)
+        for m in (lay.input_layernorm, lay.post_attention_layernorm, lay.self_attn.q_norm, lay.self_attn.k_norm):
+            m.weight.normal_(1, 0.3)
+    lay = lay.to("cuda", torch.bfloat16)
+    exact = copy.deepcopy(lay).double()
+    layers.fuse_projections(lay)
+    x = torch.randn(B, 1, hidden, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, B, Hkv, 300, Dh, device="cuda", dtype=torch.bfloat16)
+    pos = torch.randint(0, n, (B, 1), device="cuda")
+    pos[0] = n - 1
+    mask = torch.arange(n, device="cuda")[None, None, None, :] <= pos[:, None, :, None]
+    inv_freq = layers.rope_inv_freq(Dh, 1e6).to("cuda")
+
+    def run(module, dtype, fused: bool, part=lambda m: m):
+        """(output, caches) of part(module) run in dtype; fused False: with the module's own ops."""
+        cache = kv.to(dtype)
+        cos, sin = layers.rope_cos_sin(pos, inv_freq, dtype)
+        with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+            if not fused:
+                mp.setattr(layers, "decode_attention_applies", lambda *a: False)
+                mp.setattr(layers, "gemv_ex_applies", lambda *a: False)
+            out = part(module)(x.to(dtype), cos, sin, cache[0], cache[1], layers.AttnContext(pos, mask))
+        return out.double(), cache.double()
+
+    return lay, exact, x, kv, run
+
+
+def _no_less_accurate(fused, eager, exact, what: str):
+    """The fused kernels' error against the float64 result is that of the module's own bf16 ops: both round each
+    op's result to bf16 and sum in fp32, in other orders, so neither is the reference; the fused one may not be
+    worse on average (1.25x: run-to-run spread of which elements a rounding flips) nor at its worst (2x)."""
+    ef, ee = (fused - exact).abs(), (eager - exact).abs()
+    print(f"{what}: mean error fused {ef.mean():.3g} / eager {ee.mean():.3g}, max {ef.max():.3g} / {ee.max():.3g}")
+    assert ef.mean() <= 1.25 * ee.mean() and ef.max() <= 2 * ee.max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("B,n", [(1, 16), (3, 16), (16, 16), (1, 64), (5, 48)])
+def test_decode_attention_is_as_accurate_as_the_eager_module(B, n):
+    """The fused one-token attention (norms, RoPE, softmax, values): values copied into the cache, keys and output as
+    close to the float64 result as the module's own ops get."""
+    lay, exact, x, kv, run = _random_layer(1024, n, B)
+    assert kernels.decode_attention_applies(x, kv[0], n)
+    att = lambda m: m.self_attn  # noqa: E731
+    fused, fused_kv = run(lay, torch.bfloat16, True, att)
+    eager, eager_kv = run(lay, torch.bfloat16, False, att)
+    ref, ref_kv = run(exact, torch.float64, False, att)
+    assert torch.equal(fused_kv[1], eager_kv[1])
+    _no_less_accurate(fused_kv[0], eager_kv[0], ref_kv[0], f"B={B} n={n} keys")
+    _no_less_accurate(fused, eager, ref, f"B={B} n={n} output")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("hidden,n", [(1024, 16), (1024, 256), (2048, 64)])
+def test_one_row_layer_is_as_accurate_as_the_eager_module(hidden, n):
+    """One token of one row: the layer whose norms, SiLU gate and residual adds ride in its GEMVs (and, for short
+    spans, the fused attention), at the 0.6B (1024) and 1.7B talker (2048) widths: as close to the float64 result
+    as the module's own ops get, caches included."""
+    lay, exact, x, kv, run = _random_layer(hidden, n, 1)
+    assert kernels.gemv_ex_applies(x, lay.self_attn.qkv_weight, lay.mlp.down_proj.weight)
+    fused, fused_kv = run(lay, torch.bfloat16, True)
+    eager, eager_kv = run(lay, torch.bfloat16, False)
+    ref, ref_kv = run(exact, torch.float64, False)
+    _no_less_accurate(fused_kv, eager_kv, ref_kv, f"hidden={hidden} n={n} caches")
+    _no_less_accurate(fused, eager, ref, f"hidden={hidden} n={n} output")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+def test_frame_noise_kernel_is_the_torch_hash():
+    from q3tts import sampling
+    seed = torch.randint(0, 2**40, (5,), device="cuda")
+    step = torch.randint(-1, 5000, (5,), device="cuda")
+    for vocab, first, num in ((2048, 1, 15), (3072, 0, 1)):
+        out = kernels.frame_noise_cuda(seed, step, vocab, first, num)
+        ref = sampling.frame_noise(seed.cpu(), step.cpu(), vocab, first, num)
+        assert torch.equal(out.cpu(), ref)

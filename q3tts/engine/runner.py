@@ -25,6 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..inputs.request import InputError
 from ..kernels import MAX_ROWS, linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
@@ -59,6 +60,8 @@ def compile_layers(talker: Talker) -> None:
     # 256-position spans each compiled every layer variant again (measured: 6 of a start-up's 60 compilations); the
     # dims it would pad are multiples of 64 already
     torch._inductor.config.shape_padding = False
+    if kernels.PDL:  # Inductor's kernels take part in programmatic dependent launch as the engine's own do
+        torch._inductor.config.triton.enable_pdl = True
     fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
@@ -147,6 +150,10 @@ class ModelRunner:
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta).to(dev)
         self.cp_inv_freq = rope_inv_freq(cp.head_dim, cp.rope_theta).to(dev)
         self.cp_steps = [self._cp_step_inputs(i) for i in range(self.K - 1)]  # (cos, sin, write_pos, mask) per step
+        with torch.inference_mode():  # the talker's RoPE per cache position [max_len + KV_SPARE, Dh]: a frame looks its
+            # rows up (two launches instead of rope_cos_sin's seven; the same elementwise values)
+            self.rope_cos, self.rope_sin = (t[0] for t in rope_cos_sin(
+                torch.arange(self.max_len + KV_SPARE, device=dev)[None], self.inv_freq, self.dtype))
         # the capped sampler (topk instead of full sorts) serves rows whose top_k fits TOPK_CAP
         self.topk_ok_cpu = [True] * S
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
@@ -350,8 +357,7 @@ class ModelRunner:
         x = x + torch.where(use_text[:, None], text, self.tts_pad_embed[None])
         pos = self.position[r][:, None]  # [B, 1]
         kv, ctx = self._kv_ctx(r, pos, self.key_pos[None, None, None, :n] <= pos[:, None, :, None])
-        cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        h = self.talker(x[:, None], cos, sin, kv, ctx)[:, -1]
+        h = self.talker(x[:, None], self.rope_cos[pos], self.rope_sin[pos], kv, ctx)[:, -1]
         act = self.active[r]  # NOTE: a row that sits out writes K/V at its position, rewritten when it runs
         self.position[r] += act
         self.last_hidden[r] = torch.where(act[:, None], h, self.last_hidden[r])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import DecoderLayerConfig
-from ..kernels import linear
+from ..kernels import decode_attention, decode_attention_applies, gemv_ex, gemv_ex_applies, linear
 
 
 class RMSNorm(nn.Module):
@@ -68,20 +68,35 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qkv_weight: torch.Tensor | None = None  # [q|k|v] fused by fuse_projections() for one GEMM
 
-    def forward(self, x, cos, sin, k_cache, v_cache, ctx: "AttnContext"):
-        """x: [B, S, D]; k_cache/v_cache: [B, Hkv, Lmax, Dh] views of this batch's cache rows, written in place
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx: "AttnContext", norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None):
+        """x: [B, S, D] (norm given: x is normed by it in the projection's kernel, and residual is added to the output:
+        one row only, see DecoderLayer); k_cache/v_cache: [B, Hkv, Lmax, Dh] views of this batch's cache rows, written in place
         at ctx.write_pos; attention reads their first n = ctx.mask.shape[-1] positions (no copy). Paged
         (ctx.block_table set): k_cache/v_cache are the block pools [num_blocks, Hkv, bs, Dh]; a row's position p
         lives in block block_table[row, p // bs] at offset p % bs, and its first n positions are gathered."""
         B, S, _ = x.shape
         H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        n = ctx.mask.shape[-1]
+        out_w = self.o_proj.weight
+        if norm is not None:
+            qkv = gemv_ex(x, self.qkv_weight, norm=norm)
+        elif self.qkv_weight is not None:
+            qkv = linear(x, self.qkv_weight)
+        if self.qkv_weight is not None and ctx.block_table is None and decode_attention_applies(x, k_cache, n):
+            # one token per row on a GPU: one fused kernel
+            out, kv_new = decode_attention(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, k_cache, v_cache,
+                                           ctx.write_pos, ctx.mask, H, self.q_norm.eps)  # kv_new [B, 1, 2, Hkv, Dh]
+            rows = torch.arange(B, device=x.device)[:, None]
+            k_cache[rows, :, ctx.write_pos] = kv_new[:, :, 0]  # (one read buffer: Inductor writes both in one kernel)
+            v_cache[rows, :, ctx.write_pos] = kv_new[:, :, 1]
+            return gemv_ex(out, out_w, residual=residual) if norm is not None else linear(out, out_w)
         if self.qkv_weight is not None:
-            q, k, v = linear(x, self.qkv_weight).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+            q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = apply_rope(self.q_norm(q.view(B, S, H, Dh)).transpose(1, 2), cos, sin)  # [B, H, S, Dh]
         k = apply_rope(self.k_norm(k.view(B, S, Hkv, Dh)).transpose(1, 2), cos, sin)  # [B, Hkv, S, Dh]
-        n = ctx.mask.shape[-1]
         if ctx.block_table is None:
             # NOTE: an index_put, not a scatter_: torch.compile updates the cache in place only for the former (for
             # a scatter_ into an input it wrote a whole new cache and copied it back: 4 passes over
@@ -101,8 +116,8 @@ class Attention(nn.Module):
         else:  # a long prefill: one KV head at a time bounds the scores (same GEMMs per head: same values)
             out = torch.cat([_attend(qg[:, h:h + 1], keys[:, h:h + 1], values[:, h:h + 1], mask, Dh)
                              for h in range(Hkv)], dim=1)
-        out = out.view(B, H, S, Dh)
-        return linear(out.transpose(1, 2).reshape(B, S, H * Dh), self.o_proj.weight)
+        out = out.view(B, H, S, Dh).transpose(1, 2).reshape(B, S, H * Dh)
+        return gemv_ex(out, out_w, residual=residual) if norm is not None else linear(out, out_w)
 
 
 # Attention scores above this many elements (fp32 softmax: ~8 bytes each while live) are computed one KV head at
@@ -141,7 +156,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # [gate|up] fused by fuse_projections()
 
-    def forward(self, x):
+    def forward(self, x, norm: RMSNorm | None = None, residual: torch.Tensor | None = None):
+        """norm given: x is normed by it in the gate/up kernel and residual is added to the output (one row only)."""
+        if norm is not None:
+            return gemv_ex(gemv_ex(x, self.gate_up_weight, norm=norm, glu=True), self.down_proj.weight,
+                           residual=residual)
         if self.gate_up_weight is not None:
             gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
             return linear(F.silu(gate) * up, self.down_proj.weight)
@@ -157,8 +176,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a, m = self.self_attn, self.mlp
+        if a.qkv_weight is not None and m.gate_up_weight is not None and gemv_ex_applies(
+                x, a.qkv_weight, a.o_proj.weight, m.gate_up_weight, m.down_proj.weight):
+            # one token of one row on a GPU: the norms and residual adds ride in the projections' kernels
+            x = a(x, cos, sin, k_cache, v_cache, ctx, norm=self.input_layernorm, residual=x)
+            return m(x, norm=self.post_attention_layernorm, residual=x)
+        x = x + a(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx)
+        return x + m(self.post_attention_layernorm(x))
 
 
 @dataclass(slots=True)

@@ -83,6 +83,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
         # one GEMM for q|k|v and for gate|up: 4 calls per layer instead of 7 (quantized CPU runs are not exact
         # anyway, and a per-row quantization is the same fused or not); the exact CPU path stays upstream-shaped
         fuse_projections(talker)
+        talker.fuse_codec_embeddings()
     quantize_(talker, quantization, device)
     code2wav = code2wav.to(device=device, dtype=vocoder_dtype(device, dtype, quantization)).eval()
     with torch.inference_mode():

@@ -81,6 +81,8 @@ class Talker(nn.Module):
         self.text_projection = TextProjection(cfg)
         self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg)
+        self.codec_table: torch.Tensor | None = None  # the K codec embeddings stacked, by fuse_codec_embeddings()
+        self.codec_offsets: torch.Tensor | None = None  # [K] first row of each codebook's table in it
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """Text token ids [...] -> [..., D]: text_embedding then text_projection. The table may live in host
@@ -96,9 +98,21 @@ class Talker(nn.Module):
         This is both the next talker input during decoding and an ICL reference frame in the prompt.
         Summed over a stacked dim, like upstream, so the rounding is the same.
         """
+        if self.codec_table is not None:  # one lookup: the same [..., K, D] rows, summed the same way
+            return F.embedding(codes + self.codec_offsets, self.codec_table).sum(-2)
         embs = [self.model.codec_embedding(codes[..., 0])]
         embs += [e(codes[..., i + 1]) for i, e in enumerate(self.code_predictor.model.codec_embedding)]
         return torch.stack(embs, dim=-2).sum(-2)
+
+    def fuse_codec_embeddings(self) -> None:
+        """Stack the K codec embedding tables once after loading (final device and dtype) so that embed_codes is one
+        lookup instead of K (a frame's input: 16 launches fewer). The per-codebook tables stay, as views into it."""
+        tables = [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
+        self.codec_table = torch.cat([t.weight.detach() for t in tables])
+        rows = [t.weight.shape[0] for t in tables]
+        for t, view in zip(tables, self.codec_table.split(rows)):
+            t.weight.data = view
+        self.codec_offsets = torch.tensor([sum(rows[:i]) for i in range(len(rows))], device=self.codec_table.device)
 
     def forward(self, x, cos, sin, kv, ctx):
         """x: [B, S, D] input embeddings -> final-normed hidden [B, S, D]; logits via codec_head."""
