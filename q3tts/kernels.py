@@ -13,6 +13,7 @@ F.linear everywhere else (CPU, fp32, prefill, big batches). Q3TTS_SKINNY_GEMM=0 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,11 +27,17 @@ except ImportError:  # CPU-only installs: F.linear everywhere
 
 MAX_ROWS = 16
 _ENABLED = triton is not None and os.environ.get("Q3TTS_SKINNY_GEMM", "1") != "0"
-# Programmatic dependent launch (Hopper and later): a kernel is scheduled while the one before it finishes and loads
-# what does not depend on it (its weights) before waiting for it (griddepcontrol). Inductor's kernels take part too
-# (engine.runner.compile_layers). Q3TTS_PDL=1 turns it on.
-PDL = (_ENABLED and os.environ.get("Q3TTS_PDL", "0") == "1" and torch.cuda.is_available()
-       and torch.cuda.get_device_capability()[0] >= 9)
+
+
+@functools.cache
+def pdl() -> bool:
+    """Programmatic dependent launch (Hopper and later): a kernel is scheduled while the one before it finishes, and
+    loads what does not depend on it (its weights) before waiting for it (griddepcontrol). Measured on an H100, one
+    stream: the whole-frame graph 3.80 -> 3.47 ms, with Inductor's kernels taking part too
+    (engine.runner.compile_layers). Q3TTS_PDL=0 turns it off. Asked at the first launch (CUDA is up by then)."""
+    return (_ENABLED and os.environ.get("Q3TTS_PDL", "1") != "0" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] >= 9)
+
 
 if triton is not None:
 
@@ -200,7 +207,8 @@ if triton is not None:
         y = torch.empty((1, N), device=x.device, dtype=x.dtype)
         _gemv_row_ex[(N // 2,)](x, w, w if norm_w is None else norm_w, w if residual is None else residual, y, N, K,
                                 eps, BLOCK_N=2, BLOCK_K=1024 if K % 1024 == 0 else 512, NORM=norm_w is not None,
-                                GLU=glu, RES=residual is not None, PDL=PDL, num_warps=4, num_stages=3, launch_pdl=PDL)
+                                GLU=glu, RES=residual is not None, PDL=pdl(), num_warps=4, num_stages=3,
+                                launch_pdl=pdl())
         return y
 
     @gemv_ex_op.register_fake
@@ -267,8 +275,8 @@ if triton is not None:
         # ones at this token's position wp, so the attention takes these there
         wp = tl.load(wpos_ptr + b * s_wpos)
         koff = (H + hk) * DH
-        k = _norm_rope(tl.load(row + koff + d[None, :]).to(tl.float32), tl.load(row + koff + rot[None, :]).to(tl.float32),
-                       kw, kw_rot, cos, sin, sign, eps, DH)  # [1, DH]
+        k = _norm_rope(tl.load(row + koff + d[None, :]).to(tl.float32),
+                       tl.load(row + koff + rot[None, :]).to(tl.float32), kw, kw_rot, cos, sin, sign, eps, DH)  # [1, DH]
         v = tl.load(row + (H + HKV + hk) * DH + d[None, :])
         tl.store(kvnew_ptr + (b * 2 * HKV + hk) * DH + d[None, :], k.to(kvnew_ptr.dtype.element_ty))
         tl.store(kvnew_ptr + ((b * 2 + 1) * HKV + hk) * DH + d[None, :], v.to(kvnew_ptr.dtype.element_ty))
@@ -309,8 +317,8 @@ if triton is not None:
                                out, kv_new, qkv.stride(0), cos.stride(0), write_pos.stride(0),
                                m.stride(0) if m.shape[0] > 1 else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
                                n, eps, Dh ** -0.5, H=num_heads, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)),
-                               DH=Dh, BLOCK_N=max(16, triton.next_power_of_2(n)), PDL=PDL, num_warps=4,
-                               launch_pdl=PDL)
+                               DH=Dh, BLOCK_N=max(16, triton.next_power_of_2(n)), PDL=pdl(), num_warps=4,
+                               launch_pdl=pdl())
         return out, kv_new
 
     @decode_attention_op.register_fake

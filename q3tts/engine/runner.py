@@ -38,6 +38,10 @@ from .scheduler import FrameResult
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_KV_SPAN = 64
 FUSED_CP_MAX_BATCH = 1  # the code-predictor step compiled whole: measured faster for one stream on an H200
+# One request's prefill runs as a captured graph for prompts up to these lengths (padded to the next): launched from
+# Python, the 28 compiled layers' ~450 kernels took 13.6 ms for a 43-token prompt on an H100, most of the time to
+# first audio (25.7 ms); a graph launches them at once
+PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256)
 
 
 def compile_layers(talker: Talker) -> None:
@@ -60,7 +64,8 @@ def compile_layers(talker: Talker) -> None:
     # 256-position spans each compiled every layer variant again (measured: 6 of a start-up's 60 compilations); the
     # dims it would pad are multiples of 64 already
     torch._inductor.config.shape_padding = False
-    if kernels.PDL:  # Inductor's kernels take part in programmatic dependent launch as the engine's own do
+    if next(talker.parameters()).is_cuda and kernels.pdl():  # Inductor's kernels take part in programmatic
+        # dependent launch as the engine's own do
         torch._inductor.config.triton.enable_pdl = True
     fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
     for m in talker.modules():
@@ -157,6 +162,18 @@ class ModelRunner:
         # the capped sampler (topk instead of full sorts) serves rows whose top_k fits TOPK_CAP
         self.topk_ok_cpu = [True] * S
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded prompt length -> graph (capture_graphs)
+        if self.use_graphs and block_size is None:  # their static inputs and outputs, and a scratch cache of one
+            # row (~30 MB for the real models) that the graphs write, copied into the admitted row afterwards.
+            # The input an inference tensor and the cache not, as an eager prefill's: the compiled layers guard on
+            # their inputs' dispatch keys (measured: 3 more compilations at start-up otherwise)
+            Lp = max(b for b in PREFILL_GRAPH_LENS if b <= self.max_len)
+            with torch.inference_mode():
+                self.prefill_in = torch.zeros(1, Lp, D, device=dev, dtype=dt)
+                self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
+                self.prefill_h = torch.zeros(1, D, device=dev, dtype=dt)
+            self.prefill_kv = torch.zeros(cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, Lp + KV_SPARE,
+                                          cfg.head_dim, device=dev, dtype=dt)
         self._pool = None
         self._sample, self._sample_topk, self._rules = sample, sample_topk, talker_logits_rules
         self._cp_step_fused = None
@@ -230,10 +247,10 @@ class ModelRunner:
         prefills: N x [L_i, D] prompt embeddings, trailings: N x [S_i, D]; each passed check_prompt."""
         N, D = len(prefills), self.cfg.hidden_size
         lens = [p.shape[0] for p in prefills]
-        Lmax = max(lens)
+        L = self.prefill_len(N, max(lens))
         r = slice(lo, lo + N)
         fits = lambda sample, k: not sample or 1 <= k <= TOPK_CAP  # noqa: E731
-        x = torch.zeros(N, Lmax, D, device=self.device, dtype=self.dtype)  # right-padded with zeros
+        x = torch.zeros(N, L, D, device=self.device, dtype=self.dtype)  # right-padded with zeros
         for i, (pre, trail, prm) in enumerate(zip(prefills, trailings, params)):
             assert lens[i] < self.max_len and trail.shape[0] <= self.max_len, "call check_prompt first"
             s = lo + i
@@ -246,23 +263,49 @@ class ModelRunner:
             self.trailing_len[s] = trail.shape[0]
         self.seen[r] = False
         self.num_generated[r] = 0
-        # NOTE: C1: positions 0..Lmax-1 in every row, so row i's tokens 0..L_i-1 sit exactly where they would
-        # alone and a plain causal mask is right: a real query p < L_i attends keys <= p, all real. The padding
-        # behind them writes junk (finite) K/V at L_i..Lmax-1, never read: the decode writes position L_i before
-        # it attends to it (it writes p, then attends <= p), and masks the rest (probability 0; 0 * finite = 0).
-        pos = torch.arange(Lmax, device=self.device)[None].expand(N, -1)  # [N, Lmax]
-        n = self.kv_span(Lmax)
-        kv, ctx = self._kv_ctx(r, pos, (self.key_pos[None, :n] <= pos[0][:, None])[None, None])  # mask [1, 1, Lmax, n]
-        cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
-        with torch.compiler.set_stance("force_eager") if self.eager_prefill(N, Lmax) else contextlib.nullcontext():
-            out = self.talker(x, cos, sin, kv, ctx)  # [N, Lmax, D]
         last = torch.tensor(lens, device=self.device)
-        h = out[torch.arange(N, device=self.device), last - 1]  # [N, D]: each row's last real token
+        graph = self.prefill_graphs.get(L) if N == 1 else None
+        if graph is not None:  # one request: its bucket's captured forward into the scratch cache, then its row's
+            self.prefill_in[:, :L] = x
+            self.prefill_last.copy_(last - 1)
+            graph.replay()
+            self.kv[:, :, lo, :, :L] = self.prefill_kv[:, :, 0, :, :L]
+            h = self.prefill_h
+        else:
+            kv = self.kv if self.block_table is not None else self.kv[:, :, r]
+            table = None if self.block_table is None else self.block_table[r]
+            h = self._prefill_forward(x, kv, table, last - 1)
         self.position[r] = last
         self.position_cpu[r] = lens
         self.last_hidden[r] = h
         self._sample_code0(lo, lo + N, h, capped=False)
         return self.last_code0[r].tolist()
+
+    def prefill_len(self, N: int, L: int) -> int:
+        """The padded length a prefill of N prompts of up to L tokens runs at: on CUDA one prompt of up to
+        PREFILL_GRAPH_LENS[-1] tokens pads to its bucket (the shape of its captured graph; eager CUDA runs pad
+        alike so both compute the same GEMM shapes), else L. CPU runs never pad (exact parity)."""
+        if N == 1 and self.device.type == "cuda" and self.block_table is None:
+            return next((b for b in PREFILL_GRAPH_LENS if L <= b <= self.max_len), L)
+        return L
+
+    def _prefill_forward(self, x: torch.Tensor, kv: torch.Tensor, block_table: torch.Tensor | None,
+                         last: torch.Tensor) -> torch.Tensor:
+        """x [N, L, D] right-padded prompts -> each row's final hidden at index last [N] ([N, D]); writes their K/V
+        into kv (this batch's rows, or paged: the pool with the rows' block_table).
+        NOTE: C1: positions 0..L-1 in every row, so row i's tokens 0..L_i-1 sit exactly where they would alone and
+        a plain causal mask is right: a real query p < L_i attends keys <= p, all real. The padding behind them
+        writes junk (finite) K/V at L_i..L-1, never read: the decode writes position L_i before it attends to it (it
+        writes p, then attends <= p), and masks the rest (probability 0; 0 * finite = 0)."""
+        N, L = x.shape[:2]
+        pos = torch.arange(L, device=self.device)[None].expand(N, -1)  # [N, L]
+        n = self.kv_span(L)
+        mask = (self.key_pos[None, :n] <= pos[0][:, None])[None, None]  # [1, 1, L, n]
+        ctx = AttnContext(pos, mask, None if block_table is None else block_table[:, : n // self.block_size])
+        cos, sin = rope_cos_sin(pos, self.inv_freq, self.dtype)
+        with torch.compiler.set_stance("force_eager") if self.eager_prefill(N, L) else contextlib.nullcontext():
+            out = self.talker(x, cos, sin, kv, ctx)  # [N, L, D]
+        return out[torch.arange(N, device=self.device), last]
 
     # ------------------------------------------------------------------ the frame
     def _sample_code0(self, lo: int, hi: int, h: torch.Tensor, capped: bool, act: torch.Tensor | None = None) -> None:
@@ -404,6 +447,10 @@ class ModelRunner:
             n *= 2
         return [(B, n, c) for B in self.batch_buckets for n in lens for c in (True, False)]
 
+    def _prefill_into_scratch(self, L: int) -> None:
+        """One request's prefill at padded length L from the static input into the scratch cache (a prefill graph)."""
+        self.prefill_h.copy_(self._prefill_forward(self.prefill_in[:, :L], self.prefill_kv, None, self.prefill_last))
+
     def warm_up_frames(self, keys) -> None:
         """Run one frame per key before capturing (compilation, allocations, cuBLAS handles). Each starts at
         position 0: a frame advances its rows' positions, and a position past the key's span n would write
@@ -420,10 +467,13 @@ class ModelRunner:
         if not self.use_graphs:
             return 0
         keys = self.graph_keys()
+        lens = [L for L in PREFILL_GRAPH_LENS if L <= self.max_len] if self.block_table is None else []
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.warm_up_frames(keys)
+            for L in lens:
+                self._prefill_into_scratch(L)
         torch.cuda.current_stream().wait_stream(stream)
         with gc_paused():
             for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
@@ -432,6 +482,11 @@ class ModelRunner:
                     self._frame(*key)
                 self._pool = g.pool()
                 self.graphs[key] = g
+            for L in lens:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    self._prefill_into_scratch(L)
+                self.prefill_graphs[L] = g
         # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call), and for <= and >
         # MAX_ROWS tokens in all (the skinny GEMM or cuBLAS): compile the four now, not while the first burst of
         # requests waits (measured on an H200: 5 s for the first 16 concurrent requests). Long prompts run

@@ -70,9 +70,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: "AttnContext", norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None):
-        """x: [B, S, D] (norm given: x is normed by it in the projection's kernel, and residual is added to the output:
-        one row only, see DecoderLayer); k_cache/v_cache: [B, Hkv, Lmax, Dh] views of this batch's cache rows, written in place
-        at ctx.write_pos; attention reads their first n = ctx.mask.shape[-1] positions (no copy). Paged
+        """x: [B, S, D] (norm given: x is normed by it in the projection's kernel and residual is added to the output,
+        one row only, see DecoderLayer); k_cache/v_cache: [B, Hkv, Lmax, Dh] views of this batch's cache rows, written
+        in place at ctx.write_pos; attention reads their first n = ctx.mask.shape[-1] positions (no copy). Paged
         (ctx.block_table set): k_cache/v_cache are the block pools [num_blocks, Hkv, bs, Dh]; a row's position p
         lives in block block_table[row, p // bs] at offset p % bs, and its first n positions are gathered."""
         B, S, _ = x.shape
@@ -84,11 +84,11 @@ class Attention(nn.Module):
         elif self.qkv_weight is not None:
             qkv = linear(x, self.qkv_weight)
         if self.qkv_weight is not None and ctx.block_table is None and decode_attention_applies(x, k_cache, n):
-            # one token per row on a GPU: one fused kernel
+            # one token per row on a GPU, a short span: one kernel from q|k|v to the attention output
             out, kv_new = decode_attention(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, k_cache, v_cache,
                                            ctx.write_pos, ctx.mask, H, self.q_norm.eps)  # kv_new [B, 1, 2, Hkv, Dh]
             rows = torch.arange(B, device=x.device)[:, None]
-            k_cache[rows, :, ctx.write_pos] = kv_new[:, :, 0]  # (one read buffer: Inductor writes both in one kernel)
+            k_cache[rows, :, ctx.write_pos] = kv_new[:, :, 0]
             v_cache[rows, :, ctx.write_pos] = kv_new[:, :, 1]
             return gemv_ex(out, out_w, residual=residual) if norm is not None else linear(out, out_w)
         if self.qkv_weight is not None:
