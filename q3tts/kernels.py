@@ -234,13 +234,13 @@ def gemv_ex(x: torch.Tensor, w: torch.Tensor, norm: torch.nn.Module | None = Non
 
 
 # ---------------------------------------------------------------------------------------------- decode attention
-# One query token per row over a short span (a code-predictor step: 16 positions; a talker frame early on): q/k
+# One query token per row over a short span (a code-predictor step of one stream: 16 positions): q/k
 # norms, RoPE, scores, softmax and the weighted values in one kernel per (row, KV head), instead of Inductor's
 # norm/RoPE kernels, two cuBLAS batched GEMMs and the softmax. It rounds where the eager module rounds (each bf16
 # op's result, the scores before and after the scale, the probabilities), so it gives the eager layer's values up
 # to fp32 summation order (which can move a result by one bf16 step).
-ATTN_FUSED_MAX_SPAN = 64  # one block of positions per program; longer spans (measured on an H100: a 256-position span
-# looped in one program per KV head took 30 us, the batched GEMMs ~11) keep the GEMMs, which spread over many SMs
+ATTN_FUSED_MAX_SPAN = 64  # one block of positions per program (a 256-position span looped in one program per KV head
+# took 30 us on an H100, the batched GEMMs ~11: they spread over many SMs)
 
 if triton is not None:
 

@@ -82,7 +82,8 @@ def _random_layer(hidden: int, n: int, B: int):
             if not fused:
                 mp.setattr(layers, "decode_attention_applies", lambda *a: False)
                 mp.setattr(layers, "gemv_ex_applies", lambda *a: False)
-            out = part(module)(x.to(dtype), cos, sin, cache[0], cache[1], layers.AttnContext(pos, mask))
+            ctx = layers.AttnContext(pos, mask, fused_attention=fused)
+            out = part(module)(x.to(dtype), cos, sin, cache[0], cache[1], ctx)
         return out.double(), cache.double()
 
     return lay, exact, x, kv, run

@@ -336,14 +336,15 @@ class ModelRunner:
         frame = self.num_generated[r] - 1  # this frame's index: noise differs per frame and codebook
         noise_all = frame_noise(self.seed[r], frame, cp.lm_head[0].out_features, 1, self.K - 1)  # [K-1, B, V]
         x = torch.stack([h, self.talker.model.codec_embedding(code0)], dim=1)  # [B, 2, D]
-        step = self._cp_step_fused if B <= FUSED_CP_MAX_BATCH and self._cp_step_fused else self._cp_step
+        fused = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None
+        step = self._cp_step_fused if fused else self._cp_step
         out = []
         for i in range(self.K - 1):
             emb = cp.model.codec_embedding[min(i, self.K - 3)].weight  # (the last step's next input is unused)
             cos, sin, write_pos, mask = (t[:B] for t in self.cp_steps[i])
             code, x = step(x, cos, sin, kv, write_pos, mask, cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
                            p["subtalker_temperature"][r], p["subtalker_top_k"][r], p["subtalker_top_p"][r],
-                           noise_all[i], capped)
+                           noise_all[i], capped, fused)
             out.append(code)
         return torch.stack(out, dim=1)
 
@@ -368,11 +369,13 @@ class ModelRunner:
         return cos, sin, write_pos, mask
 
     def _cp_step(self, x, cos, sin, kv, write_pos, mask, head_w, emb_w, do_sample, temperature, top_k, top_p, noise,
-                 capped: bool):
+                 capped: bool, fused_attention: bool = False):
         """One code-predictor step: x [B, S, D_talker] (S = 2 at step 0, then 1) -> (code [B], next input
         codec_embedding[i](code) [B, 1, D_talker]). Under torch.compile as a whole (single stream), the norms,
-        residuals, head and sampler fuse across layer boundaries: one kernel in ten fewer per step."""
-        hid = self.talker.code_predictor(x, cos, sin, kv, AttnContext(write_pos, mask))[:, -1]  # [B, D_cp]
+        residuals, head and sampler fuse across layer boundaries, and fused_attention puts each layer's attention in
+        one kernel (kernels.decode_attention)."""
+        ctx = AttnContext(write_pos, mask, fused_attention=fused_attention)
+        hid = self.talker.code_predictor(x, cos, sin, kv, ctx)[:, -1]  # [B, D_cp]
         logits = linear(hid, head_w).float()
         code = (self._sample_topk if capped else self._sample)(logits, do_sample, temperature, top_k, top_p, noise)
         return code, F.embedding(code, emb_w)[:, None]

@@ -83,7 +83,7 @@ class Attention(nn.Module):
             qkv = gemv_ex(x, self.qkv_weight, norm=norm)
         elif self.qkv_weight is not None:
             qkv = linear(x, self.qkv_weight)
-        if self.qkv_weight is not None and ctx.block_table is None and decode_attention_applies(x, k_cache, n):
+        if ctx.fused_attention and self.qkv_weight is not None and decode_attention_applies(x, k_cache, n):
             # one token per row on a GPU, a short span: one kernel from q|k|v to the attention output
             out, kv_new = decode_attention(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, k_cache, v_cache,
                                            ctx.write_pos, ctx.mask, H, self.q_norm.eps)  # kv_new [B, 1, 2, Hkv, Dh]
@@ -193,6 +193,10 @@ class AttnContext:
     write_pos: torch.Tensor  # [B, S] int64: cache positions of the new tokens (== their RoPE positions)
     mask: torch.Tensor  # [B, 1, S, n] bool over the first n cache positions: True where a query may attend
     block_table: torch.Tensor | None = None  # paged cache: [B, n // block_size] int64 block of each row's positions
+    # one token per row over a short span through kernels.decode_attention. Only the code predictor's step compiled
+    # whole asks for it: in the layer compiled for every call (talker frames, batched steps) a span test split each
+    # variant in two (measured: 3 more compilations at start-up, 28 s more of a warm start)
+    fused_attention: bool = False
 
 
 def run_layers(layers: nn.ModuleList, norm: RMSNorm, x, cos, sin, kv, ctx: AttnContext):
