@@ -1,4 +1,7 @@
-"""Skinny GEMMs for decoding: y = x @ w.T for a handful of rows (a decode step: rows = batch <= 16).
+"""The engine's Triton kernels for decoding: skinny GEMMs (y = x @ w.T for a handful of rows: a decode step, rows =
+batch <= 16); for one stream, a decoder layer pass in a few launches (gemv_ex: GEMVs that carry the RMSNorms, the
+SiLU gate and the residual adds; decode_attention: one token's attention from q|k|v to the output); the sampling
+noise of a frame in one launch (frame_noise_cuda).
 
 Why: one decode frame runs 103 decoder layers at one row each, and cuBLAS picks poor kernels for such
 shapes. Measured on an H200 in a CUDA graph, one row, bf16, weights read from HBM as in a frame
@@ -8,7 +11,7 @@ differ from cuBLAS's in the last bf16 bit (different summation order), as cuBLAS
 between batch sizes.
 
 `linear` dispatches: these kernels on CUDA in bf16/fp16 for <= MAX_ROWS rows and divisible sizes;
-F.linear everywhere else (CPU, fp32, prefill, big batches). Q3TTS_SKINNY_GEMM=0 turns them off.
+F.linear everywhere else (CPU, fp32, prefill, big batches). Q3TTS_SKINNY_GEMM=0 turns every kernel here off.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ except ImportError:  # CPU-only installs: F.linear everywhere
     triton = None
 
 MAX_ROWS = 16
-_ENABLED = triton is not None and os.environ.get("Q3TTS_SKINNY_GEMM", "1") != "0"
+ENABLED = triton is not None and os.environ.get("Q3TTS_SKINNY_GEMM", "1") != "0"  # the engine's Triton kernels
 
 
 @functools.cache
@@ -35,7 +38,7 @@ def pdl() -> bool:
     loads what does not depend on it (its weights) before waiting for it (griddepcontrol). Measured on an H100, one
     stream: the whole-frame graph 3.80 -> 3.47 ms, with Inductor's kernels taking part too
     (engine.runner.compile_layers). Q3TTS_PDL=0 turns it off. Asked at the first launch (CUDA is up by then)."""
-    return (_ENABLED and os.environ.get("Q3TTS_PDL", "1") != "0" and torch.cuda.is_available()
+    return (ENABLED and os.environ.get("Q3TTS_PDL", "1") != "0" and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
 
 
@@ -132,7 +135,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if isinstance(w, torch.nn.Module):
         assert bias is None, "a quantized linear carries its own bias"
         return w(x)
-    if (_ENABLED and bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+    if (ENABLED and bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
             and x.numel() <= MAX_ROWS * x.shape[-1] and w.shape[0] % 32 == 0 and w.shape[1] % 512 == 0
             and w.is_contiguous()):
         y = torch.ops.q3tts.skinny_linear(x.reshape(-1, x.shape[-1]).contiguous(), w)
@@ -218,7 +221,7 @@ if triton is not None:
 
 def gemv_ex_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether gemv_ex serves x [..., K] (one row in all) with these weights (bf16 [N, K], contiguous)."""
-    return (_ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1]
+    return (ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1]
             and all(isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.is_contiguous() and w.shape[0] % 4 == 0
                     and w.shape[1] % 512 == 0 for w in weights))
 
@@ -329,7 +332,7 @@ if triton is not None:
 
 def decode_attention_applies(x: torch.Tensor, k_cache: torch.Tensor, n: int) -> bool:
     """Whether decode_attention serves a one-token step on x [B, 1, D] over n positions of this cache."""
-    return (_ENABLED and x.is_cuda and x.shape[1] == 1 and x.dtype == torch.bfloat16 and k_cache.dtype == x.dtype
+    return (ENABLED and x.is_cuda and x.shape[1] == 1 and x.dtype == torch.bfloat16 and k_cache.dtype == x.dtype
             and n <= ATTN_FUSED_MAX_SPAN and k_cache.stride(-1) == 1)
 
 

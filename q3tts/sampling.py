@@ -63,7 +63,7 @@ def frame_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int, first_stream
     code 0; 1..15: the code predictor's codebooks). One batched hash instead of one per sample keeps the
     frame short. Nothing here copies from the host (CUDA-graph capture forbids it). Stream-major, so each
     stream's [B, vocab] is contiguous: the compiled samplers compile each stride layout apart."""
-    if seed.is_cuda and kernels.triton is not None and not torch.compiler.is_compiling():
+    if seed.is_cuda and kernels.ENABLED and not torch.compiler.is_compiling():
         return kernels.frame_noise_cuda(seed, step, vocab, first_stream, num_streams)
     s = torch.arange(first_stream, first_stream + num_streams, device=seed.device, dtype=torch.int64)
     key = _hash31(_hash31(_hash31(seed & _MASK31) ^ (step & _MASK31))[None, :] ^ s[:, None])  # [n, B]

@@ -14,6 +14,8 @@ A row whose text is streamed in and whose next token has not arrived sits the fr
 it is computed with the others but its state is left as it was, so it runs the same frame later.
 It has fixed shapes for fixed (B, n), reads no host value, and syncs nothing, so on CUDA it is
 captured once per (batch bucket, length bucket) as one CUDA graph and replayed with padding rows.
+One request's prefill is captured too, per padded prompt length (PREFILL_GRAPH_LENS), into a scratch cache row that
+is then copied into the request's row: it is most of the time to first audio when launched from Python.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
     load_module(code2wav, read_tensors(speech_files, "decoder."), f"{d}/speech_tokenizer (decoder.*)")
     if device.type == "cuda" or quantization:
         # one GEMM for q|k|v and for gate|up: 4 calls per layer instead of 7 (quantized CPU runs are not exact
-        # anyway, and a per-row quantization is the same fused or not); the exact CPU path stays upstream-shaped
+        # anyway, and a per-row quantization is the same fused or not); one lookup for a frame's 16 codec embeddings
+        # (the same values); the exact CPU path stays upstream-shaped
         fuse_projections(talker)
         talker.fuse_codec_embeddings()
     quantize_(talker, quantization, device)
