@@ -69,7 +69,8 @@ class RayServer:
             assert time.time() < deadline, f"replicas not ready after {timeout} s:\n{self.tail()}"
             try:
                 r = httpx.get(self.base_url + "/ready", timeout=5)
-                if r.status_code == 200:
+                # a 200 without the replica header is not a replica's answer (one came in a full run, cause unknown)
+                if r.status_code == 200 and "x-q3tts-replica" in r.headers:
                     ready.add(r.headers["x-q3tts-replica"])
             except httpx.TransportError:
                 pass
