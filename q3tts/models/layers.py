@@ -78,7 +78,6 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         H, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
         n = ctx.mask.shape[-1]
-        out_w = self.o_proj.weight
         if norm is not None:
             qkv = gemv_ex(x, self.qkv_weight, norm=norm)
         elif self.qkv_weight is not None:
@@ -87,10 +86,8 @@ class Attention(nn.Module):
             # one token per row on a GPU, a short span: one kernel from q|k|v to the attention output
             out, kv_new = decode_attention(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, k_cache, v_cache,
                                            ctx.write_pos, ctx.mask, H, self.q_norm.eps)  # kv_new [B, 1, 2, Hkv, Dh]
-            rows = torch.arange(B, device=x.device)[:, None]
-            k_cache[rows, :, ctx.write_pos] = kv_new[:, :, 0]
-            v_cache[rows, :, ctx.write_pos] = kv_new[:, :, 1]
-            return gemv_ex(out, out_w, residual=residual) if norm is not None else linear(out, out_w)
+            _write_kv(k_cache, v_cache, ctx.write_pos, kv_new[:, :, 0], kv_new[:, :, 1])
+            return self._project_out(out, residual)
         if self.qkv_weight is not None:
             q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
         else:
@@ -98,12 +95,7 @@ class Attention(nn.Module):
         q = apply_rope(self.q_norm(q.view(B, S, H, Dh)).transpose(1, 2), cos, sin)  # [B, H, S, Dh]
         k = apply_rope(self.k_norm(k.view(B, S, Hkv, Dh)).transpose(1, 2), cos, sin)  # [B, Hkv, S, Dh]
         if ctx.block_table is None:
-            # NOTE: an index_put, not a scatter_: torch.compile updates the cache in place only for the former (for
-            # a scatter_ into an input it wrote a whole new cache and copied it back: 4 passes over
-            # [B, Hkv, Lmax, Dh] per layer, 4.9 of the 7.8 ms of a batch-64 talker step on an H100)
-            rows = torch.arange(B, device=x.device)[:, None]  # [B, 1] with write_pos [B, S]: indexes [B, S, Hkv, Dh]
-            k_cache[rows, :, ctx.write_pos] = k.transpose(1, 2).to(k_cache.dtype)
-            v_cache[rows, :, ctx.write_pos] = v.view(B, S, Hkv, Dh).to(v_cache.dtype)
+            _write_kv(k_cache, v_cache, ctx.write_pos, k.transpose(1, 2), v.view(B, S, Hkv, Dh))
             keys, values = k_cache[:, :, :n], v_cache[:, :, :n]  # [B, Hkv, n, Dh] views
         else:
             keys, values = _paged_write_read(k_cache, v_cache, ctx, k.transpose(1, 2), v.view(B, S, Hkv, Dh), n)
@@ -116,8 +108,22 @@ class Attention(nn.Module):
         else:  # a long prefill: one KV head at a time bounds the scores (same GEMMs per head: same values)
             out = torch.cat([_attend(qg[:, h:h + 1], keys[:, h:h + 1], values[:, h:h + 1], mask, Dh)
                              for h in range(Hkv)], dim=1)
-        out = out.view(B, H, S, Dh).transpose(1, 2).reshape(B, S, H * Dh)
-        return gemv_ex(out, out_w, residual=residual) if norm is not None else linear(out, out_w)
+        return self._project_out(out.view(B, H, S, Dh).transpose(1, 2).reshape(B, S, H * Dh), residual)
+
+    def _project_out(self, out, residual):
+        """o_proj of out [B, S, H * Dh]; residual given (one row, see DecoderLayer): added in the GEMV's kernel."""
+        w = self.o_proj.weight
+        return gemv_ex(out, w, residual=residual) if residual is not None else linear(out, w)
+
+
+def _write_kv(k_cache, v_cache, write_pos, k, v) -> None:
+    """k, v [B, S, Hkv, Dh] into the caches [B, Hkv, L, Dh] at write_pos [B, S].
+    NOTE: an index_put, not a scatter_: torch.compile updates the cache in place only for the former (for a scatter_
+    into an input it wrote a whole new cache and copied it back: 4 passes over [B, Hkv, Lmax, Dh] per layer, 4.9 of
+    the 7.8 ms of a batch-64 talker step on an H100)."""
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1] with write_pos [B, S]: indexes [B, S, Hkv, Dh]
+    k_cache[rows, :, write_pos] = k.to(k_cache.dtype)
+    v_cache[rows, :, write_pos] = v.to(v_cache.dtype)
 
 
 # Attention scores above this many elements (fp32 softmax: ~8 bytes each while live) are computed one KV head at
