@@ -36,8 +36,8 @@ ENABLED = triton is not None and os.environ.get("Q3TTS_SKINNY_GEMM", "1") != "0"
 def pdl() -> bool:
     """Programmatic dependent launch (Hopper and later): a kernel is scheduled while the one before it finishes, and
     loads what does not depend on it (its weights) before waiting for it (griddepcontrol). Measured on an H100, one
-    stream: the whole-frame graph 3.80 -> 3.47 ms, with Inductor's kernels taking part too
-    (engine.runner.compile_layers). Q3TTS_PDL=0 turns it off. Asked at the first launch (CUDA is up by then)."""
+    stream: the whole-frame graph 3.80 -> 3.47 ms (Inductor's kernels do not take part: engine.runner.compile_layers
+    says why). Q3TTS_PDL=0 turns it off. Asked at the first launch (CUDA is up by then)."""
     return (ENABLED and os.environ.get("Q3TTS_PDL", "1") != "0" and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
 
@@ -237,7 +237,7 @@ def gemv_ex(x: torch.Tensor, w: torch.Tensor, norm: torch.nn.Module | None = Non
 
 
 # ---------------------------------------------------------------------------------------------- decode attention
-# One query token per row over a short span (a code-predictor step of one stream: 16 positions): q/k
+# One query token per row over a short span (a code-predictor step: 16 positions): q/k
 # norms, RoPE, scores, softmax and the weighted values in one kernel per (row, KV head), instead of Inductor's
 # norm/RoPE kernels, two cuBLAS batched GEMMs and the softmax. It rounds where the eager module rounds (each bf16
 # op's result, the scores before and after the scale, the probabilities), so it gives the eager layer's values up

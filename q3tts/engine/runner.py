@@ -23,17 +23,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import os
+
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
 from ..inputs.request import InputError
 from ..kernels import MAX_ROWS, linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
-from .compile_cache import use_compile_cache
+from .compile_cache import compile_counts, use_compile_cache
 from .memory import KV_SPARE, alloc_len
 from .scheduler import FrameResult
 
@@ -44,6 +45,7 @@ FUSED_CP_MAX_BATCH = 1  # the code-predictor step compiled whole: measured faste
 # Python, the 28 compiled layers' ~450 kernels took 13.6 ms for a 43-token prompt on an H100, most of the time to
 # first audio (25.7 ms); a graph launches them at once
 PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256)
+log = logging.getLogger("q3tts.engine")
 
 
 def compile_layers(talker: Talker) -> None:
@@ -66,9 +68,17 @@ def compile_layers(talker: Talker) -> None:
     # 256-position spans each compiled every layer variant again (measured: 6 of a start-up's 60 compilations); the
     # dims it would pad are multiples of 64 already
     torch._inductor.config.shape_padding = False
-    if next(talker.parameters()).is_cuda and kernels.pdl():  # Inductor's kernels take part in programmatic
-        # dependent launch as the engine's own do
-        torch._inductor.config.triton.enable_pdl = True
+    # NOTE: Inductor's own kernels do not take part in programmatic dependent launch (triton.enable_pdl), only the
+    # engine's (q3tts.kernels: they load weights early and wait for the kernel before them before touching anything
+    # else). Measured on an H100:
+    # - With Inductor's PDL only in the code predictor's step compiled whole, bf16 graph and eager codes parted at the
+    #   second frame (with it nowhere, or everywhere as in the seventh session, they are identical). The likely race:
+    #   an Inductor kernel waits only for buffers the previous node of its graph wrote, while ours let the next
+    #   kernel start before they wait themselves.
+    # - Inductor cannot launch a PDL kernel with its static launcher, so a restart loads such kernels through
+    #   Triton's: with PDL in every compiled graph a warm start took 81.9 s instead of 57.6.
+    # - The gain was within the machines' spread: the frame graph took 3.45 ms with Inductor's kernels in PDL, 3.44
+    #   with them in the code predictor's step only, 3.53 with none (the same code measures 3.39-3.81 ms).
     fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
@@ -165,6 +175,7 @@ class ModelRunner:
         self.topk_ok_cpu = [True] * S
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded prompt length -> graph (capture_graphs)
+        self.compiled_while_capturing = 0  # graphs Inductor produced during capture_graphs' captures (should be 0)
         if self.use_graphs and block_size is None:  # their static inputs and outputs, and a scratch cache of one
             # row (~30 MB for the real models) that the graphs write, copied into the admitted row afterwards.
             # The input an inference tensor and the cache not, as an eager prefill's: the compiled layers guard on
@@ -338,15 +349,15 @@ class ModelRunner:
         frame = self.num_generated[r] - 1  # this frame's index: noise differs per frame and codebook
         noise_all = frame_noise(self.seed[r], frame, cp.lm_head[0].out_features, 1, self.K - 1)  # [K-1, B, V]
         x = torch.stack([h, self.talker.model.codec_embedding(code0)], dim=1)  # [B, 2, D]
-        fused = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None
-        step = self._cp_step_fused if fused else self._cp_step
+        whole = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None
+        step = self._cp_step_fused if whole else self._cp_step
         out = []
         for i in range(self.K - 1):
             emb = cp.model.codec_embedding[min(i, self.K - 3)].weight  # (the last step's next input is unused)
             cos, sin, write_pos, mask = (t[:B] for t in self.cp_steps[i])
             code, x = step(x, cos, sin, kv, write_pos, mask, cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
                            p["subtalker_temperature"][r], p["subtalker_top_k"][r], p["subtalker_top_p"][r],
-                           noise_all[i], capped, fused)
+                           noise_all[i], capped, self.device.type == "cuda" and (whole or i > 0))
             out.append(code)
         return torch.stack(out, dim=1)
 
@@ -374,8 +385,8 @@ class ModelRunner:
                  capped: bool, fused_attention: bool = False):
         """One code-predictor step: x [B, S, D_talker] (S = 2 at step 0, then 1) -> (code [B], next input
         codec_embedding[i](code) [B, 1, D_talker]). Under torch.compile as a whole (single stream), the norms,
-        residuals, head and sampler fuse across layer boundaries, and fused_attention puts each layer's attention in
-        one kernel (kernels.decode_attention)."""
+        residuals, head and sampler fuse across layer boundaries. fused_attention (CUDA: the one-token steps, and the
+        step compiled whole) puts each layer's attention in one kernel (kernels.decode_attention)."""
         ctx = AttnContext(write_pos, mask, fused_attention=fused_attention)
         hid = self.talker.code_predictor(x, cos, sin, kv, ctx)[:, -1]  # [B, D_cp]
         logits = linear(hid, head_w).float()
@@ -475,11 +486,18 @@ class ModelRunner:
         lens = [L for L in PREFILL_GRAPH_LENS if L <= self.max_len] if self.block_table is None else []
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # one warm-up frame per (batch bucket, sampler), at its shortest span: the spans share every compiled variant
+        # (the span is a dynamic size), and each frame launched from Python took ~0.1 s (84 keys: ~8 s of a start).
+        # Paged: every key (the block table's width, n // block_size, specialized a variant on an H100)
+        warm = {}
+        for B, n, c in sorted(keys):
+            warm.setdefault((B, c) if self.block_table is None else (B, n, c), (B, n, c))
         with torch.cuda.stream(stream):
-            self.warm_up_frames(keys)
+            self.warm_up_frames(list(warm.values()))
             for L in lens:
                 self._prefill_into_scratch(L)
         torch.cuda.current_stream().wait_stream(stream)
+        compiled = compile_counts()
         with gc_paused():
             for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
                 g = torch.cuda.CUDAGraph()
@@ -492,6 +510,12 @@ class ModelRunner:
                 with torch.cuda.graph(g, pool=self._pool):
                     self._prefill_into_scratch(L)
                 self.prefill_graphs[L] = g
+        # a variant compiled inside a capture (a span that needed its own) is a bug: it ran no warm-up, and its kernels
+        # were tuned while capturing
+        now = compile_counts()
+        self.compiled_while_capturing = now["fx_hit"] + now["fx_miss"] - compiled["fx_hit"] - compiled["fx_miss"]
+        if self.compiled_while_capturing:
+            log.warning("%d graphs compiled while capturing CUDA graphs", self.compiled_while_capturing)
         # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call), and for <= and >
         # MAX_ROWS tokens in all (the skinny GEMM or cuBLAS): compile the four now, not while the first burst of
         # requests waits (measured on an H200: 5 s for the first 16 concurrent requests). Long prompts run

@@ -161,10 +161,13 @@ class StreamingVocoder:
         keys = [(1 << j, p) for p, rows in self.call_rows.items() for j in range(rows.bit_length())]
         static = {k: (torch.full((k[0],), self.scratch, device=self.device),
                       torch.zeros(k[0], self.K, k[1], dtype=torch.long, device=self.device)) for k in keys}
+        # warm-ups per piece size at one row and at its most rows only: the row counts in between share the compiled
+        # activations (dynamic sizes; one row is specialized), and each warm-up is a decoder pass launched from Python
+        warm = {k for k in keys if k[0] in (1, self.call_rows[k[1]])}
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for k in keys:
+            for k in sorted(warm):
                 self._run(*static[k])
         torch.cuda.current_stream().wait_stream(stream)
         pool = None

@@ -199,9 +199,10 @@ class AttnContext:
     write_pos: torch.Tensor  # [B, S] int64: cache positions of the new tokens (== their RoPE positions)
     mask: torch.Tensor  # [B, 1, S, n] bool over the first n cache positions: True where a query may attend
     block_table: torch.Tensor | None = None  # paged cache: [B, n // block_size] int64 block of each row's positions
-    # one token per row over a short span through kernels.decode_attention. Only the code predictor's step compiled
-    # whole asks for it: in the layer compiled for every call (talker frames, batched steps) a span test split each
-    # variant in two (measured: 3 more compilations at start-up, 28 s more of a warm start)
+    # one token per row over a short span through kernels.decode_attention. Only the code predictor's one-token steps
+    # ask for it (16 positions; one more variant of the shared compiled layer for those of 2 rows and more): a span
+    # test on every call split each of the talker's variants in two (measured: 3 more compilations at start-up, 28 s
+    # more of a warm start)
     fused_attention: bool = False
 
 
