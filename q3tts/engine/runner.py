@@ -488,7 +488,7 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream())
         # one warm-up frame per (batch bucket, sampler), at its shortest span: the spans share every compiled variant
         # (the span is a dynamic size), and each frame launched from Python took ~0.1 s (84 keys: ~8 s of a start).
-        # Paged: every key (the block table's width, n // block_size, specialized a variant on an H100)
+        # Paged: every key (on an H100 a longer span compiled a variant of its own there, inside a capture)
         warm = {}
         for B, n, c in sorted(keys):
             warm.setdefault((B, c) if self.block_table is None else (B, n, c), (B, n, c))
