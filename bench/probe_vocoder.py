@@ -1,5 +1,6 @@
 """The streaming vocoder's cost per call shape: its captured graphs (rows x frames), and where one call's GPU time
-goes (kernel table of the 4 rows x 16 frames call, the steady state of four streams' 16-frame chunks).
+goes (kernel table of the 4 rows x 16 frames call, the steady state of four streams' 16-frame chunks). Replays are
+timed as bench.ours times graphs (CUDA events over back-to-back replays).
 
     python -m bench.probe_vocoder --ckpt /tmp/ck06
 
@@ -14,6 +15,8 @@ import json
 import time
 
 import torch
+
+from bench.ours import graph_of, replay_ms
 
 
 def main() -> None:
@@ -36,15 +39,7 @@ def main() -> None:
     for R, t in ((1, 1), (1, 16), (4, 16), (8, 8), (16, 4), (64, 1)):
         if (R, t) not in voc.graphs:
             continue
-        g = voc.graphs[(R, t)][0]
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            g.replay()
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / 20 * 1000
+        ms = replay_ms(voc.graphs[(R, t)][0], 20)
         res[f"rows{R}_frames{t}"] = {"ms": round(ms, 3), "us_per_frame": round(ms * 1000 / (R * t), 1)}
     g = voc.graphs[(4, 16)][0]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -78,18 +73,8 @@ def compile_whole(code2wav) -> dict:
                 continue
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn(codes, state)
-            for _ in range(3):
-                g.replay()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                g.replay()
-            torch.cuda.synchronize()
-            out[f"rows{R}_frames{t}_{name}"] = {"ms": round((time.perf_counter() - t0) / 20 * 1000, 3),
-                                               "first_calls_s": round(first_s, 1)}
+            g = graph_of(lambda: fn(codes, state))  # noqa: B023 (called here, in this iteration)
+            out[f"rows{R}_frames{t}_{name}"] = {"ms": round(replay_ms(g, 20), 3), "first_calls_s": round(first_s, 1)}
             print(f"rows {R} x frames {t}, {name}: {out[f'rows{R}_frames{t}_{name}']}", flush=True)
     return out
 
