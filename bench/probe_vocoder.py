@@ -25,13 +25,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64, help="the vocoder's rows (the engine's slots)")
     ap.add_argument("--compile-whole", action="store_true", help="exploration: also one decode step compiled whole "
                     "by torch.compile (static shapes) against the same step eager, both as CUDA graphs")
+    ap.add_argument("--conv-options", action="store_true", help="also time one residual unit's causal conv three ways "
+                    "at each block's channels (codec.CausalConv._valid says which it takes)")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from q3tts.engine.vocoder import StreamingVocoder
     from q3tts.models.loaders import load_checkpoint
     ck = load_checkpoint(a.ckpt, device="cuda", dtype=torch.bfloat16)
-    voc = StreamingVocoder(ck.code2wav, a.rows, use_graphs=True, compile=True)
+    voc = StreamingVocoder(ck.code2wav, a.rows, use_graphs=True)
     t0 = time.perf_counter()
     voc.capture_graphs()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -52,7 +54,38 @@ def main() -> None:
                                       "launches_per_call": e.count // 5} for e in top]
     if a.compile_whole:
         res["decode_step_graph_ms"] = compile_whole(ck.code2wav)
+    if a.conv_options:
+        res["conv_options_us"] = conv_options()
     print(json.dumps(res, indent=1))
+
+
+def conv_options() -> dict:
+    """A k=7 conv of C channels at dilation d over 4 rows x 16 frames of samples (bf16, captured, us): F.conv1d on
+    [B, C, L]; conv2d on the channels-last [B, C, 1, L] view with dilation (1, d); conv2d undilated, kernel (7, 1), over
+    the d phases viewed as [B, L/d, d, C]."""
+    import torch.nn.functional as F
+    out = {}
+    for C, samples_per_frame in ((768, 32), (384, 160), (192, 640), (96, 1920)):
+        B, N = 4, 16 * samples_per_frame
+        for d in (1, 3, 9):
+            L = 6 * d + N
+            Lp = -(-L // d) * d
+            w = torch.randn(C, C, 7, device="cuda", dtype=torch.bfloat16) / 30
+            b = torch.randn(C, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(B, Lp, C, device="cuda", dtype=torch.bfloat16)  # time-major
+            ncw = x.transpose(1, 2).contiguous()[..., :L]
+            w_w, w_h = (w.unsqueeze(i).contiguous(memory_format=torch.channels_last) for i in (2, 3))
+            ways = {"ncw_conv1d": lambda: F.conv1d(ncw, w, b, dilation=d),  # noqa: B023 (timed in this iteration)
+                    "nhwc_dilated": lambda: F.conv2d(x[:, :L].transpose(1, 2)[:, :, None], w_w, b,  # noqa: B023
+                                                     dilation=(1, d)),  # noqa: B023
+                    "nhwc_phases": lambda: F.conv2d(x.view(B, Lp // d, d, C).permute(0, 3, 1, 2), w_h, b)}  # noqa: B023
+            row = {}
+            for name, fn in ways.items():
+                fn()
+                row[name] = round(replay_ms(graph_of(fn), 20) * 1000, 1)
+            out[f"C{C}_N{N}_d{d}"] = row
+            print(f"C {C}, N {N}, d {d}: {row}", flush=True)
+    return out
 
 
 def compile_whole(code2wav) -> dict:

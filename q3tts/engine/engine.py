@@ -85,8 +85,7 @@ class Engine:
         self.runner.capture_graphs()
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0)
-        self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs,
-                                        compile=self.runner.compiled)
+        self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)
         self.vocoder.capture_graphs()
         if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)
             log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s", time.perf_counter() - t0,

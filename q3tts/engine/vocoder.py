@@ -15,29 +15,13 @@ ICL reference codes warm a request's row once at admission and are never decoded
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 
 import numpy as np
 import torch
 
-from ..models.codec import Code2Wav, Code2WavState, SnakeBeta, snake_beta
+from ..models.codec import Code2Wav, Code2WavState
 from .runner import gc_paused
-
-
-def compile_snakes(code2wav: Code2Wav) -> None:
-    """torch.compile the SnakeBeta activations (29 per call, five elementwise kernels each -> one).
-    One compiled function serves every layer: its parameters go in as plain tensors (Dynamo keeps a Parameter's
-    shape static: one compilation per channel count) and x contiguous (each stride layout compiled apart). Measured on
-    an H200 start-up: 26 compilations and 45 s of the vocoder's graph capture before."""
-    fn = torch.compile(snake_beta, dynamic=True, fullgraph=True)
-    for m in code2wav.modules():
-        if isinstance(m, SnakeBeta) and not isinstance(m.forward, functools.partial):
-            m.forward = functools.partial(_compiled_snake, fn, m)
-
-
-def _compiled_snake(fn, m: SnakeBeta, x: torch.Tensor, tails=None) -> torch.Tensor:
-    return fn(x.contiguous(), m.alpha.detach(), m.beta.detach())
 
 
 def pieces(n: int, max_piece: int) -> list[int]:
@@ -55,14 +39,13 @@ class StreamingVocoder:
         code2wav: the decoder (its device and dtype are the pool's).
         max_rows: concurrent streams (the engine's max_slots).
         use_graphs: capture one CUDA graph per (rows bucket, piece size) in `capture_graphs`.
-        compile: torch.compile the activations.
         max_piece: the largest piece, a power of two (chunks longer than it take several calls).
         max_call_frames: rows x frames of one call at most (a power of two >= max_piece): bounds the workspace
             (~6 MiB per row-frame in bf16, measured) and the largest CUDA graph's pool.
     """
 
-    def __init__(self, code2wav: Code2Wav, max_rows: int, use_graphs: bool = False, compile: bool = False,
-                 max_piece: int = 16, max_call_frames: int = 64):
+    def __init__(self, code2wav: Code2Wav, max_rows: int, use_graphs: bool = False, max_piece: int = 16,
+                 max_call_frames: int = 64):
         assert max_piece & (max_piece - 1) == 0, "max_piece must be a power of two"
         assert max_call_frames & (max_call_frames - 1) == 0 and max_call_frames >= max_piece
         self.code2wav, self.max_rows, self.max_piece = code2wav, max_rows, max_piece
@@ -78,8 +61,6 @@ class StreamingVocoder:
         self.use_graphs = use_graphs
         # (rows bucket, piece) -> (graph, static row index [R], static codes [R, K, piece], wav out [R, piece*1920])
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        if compile:
-            compile_snakes(code2wav)
 
     # ------------------------------------------------------------------ rows
     @torch.inference_mode()
@@ -155,14 +136,14 @@ class StreamingVocoder:
     @torch.inference_mode()
     def capture_graphs(self) -> int:
         """One graph per (rows bucket up to call_rows[piece], piece size up to max_piece), sharing one memory
-        pool. The warm-up runs (compilation, cuDNN/cuBLAS plans) write only the scratch row."""
+        pool. The warm-up runs (Triton kernels' specializations, cuDNN/cuBLAS plans) write only the scratch row."""
         if not self.use_graphs:
             return 0
         keys = [(1 << j, p) for p, rows in self.call_rows.items() for j in range(rows.bit_length())]
         static = {k: (torch.full((k[0],), self.scratch, device=self.device),
                       torch.zeros(k[0], self.K, k[1], dtype=torch.long, device=self.device)) for k in keys}
-        # warm-ups per piece size at one row and at its most rows only: the row counts in between share the compiled
-        # activations (dynamic sizes; one row is specialized), and each warm-up is a decoder pass launched from Python
+        # warm-ups per piece size at one row and at its most rows only: the row counts in between share their Triton
+        # specializations (which depend on the piece size only), and each warm-up is a decoder pass launched from Python
         warm = {k for k in keys if k[0] in (1, self.call_rows[k[1]])}
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -23,12 +23,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from ..config import Code2WavConfig
 from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 # ---------------------------------------------------------------------------------------------------
-# Convolutions. Each causal layer reads its past from `tails` (a list owned by Code2WavState, indexed
-# by `state_idx`) when streaming, or zero-pads like upstream when `tails` is None (full decode).
+# Convolutions, time-major: activations are [B, N, C] (channels contiguous), so each convolution runs as cuDNN's
+# channels-last kernels with no layout conversion and each elementwise pass reads contiguous channels. Each causal
+# layer reads its past from `tails` (a list owned by Code2WavState, indexed by `state_idx`) when streaming, or
+# zero-pads like upstream when `tails` is None (full decode). The SnakeBeta before a convolution is applied while
+# its input is joined to that past (kernels.snake_join: one pass).
+
+
+def _taps_middle_(weight: nn.Parameter) -> None:
+    """Keep a conv weight's logical shape [A, B, k] (the checkpoint's) but store it as [A, k, B]: the time-major
+    layers read it as a channels-last conv weight or a GEMM operand without a copy. Loading copies values into it,
+    and Tensor.copy_ and Module.to keep strides."""
+    weight.data = weight.data.permute(0, 2, 1).contiguous().permute(0, 2, 1)
 
 
 class CausalConv(nn.Module):
@@ -38,75 +49,85 @@ class CausalConv(nn.Module):
     def __init__(self, c_in: int, c_out: int, kernel_size: int, dilation: int = 1, groups: int = 1):
         super().__init__()
         self.conv = nn.Conv1d(c_in, c_out, kernel_size, dilation=dilation, groups=groups)
+        _taps_middle_(self.conv.weight)
         self.context = (kernel_size - 1) * dilation  # past input samples each output sample needs
         self.state_idx = -1  # slot in Code2WavState.tails; numbered by Code2Wav when context > 0
 
-    def forward(self, x: Tensor, tails: list[Tensor] | None = None) -> Tensor:
-        # x: [B, C_in, N] -> [B, C_out, N]
-        if self.context == 0:
-            return self.conv(x)
-        if tails is None:
-            return self._valid(F.pad(x, (self.context, 0)))
-        x = torch.cat([tails[self.state_idx], x], dim=-1)  # [B, C_in, context + N]
-        tails[self.state_idx] = x[..., x.shape[-1] - self.context:]
-        return self._valid(x)
-
-    def _valid(self, x: Tensor) -> Tensor:
-        """The unpadded convolution, x: [B, C_in, L] -> [B, C_out, L - context]. A dilated one runs as d
-        interleaved undilated ones (output sample m*d + r only reads inputs r, r + d, r + 2d, ...: phase r
-        of the input). Same sums; cuDNN's bf16 dilated kernels took about 1 ms per call at 192 and 768
-        channels on an H200 (bench/probe.py), undilated ones about 0.1 ms."""
+    def forward(self, x: Tensor, tails: list[Tensor] | None = None, act: SnakeBeta | None = None,
+                x_bias: Tensor | None = None, add_bias: bool = True) -> Tensor:
+        # x: [B, N, C_in] -> conv(act(x + x_bias)): [B, N, C_out]. x_bias [C_in]: the bias of the conv before, which
+        # left it out (add_bias=False): added in this one's pass over its input, not in one of its own after cuDNN
+        if self.context == 0:  # pointwise: a GEMM
+            if act is not None or x_bias is not None:
+                x = kernels.snake_join(x, None, 0, *_params(act), x_bias=x_bias)
+            return F.linear(x, self.conv.weight[:, :, 0], self.conv.bias if add_bias else None)
+        assert x_bias is None, "a bias of the input only rides in pointwise convs"
+        B, N, C = x.shape
         d = self.conv.dilation[0]
-        if d == 1 or self.conv.groups != 1:
-            return self.conv(x)
-        B, C, L = x.shape
-        Lp = -(-L // d) * d  # zero-padded on the right to whole phases; only outputs >= L - context read it
-        phases = F.pad(x, (0, Lp - L)).view(B, C, Lp // d, d).permute(0, 3, 1, 2).reshape(B * d, C, Lp // d)
-        z = F.conv1d(phases, self.conv.weight, self.conv.bias)  # [B*d, C_out, M]
-        M = z.shape[-1]
-        return z.view(B, d, -1, M).permute(0, 2, 3, 1).reshape(B, -1, M * d)[..., : L - self.context]
+        tail = x.new_zeros(B, self.context, C) if tails is None else tails[self.state_idx]
+        # zero rows on the right to whole phases of d samples (see _valid); only outputs >= N read them
+        x = kernels.snake_join(x, tail, -(self.context + N) % d, *_params(act))  # [B, context + N + pad, C]
+        if tails is not None:
+            tails[self.state_idx] = x[:, N: N + self.context]
+        return self._valid(x, add_bias)[:, :N]
+
+    def _valid(self, x: Tensor, add_bias: bool = True) -> Tensor:
+        """The unpadded convolution, x: [B, L, C_in] -> [B, L - context, C_out], L a multiple of the dilation d.
+        A dilated one runs undilated over the d interleaved phases of its input (output sample m*d + r reads only
+        inputs r, r + d, r + 2d, ...): in time-major memory the phases are a free [B, L/d, d, C] view, a 2-D image
+        convolved along its first axis. Same sums. Measured on an H100, bf16, 4 rows x 16 frames
+        (bench/probe_vocoder.py --conv-options): cuDNN's own dilated channels-last kernel took 43 ms at 192 channels
+        and dilation 3 or 9, the phase view 77-87 us; at dilation 1 a [B, C, 1, L] image is the faster one (91 vs
+        186 us at 96 channels)."""
+        B, L, C = x.shape
+        w, d = self.conv.weight, self.conv.dilation[0]  # w: [C_out, C_in / groups, k], stored [C_out, k, C_in]
+        bias = self.conv.bias if add_bias else None  # (cuDNN adds it in a broadcast pass of its own)
+        if d == 1:
+            y = F.conv2d(x.transpose(1, 2)[:, :, None], w[:, :, None], bias, groups=self.conv.groups)
+            return y[:, :, 0].transpose(1, 2)  # [B, C_out, 1, L'] channels-last -> [B, L', C_out], no copy
+        y = F.conv2d(x.view(B, L // d, d, C).permute(0, 3, 1, 2), w[..., None], bias, groups=self.conv.groups)
+        return y.permute(0, 2, 3, 1).reshape(B, -1, y.shape[1])  # [B, C_out, L/d - k + 1, d] -> [B, L - context, C_out]
 
 
 class CausalTransConv(nn.Module):
     """ConvTranspose1d(kernel k, stride s) with k - s samples cropped on the right (upstream
-    CausalTransConvNet).
+    CausalTransConvNet), k = s (the upsamplers) or 2s (the vocoder blocks).
 
     Why it streams exactly: output sample n receives input frames m with m*s <= n < m*s + k, i.e.
     frames floor(n/s) - (k-1)//s .. floor(n/s), never a later frame. So input frame m finishes output
-    samples [m*s, (m+1)*s) by itself with the past (k-1)//s frames: 1 frame for the vocoder blocks
-    (k = 2s), none for the upsamplers (k = s). Streaming carries those last input frames, runs them
-    again in front of the chunk and drops the (k-1)//s * s outputs that belong to them. This is simpler
-    than carrying a partial-sum overlap (no bias bookkeeping) and costs (t+1)/t of the layer's work.
+    samples [m*s, (m+1)*s) by itself with the past (k-1)//s frames: 1 frame for the vocoder blocks,
+    none for the upsamplers. Streaming carries that last input frame; a full decode puts a zero frame
+    there instead (it adds exactly nothing).
+
+    It runs as one GEMM per call: output block n (s samples x C_out) = x[n] @ W[taps :s] + x[n-1] @ W[taps s:],
+    i.e. the pairs (x[n], x[n-1]) [2*C_in] times the weight viewed as [C_in, 2, s*C_out] (rows channel, then
+    block: the taps-middle storage). Same sums as the convolution, which cuDNN ran in bf16 with a slow generic
+    kernel (about 1 ms per call on an H200, bench/probe.py).
     """
 
     def __init__(self, c_in: int, c_out: int, kernel_size: int, stride: int):
         super().__init__()
+        assert kernel_size in (stride, 2 * stride), "k must be s or 2s"
         self.conv = nn.ConvTranspose1d(c_in, c_out, kernel_size, stride=stride)
+        _taps_middle_(self.conv.weight)
         self.stride = stride
-        self.context = (kernel_size - 1) // stride  # past input frames each output sample needs
+        self.context = (kernel_size - 1) // stride  # past input frames each output sample needs (0 or 1)
         self.state_idx = -1
 
-    def forward(self, x: Tensor, tails: list[Tensor] | None = None) -> Tensor:
-        # x: [B, C_in, N] -> [B, C_out, N*s]
-        if self.context == 0 or tails is None:
-            return self._first_blocks(x)
-        x = torch.cat([tails[self.state_idx], x], dim=-1)  # [B, C_in, context + N]
-        tails[self.state_idx] = x[..., x.shape[-1] - self.context:]
-        return self._first_blocks(x)[..., self.context * self.stride:]
-
-    def _first_blocks(self, x: Tensor) -> Tensor:
-        """The first N*s samples of ConvTranspose1d(x) (the full output is (N-1)*s + k long), as one GEMM
-        and an overlap-add of s-sample blocks: input frame n writes blocks n .. n + k/s - 1. Same sums as
-        the convolution; cuDNN runs this layer in bf16 with a slow generic kernel (about 1 ms per call
-        on an H200, bench/probe.py), the GEMM takes microseconds. x: [B, C_in, N] -> [B, C_out, N*s]."""
-        B, _, N = x.shape
-        w = self.conv.weight  # [C_in, C_out, k], k a multiple of s
-        C_out, s = w.shape[1], self.stride
-        z = torch.matmul(x.transpose(1, 2), w.reshape(w.shape[0], -1)).view(B, N, C_out, -1, s)  # [B, N, C_out, k/s, s]
-        y = z[:, :, :, 0]
-        for j in range(1, min(z.shape[3], N)):  # frame n's block j lands in output block n + j
-            y = y + F.pad(z[:, : N - j, :, j], (0, 0, 0, 0, j, 0))
-        return (y.permute(0, 2, 1, 3).reshape(B, C_out, N * s) + self.conv.bias[:, None])
+    def forward(self, x: Tensor, tails: list[Tensor] | None = None, act: SnakeBeta | None = None) -> Tensor:
+        # x: [B, N, C_in] -> convtranspose(act(x)) cropped: [B, N*s, C_out]
+        B, N, C = x.shape
+        w, s = self.conv.weight, self.stride  # w: [C_in, C_out, k], stored [C_in, k, C_out]
+        if self.context == 0:
+            x = x if act is None else act(x)
+        else:  # [B, N, C_in, 2]: act(x[n]) beside act(x[n - 1]), channel by channel
+            tail = x.new_zeros(B, 1, C) if tails is None else tails[self.state_idx]
+            x = kernels.snake_join(x, tail, 0, *_params(act), pairs=True)
+            if tails is not None:
+                tails[self.state_idx] = x[:, N - 1:, :, 0]
+        w = w.permute(0, 2, 1).reshape(-1, s * w.shape[1])  # [C_in * k/s, s * C_out], a view
+        y = F.linear(x.reshape(B, N, -1), w.T, self.conv.bias.repeat(s))
+        return y.view(B, N * s, -1)  # [B, N, s * C_out] -> [B, N * s, C_out]
 
 
 class SnakeBeta(nn.Module):
@@ -117,14 +138,14 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(dim))
         self.beta = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: Tensor, tails: list[Tensor] | None = None) -> Tensor:
-        # x: [B, C, N]; pointwise, so no streaming state
-        return snake_beta(x, self.alpha, self.beta)
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [B, N, C] (pointwise, so no streaming state) -> contiguous [B, N, C]
+        return kernels.snake_join(x, None, 0, self.alpha, self.beta)
 
 
-def snake_beta(x: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
-    """SnakeBeta of x [B, C, N] with log-parameters alpha, beta [C]."""
-    return x + (1.0 / (beta.exp()[None, :, None] + 1e-9)) * torch.sin(x * alpha.exp()[None, :, None]).pow(2)
+def _params(act: SnakeBeta | None) -> tuple[Tensor | None, Tensor | None]:
+    """(alpha, beta) of the SnakeBeta a convolution applies to its input in kernels.snake_join, or none."""
+    return (None, None) if act is None else (act.alpha, act.beta)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -138,10 +159,9 @@ class ConvNeXtBlock(nn.Module):
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
     def forward(self, x: Tensor, tails: list[Tensor] | None = None) -> Tensor:
-        # x: [B, C, N] -> [B, C, N]
-        h = self.dwconv(x, tails).transpose(1, 2)  # [B, N, C]
-        h = self.pwconv2(self.act(self.pwconv1(self.norm(h))))
-        return x + (self.gamma * h).transpose(1, 2)
+        # x: [B, N, C] -> [B, N, C]
+        h = self.pwconv2(self.act(self.pwconv1(self.norm(self.dwconv(x, tails)))))
+        return x + self.gamma * h
 
 
 class ResidualUnit(nn.Module):
@@ -153,7 +173,8 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: Tensor, tails: list[Tensor] | None = None) -> Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x), tails)), tails)
+        h = self.conv1(x, tails, self.act1, add_bias=False)
+        return x + self.conv2(h, tails, self.act2, x_bias=self.conv1.conv.bias)
 
 
 class DecoderBlock(nn.Module):
@@ -166,9 +187,10 @@ class DecoderBlock(nn.Module):
                                     *(ResidualUnit(c_out, d) for d in (1, 3, 9))])
 
     def forward(self, x: Tensor, tails: list[Tensor] | None = None) -> Tensor:
-        for m in self.block:
+        x = self.block[1](x, tails, self.block[0])
+        for m in self.block[2:]:
             x = m(x, tails)
-        return x  # [B, c_out, N * rate]
+        return x  # [B, N * rate, c_out]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -207,11 +229,11 @@ class ResidualVectorQuantizer(nn.Module):
         self.vq = ResidualVQ(num_quantizers, dim, codebook_size)
 
     def decode(self, codes: Tensor) -> Tensor:
-        # codes: [B, K', T] -> [B, io_dim, T]; summed in codebook order like upstream
+        # codes: [B, K', T] -> [B, T, io_dim]; summed in codebook order like upstream
         q = self.vq.layers[0]._codebook.decode(codes[:, 0])  # [B, T, dim]
         for i in range(1, codes.shape[1]):
             q = q + self.vq.layers[i]._codebook.decode(codes[:, i])
-        return self.output_proj(q.transpose(1, 2))
+        return F.linear(q, self.output_proj.weight[:, :, 0])  # the 1x1 conv
 
 
 class SplitResidualVectorQuantizer(nn.Module):
@@ -224,7 +246,7 @@ class SplitResidualVectorQuantizer(nn.Module):
         self.rvq_rest = ResidualVectorQuantizer(cfg.num_quantizers - 1, dim, cfg.codebook_dim, cfg.codebook_size)
 
     def decode(self, codes: Tensor) -> Tensor:
-        # codes: [B, K, T] -> [B, codebook_dim, T]
+        # codes: [B, K, T] -> [B, T, codebook_dim]
         return self.rvq_first.decode(codes[:, :1]) + self.rvq_rest.decode(codes[:, 1:])
 
 
@@ -324,7 +346,7 @@ class Code2WavState:
     old state stays a valid snapshot (e.g. to retry a chunk). Only its owner writes into it (assign_rows_).
     """
 
-    tails: list[Tensor]  # per stateful conv i: [B, C_in_i, context_i] its last inputs (zeros at start)
+    tails: list[Tensor]  # per stateful conv i: [B, context_i, C_in_i] its last inputs (zeros at start)
     keys: Tensor  # [L, B, H_kv, W-1, Dh] rotated keys of each row's last W-1 frames per layer, oldest first
     values: Tensor  # [L, B, H_kv, W-1, Dh]
     pos: Tensor  # [B] int64 frames decoded so far per row = RoPE position of its next frame
@@ -384,18 +406,18 @@ class Code2Wav(nn.Module):
 
     def _vocode(self, h: Tensor, tails: list[Tensor] | None) -> Tensor:
         # h: [B, t, latent] transformer output -> wav [B, t * 1920]
-        h = h.transpose(1, 2)  # [B, latent, t]
         for up, block in self.upsample:
-            h = block(up(h, tails), tails)  # [B, latent, t * prod(upsampling_ratios so far)]
-        for m in self.decoder:
-            h = m(h, tails)  # ... -> [B, 1, t * 1920]
-        return h.squeeze(1).clamp(-1, 1)
+            h = block(up(h, tails), tails)  # [B, t * prod(upsampling_ratios so far), latent]
+        for m in self.decoder[:-2]:
+            h = m(h, tails)
+        h = self.decoder[-1](h, tails, self.decoder[-2])  # the last SnakeBeta and conv -> [B, t * 1920, 1]
+        return h[..., 0].clamp(-1, 1)
 
     def forward(self, codes: Tensor) -> Tensor:
         """One full-context decode (upstream `forward`). codes: [B, K, T] int64 -> wav [B, T*1920]."""
         self._check(codes)
         pos = torch.arange(codes.shape[2], device=codes.device)[None]  # [1, T]
-        h = self.pre_conv(self.quantizer.decode(codes)).transpose(1, 2)  # [B, T, latent]
+        h = self.pre_conv(self.quantizer.decode(codes))  # [B, T, latent]
         return self._vocode(self.pre_transformer(h, pos, pos)[0], None)
 
     @torch.no_grad()
@@ -430,7 +452,7 @@ class Code2Wav(nn.Module):
                    dtype: torch.dtype = torch.float32) -> Code2WavState:
         """A fresh state: zero conv tails (= upstream's zero padding), empty KV cache, positions 0."""
         c = self.cfg
-        tails = [torch.zeros(batch_size, m.conv.in_channels, m.context, device=device, dtype=dtype)
+        tails = [torch.zeros(batch_size, m.context, m.conv.in_channels, device=device, dtype=dtype)
                  for m in self._stateful]
         kv_shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, c.sliding_window - 1, c.head_dim)
         return Code2WavState(tails, torch.zeros(kv_shape, device=device, dtype=dtype),
@@ -452,7 +474,7 @@ class Code2Wav(nn.Module):
             raise ValueError(f"codes have {codes.shape[0]} rows, the state has {state.batch_size}")
         t, P = codes.shape[2], self.cfg.sliding_window - 1
         tails = list(state.tails)  # the convs replace their own entries; state.tails stays as it was
-        h = self.pre_conv(self.quantizer.decode(codes), tails).transpose(1, 2)  # [B, t, latent]
+        h = self.pre_conv(self.quantizer.decode(codes), tails)  # [B, t, latent]
         # positions of the P cached keys then the t new frames; a negative one is an empty cache slot
         k_pos = state.pos[:, None] + torch.arange(-P, t, device=codes.device)  # [B, P + t]
         h, keys, values = self.pre_transformer(h, k_pos[:, P:], k_pos, state.keys, state.values)

@@ -152,7 +152,8 @@ def test_voice_clone_mix_streamed_staggered_with_a_cancel():
     for h, (codes, wav) in zip(handles, alone):
         assert torch.equal(torch.stack(h.frames), codes), h.request_id
         got = np.concatenate(audio[h.request_id])
-        assert got.shape == wav.shape and np.abs(got - wav).max() <= 1e-5, h.request_id
+        # vocoder calls of 3 rows vs 1: float sums in another order, through the decoder's gain (test_parity.py)
+        assert got.shape == wav.shape and np.abs(got - wav).max() <= 1e-4, h.request_id
     assert sorted(eng.vocoder.free_rows) == [0, 1, 2]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from q3tts.config import Code2WavConfig, parse_speech_tokenizer_config, read_json
-from q3tts.models.codec import Code2Wav, Transformer
+from q3tts.models.codec import CausalConv, CausalTransConv, Code2Wav, Transformer
 from q3tts.randomckpt import init_tensor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,7 +206,7 @@ def test_work_per_call_does_not_grow():
     model, codes = tiny_model(), rand_codes(320, 7)
     seen: list[tuple] = []
     hooks = [m.register_forward_hook(lambda m, i, o: seen.append((type(m).__name__, tuple(i[0].shape))))
-             for m in model.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d, torch.nn.Linear))]
+             for m in model.modules() if isinstance(m, (CausalConv, CausalTransConv, torch.nn.Linear))]
     try:
         _, state = stream(model, codes[..., :10], [10])
         shapes0 = [tuple(t.shape) for t in (*state.tails, state.keys, state.values)]
@@ -260,3 +260,22 @@ def test_matches_official_decode_golden():
         torch.testing.assert_close(w, out[f"decode_long.wav.{i}"], atol=3e-5, rtol=0)
     streamed = torch.cat(stream(model, codes[:37].T[None], [3, 7, 1, 16, 10])[0], dim=-1)[0]
     torch.testing.assert_close(streamed, out["decode_long.wav.1"], atol=5e-5, rtol=0)  # measured 1.6e-5
+
+
+def test_conv_weights_load_into_the_time_major_layout():
+    """Every conv weight keeps the checkpoint's shape but is stored taps-middle after a real load (bf16), so the
+    time-major layers read it with no copy: a channels-last conv weight, or a GEMM operand."""
+    from safetensors.torch import load_file
+
+    from q3tts.models.loaders import load_checkpoint
+    from tests.golden import fixtures as fx
+    if "cv06" not in fx.VARIANTS:
+        pytest.skip("golden fixture cv06 not present")
+    c2w = load_checkpoint(fx.checkpoint("cv06"), device="cpu", dtype=torch.bfloat16).code2wav
+    convs = [m for m in c2w.modules() if isinstance(m, (CausalConv, CausalTransConv))]
+    assert len(convs) == 1 + 2 * 2 + 1 + 4 * 7 + 1  # pre_conv, 2 x (up, dwconv), decoder conv, 4 x 7, last conv
+    for m in convs:
+        w = m.conv.weight
+        assert w.dtype == torch.bfloat16 and w.permute(0, 2, 1).is_contiguous(), m
+    sd = load_file(str(fx.checkpoint("cv06") / "speech_tokenizer" / "model.safetensors"))
+    assert torch.equal(convs[-1].conv.weight, sd["decoder.decoder.6.conv.weight"].to(torch.bfloat16))
