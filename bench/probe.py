@@ -13,6 +13,7 @@ import time
 import torch
 
 from bench.ours import graph_of, replay_ms, sync
+from q3tts import kernels
 from q3tts.models.talker import embed_prompt
 
 
@@ -42,6 +43,8 @@ def main():
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sections", default="cp,prefill,vocoder")
+    ap.add_argument("--gemv", default="", help="kernels section: also time the graphs under these launches of the "
+                    "one-row layer GEMVs, max_block_k:block_n:num_warps,... (q3tts.kernels.GEMV_EX_LAUNCH)")
     a = ap.parse_args()
     from q3tts import TTS
     from q3tts.engine.runner import ModelRunner
@@ -79,6 +82,15 @@ def main():
                 res[f"{tag}_graph_ms_b1"] = round(replay_ms(g, 200), 3)
                 print(f"== {tag}, batch 1: {res[f'{tag}_graph_ms_b1']} ms ==", flush=True)
                 res[f"{tag}_profile_b1"] = kernel_profile(g.replay, n=5, rows=12, ordered=k)
+            shipped = dict(kernels.GEMV_EX_LAUNCH)
+            for spec in filter(None, a.gemv.split(",")):  # the same compiled code: only the GEMVs' launch differs
+                kernels.GEMV_EX_LAUNCH.update(zip(("max_block_k", "block_n", "num_warps"), map(int, spec.split(":"))))
+                r.position.zero_()  # each talker replay advances the rows' cache position
+                res[f"gemv_{spec}_ms_b1"] = {tag: round(replay_ms(graph_of(fn), 100), 3) for tag, fn in (
+                    ("cp", lambda: r._frame_codes(1, True)), ("talker", lambda: r._frame_talker(1, n, True)),
+                    ("frame", lambda: r._frame(1, n, True)))}
+                print(f"== GEMV launch {spec}: {res[f'gemv_{spec}_ms_b1']} ==", flush=True)
+            kernels.GEMV_EX_LAUNCH.update(shipped)
     if "cp" in secs:
         res["cp_shipped"] = cp_times(r, "shipped")
     with torch.inference_mode():

@@ -1,7 +1,7 @@
 """The engine's Triton kernels for decoding: skinny GEMMs (y = x @ w.T for a handful of rows: a decode step, rows =
 batch <= 16); for one stream, a decoder layer pass in a few launches (gemv_ex: GEMVs that carry the RMSNorms, the
 SiLU gate and the residual adds; decode_attention: one token's attention from q|k|v to the output); the sampling
-noise of a frame in one launch (frame_noise_cuda).
+noise of a frame in one launch (frame_noise_cuda) and top-k sampling in two (sample_top).
 
 Why: one decode frame runs 103 decoder layers at one row each, and cuBLAS picks poor kernels for such
 shapes. Measured on an H200 in a CUDA graph, one row, bf16, weights read from HBM as in a frame
@@ -156,6 +156,13 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch
 # One token of one row (a stream's frame): the decoder layer's RMSNorms, SiLU gate and residual adds ride in its
 # GEMVs (normed input computed per program, epilogues on the outputs) instead of a kernel each between them: 3 of a
 # layer pass's ~9 launches. Rounded where the eager module rounds, as the attention kernel below.
+#
+# GEMV_EX_LAUNCH, read at each call: block_n output rows per program, the weight streamed in blocks of up to
+# max_block_k columns. The fastest of `python -m bench.probe --sections kernels --gemv ...` (the frame's graphs under
+# each launch, one process, H100). One-stream frame, 0.6B: 3.44 ms; 3.51 with 2 rows per program; 3.67 with 2 rows and
+# blocks of 1024 (the launch before). 1.7B: 4.20 ms; 4.29 with 2 rows per program
+GEMV_EX_LAUNCH = {"block_n": 4, "max_block_k": 4096, "num_warps": 4}
+
 if triton is not None:
 
     @triton.jit
@@ -166,31 +173,35 @@ if triton is not None:
     def _gemv_row_ex(x_ptr, w_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      NORM: tl.constexpr, GLU: tl.constexpr, RES: tl.constexpr, PDL: tl.constexpr):
         # y [N] = x [K] @ w.T; NORM: x is first RMSNormed (weight nw); GLU: w is [gate; up] (2N rows) and
-        # y = silu(gate) * up; RES: y += r. PDL: the first weight block is loaded before waiting for the kernel
-        # that wrote x (and r)
+        # y = silu(gate) * up; RES: y += r. The weight streams in blocks of BLOCK_K (a power of two, masked past K);
+        # the first block is loaded before waiting for the kernel that wrote x and r (PDL), so where BLOCK_K >= K the
+        # whole weight read overlaps the kernel before
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :]).to(tl.float32)
-        wu = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :]).to(tl.float32) if GLU else w
+        km = (rk < K)[None, :]
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=km, other=0.0).to(tl.float32)
+        wu = tl.load(w_ptr + (N + rn)[:, None] * K + rk[None, :], mask=km, other=0.0).to(tl.float32) if GLU else w
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         if NORM:
             ss = tl.zeros((BLOCK_K,), tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                xv = tl.load(x_ptr + k0 + rk).to(tl.float32)
+                xv = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
                 ss += xv * xv
             r = 1.0 / tl.sqrt_rn(tl.sum(ss, axis=0) / K + eps)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
             if k0 > 0:
-                w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
+                km = (kk < K)[None, :]
+                w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
                 if GLU:
-                    wu = tl.load(w_ptr + (N + rn)[:, None] * K + (k0 + rk)[None, :]).to(tl.float32)
-            xv = tl.load(x_ptr + k0 + rk).to(tl.float32)
+                    wu = tl.load(w_ptr + (N + rn)[:, None] * K + kk[None, :], mask=km, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             if NORM:
-                xv = _bf(_bf(xv * r) * tl.load(nw_ptr + k0 + rk).to(tl.float32))
+                xv = _bf(_bf(xv * r) * tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32))
             acc += tl.sum(w * xv[None, :], axis=1)
             if GLU:
                 acc_up += tl.sum(wu * xv[None, :], axis=1)
@@ -208,10 +219,11 @@ if triton is not None:
         K = x.shape[-1]
         N = w.shape[0] // 2 if glu else w.shape[0]
         y = torch.empty((1, N), device=x.device, dtype=x.dtype)
-        _gemv_row_ex[(N // 2,)](x, w, w if norm_w is None else norm_w, w if residual is None else residual, y, N, K,
-                                eps, BLOCK_N=2, BLOCK_K=1024 if K % 1024 == 0 else 512, NORM=norm_w is not None,
-                                GLU=glu, RES=residual is not None, PDL=pdl(), num_warps=4, num_stages=3,
-                                launch_pdl=pdl())
+        c = GEMV_EX_LAUNCH
+        _gemv_row_ex[(N // c["block_n"],)](
+            x, w, w if norm_w is None else norm_w, w if residual is None else residual, y, N, K, eps,
+            BLOCK_N=c["block_n"], BLOCK_K=min(triton.next_power_of_2(K), c["max_block_k"]), NORM=norm_w is not None,
+            GLU=glu, RES=residual is not None, PDL=pdl(), num_warps=c["num_warps"], num_stages=3, launch_pdl=pdl())
         return y
 
     @gemv_ex_op.register_fake
@@ -222,8 +234,8 @@ if triton is not None:
 def gemv_ex_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether gemv_ex serves x [..., K] (one row in all) with these weights (bf16 [N, K], contiguous)."""
     return (ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1]
-            and all(isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.is_contiguous() and w.shape[0] % 4 == 0
-                    and w.shape[1] % 512 == 0 for w in weights))
+            and all(isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.is_contiguous()
+                    and w.shape[0] % (2 * GEMV_EX_LAUNCH["block_n"]) == 0 and w.shape[1] % 512 == 0 for w in weights))
 
 
 def gemv_ex(x: torch.Tensor, w: torch.Tensor, norm: torch.nn.Module | None = None,
@@ -260,7 +272,9 @@ if triton is not None:
     def _decode_attn(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, wpos_ptr, mask_ptr, out_ptr, kvnew_ptr,
                      s_qkv, s_cos, s_wpos, s_mask, skb, skh, skl, svb, svh, svl, n, eps, scale,
                      H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DH: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, WRITE: tl.constexpr, PDL: tl.constexpr):
+        # WRITE: this token's key and value go into the caches at its position (after this program read them: each
+        # program reads and writes its own (row, KV head) only); else into kvnew for the caller to write
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -281,8 +295,9 @@ if triton is not None:
         k = _norm_rope(tl.load(row + koff + d[None, :]).to(tl.float32),
                        tl.load(row + koff + rot[None, :]).to(tl.float32), kw, kw_rot, cos, sin, sign, eps, DH)  # [1, DH]
         v = tl.load(row + (H + HKV + hk) * DH + d[None, :])
-        tl.store(kvnew_ptr + (b * 2 * HKV + hk) * DH + d[None, :], k.to(kvnew_ptr.dtype.element_ty))
-        tl.store(kvnew_ptr + ((b * 2 + 1) * HKV + hk) * DH + d[None, :], v.to(kvnew_ptr.dtype.element_ty))
+        if not WRITE:
+            tl.store(kvnew_ptr + (b * 2 * HKV + hk) * DH + d[None, :], k.to(kvnew_ptr.dtype.element_ty))
+            tl.store(kvnew_ptr + ((b * 2 + 1) * HKV + hk) * DH + d[None, :], v.to(kvnew_ptr.dtype.element_ty))
         # the G query heads of this KV head, padded to GP rows for tensor-core dots
         g = tl.arange(0, GP)
         qoff = (hk * G + g)[:, None] * DH
@@ -304,30 +319,53 @@ if triton is not None:
         p = (e / tl.sum(e, axis=1)[:, None]).to(tl.bfloat16)
         acc = tl.dot(p, vb.to(tl.bfloat16))
         tl.store(out_ptr + b * (H * DH) + qoff + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=qmask)
+        if WRITE:
+            tl.store(kc_ptr + b * skb + hk * skh + wp * skl + d[None, :], k.to(kc_ptr.dtype.element_ty))
+            tl.store(vc_ptr + b * svb + hk * svh + wp * svl + d[None, :], v.to(vc_ptr.dtype.element_ty))
+
+    def _decode_attention(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, mask, num_heads, eps,
+                          kv_new):
+        B, Hkv, _, Dh = k_cache.shape
+        G = num_heads // Hkv
+        n = mask.shape[-1]
+        out = torch.empty((B, 1, num_heads * Dh), device=qkv.device, dtype=qkv.dtype)
+        m = mask.reshape(mask.shape[0], n)
+        _decode_attn[(B, Hkv)](qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, m.view(torch.uint8),
+                               out, k_cache if kv_new is None else kv_new, qkv.stride(0), cos.stride(0),
+                               write_pos.stride(0), m.stride(0) if m.shape[0] > 1 else 0, *k_cache.stride()[:3],
+                               *v_cache.stride()[:3], n, eps, Dh ** -0.5, H=num_heads, HKV=Hkv, G=G,
+                               GP=max(16, triton.next_power_of_2(G)), DH=Dh, BLOCK_N=max(16, triton.next_power_of_2(n)),
+                               WRITE=kv_new is None, PDL=pdl(), num_warps=4, launch_pdl=pdl())
+        return out
 
     @torch.library.custom_op("q3tts::decode_attention", mutates_args=())
     def decode_attention_op(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor,
                             sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, write_pos: torch.Tensor,
                             mask: torch.Tensor, num_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """See decode_attention."""
+        """See decode_attention (write False)."""
         B, Hkv, _, Dh = k_cache.shape
-        G = num_heads // Hkv
-        n = mask.shape[-1]
-        out = torch.empty((B, 1, num_heads * Dh), device=qkv.device, dtype=qkv.dtype)
         kv_new = torch.empty((B, 1, 2, Hkv, Dh), device=qkv.device, dtype=k_cache.dtype)
-        m = mask.reshape(mask.shape[0], n)
-        _decode_attn[(B, Hkv)](qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, m.view(torch.uint8),
-                               out, kv_new, qkv.stride(0), cos.stride(0), write_pos.stride(0),
-                               m.stride(0) if m.shape[0] > 1 else 0, *k_cache.stride()[:3], *v_cache.stride()[:3],
-                               n, eps, Dh ** -0.5, H=num_heads, HKV=Hkv, G=G, GP=max(16, triton.next_power_of_2(G)),
-                               DH=Dh, BLOCK_N=max(16, triton.next_power_of_2(n)), PDL=pdl(), num_warps=4,
-                               launch_pdl=pdl())
+        out = _decode_attention(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, mask, num_heads, eps,
+                                kv_new)
         return out, kv_new
 
     @decode_attention_op.register_fake
     def _(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, mask, num_heads, eps):
         B, Hkv, _, Dh = k_cache.shape
         return qkv.new_empty((B, 1, num_heads * Dh)), k_cache.new_empty((B, 1, 2, Hkv, Dh))
+
+    @torch.library.custom_op("q3tts::decode_attention_write", mutates_args=("k_cache", "v_cache"))
+    def decode_attention_write_op(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+                                  cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  write_pos: torch.Tensor, mask: torch.Tensor, num_heads: int,
+                                  eps: float) -> torch.Tensor:
+        """See decode_attention (write True)."""
+        return _decode_attention(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, mask, num_heads, eps,
+                                 None)
+
+    @decode_attention_write_op.register_fake
+    def _(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, mask, num_heads, eps):
+        return qkv.new_empty((k_cache.shape[0], 1, num_heads * k_cache.shape[3]))
 
 
 def decode_attention_applies(x: torch.Tensor, k_cache: torch.Tensor, n: int) -> bool:
@@ -337,16 +375,17 @@ def decode_attention_applies(x: torch.Tensor, k_cache: torch.Tensor, n: int) -> 
 
 
 def decode_attention(qkv, q_norm_w, k_norm_w, cos, sin, k_cache, v_cache, write_pos, mask, num_heads: int,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, write: bool = False):
     """One query token per row. qkv [B, 1, (H + 2 Hkv) * Dh] (the fused projection's output); q_norm_w,
     k_norm_w [Dh]; cos, sin [B, 1, Dh]; k_cache, v_cache [B, Hkv, L, Dh]; write_pos [B, 1]: this token's position;
     mask [B | 1, 1, 1, n] bool over the first n positions -> (attention output [B, 1, H * Dh] before o_proj, this
-    token's key (normed, rotated) and value [B, 1, 2, Hkv, Dh]). The caller writes those into the cache: a custom
-    op that wrote them itself would be handed copies of the cache under torch.compile (k and v are views of one
-    tensor, and the compiled graph copies such mutated inputs whole)."""
-    return torch.ops.q3tts.decode_attention(qkv.contiguous(), q_norm_w, k_norm_w, cos.contiguous(),
-                                            sin.contiguous(), k_cache, v_cache, write_pos, mask.contiguous(),
-                                            num_heads, eps)
+    token's key (normed, rotated) and value [B, 1, 2, Hkv, Dh]) for the caller to write into the caches, or with
+    write the output only: the kernel wrote them. Only where the two caches alias neither each other nor another
+    input of a compiled graph: torch.compile hands a custom op that mutates aliased inputs copies of them (here the
+    whole cache, for every write), where it updates an index_put's target in place."""
+    args = (qkv.contiguous(), q_norm_w, k_norm_w, cos.contiguous(), sin.contiguous(), k_cache, v_cache, write_pos,
+            mask.contiguous(), num_heads, eps)
+    return torch.ops.q3tts.decode_attention_write(*args) if write else torch.ops.q3tts.decode_attention(*args)
 
 
 # ---------------------------------------------------------------------------------------------- sampling noise
@@ -379,6 +418,120 @@ def frame_noise_cuda(seed: torch.Tensor, step: torch.Tensor, vocab: int, first_s
     out = torch.empty((num_streams, B, vocab), device=seed.device, dtype=torch.float32)
     _frame_noise[(num_streams * B,)](seed, step.contiguous(), out, B, vocab, first_stream, BLOCK=1024, num_warps=4)
     return out
+
+
+# ------------------------------------------------------------------------------------------- top-k sampling
+# q3tts.sampling.sample_topk in two launches instead of Inductor's ~7 (the ranking, scatters, gathers, two softmaxes,
+# cumsum, argmax: ~17 us of a code-predictor step's ~160 on an H100, 15 steps per frame): each token's rank among
+# its row (how many go before it: larger, or equal at a lower index, a stable descending sort's order) counted over
+# the row by programs of TOP_RANK_ROWS tokens, the top TOPK_CAP written to their rank's slot; then one program per
+# row warps and draws from those.
+TOP_RANK_ROWS = 16  # tokens per ranking program: 128 programs for 2048 logits, each 16 x 2048 comparisons
+TOP_RANK_COLS = 512
+# V^2 comparisons per row: cheaper than torch.topk and the warps' ~7 kernels for a decode step's few rows, dearer for
+# many (H100, 0.6B, frame graphs: batch 16 5.36-5.38 ms with it, 5.74 in an earlier session without; batch 64 7.36
+# with it, 6.70 without)
+TOP_KERNEL_MAX_ROWS = 16
+
+if triton is not None:
+
+    @triton.jit
+    def _top_rank(x_ptr, noise_ptr, vals_ptr, idx_ptr, nsel_ptr, V, CAP: tl.constexpr, BI: tl.constexpr,
+                  BJ: tl.constexpr, PDL: tl.constexpr):
+        b = tl.program_id(0)
+        i = tl.program_id(1) * BI + tl.arange(0, BI)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        row = x_ptr + b * V
+        xi = tl.load(row + i).to(tl.float32)
+        nz = tl.load(noise_ptr + b * V + i)
+        count = tl.zeros((BI, BJ), tl.int32)  # summed across the row once, after the loop
+        for j0 in range(0, V, BJ):
+            j = j0 + tl.arange(0, BJ)
+            xj = tl.load(row + j).to(tl.float32)
+            count += ((xj[None, :] > xi[:, None]) | ((xj[None, :] == xi[:, None]) & (j[None, :] < i[:, None]))).to(
+                tl.int32)
+        rank = tl.sum(count, axis=1)
+        keep = rank < CAP  # ranks are distinct: each of the CAP slots is written once
+        tl.store(vals_ptr + b * CAP + rank, xi, mask=keep)
+        tl.store(idx_ptr + b * CAP + rank, i.to(tl.int64), mask=keep)
+        tl.store(nsel_ptr + b * CAP + rank, nz, mask=keep)  # the token's noise, for the draw
+
+    @triton.jit
+    def _top_draw(vals_ptr, idx_ptr, nsel_ptr, ds_ptr, t_ptr, k_ptr, p_ptr, out_ptr, emb_ptr, embo_ptr, D,
+                  CAP: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        # sample_topk's warps on the CAP best values (descending): temperature, top-k, top-p (drop the tokens whose
+        # tail mass, this one's and every less likely one's, is <= 1 - top_p; never the first), then the
+        # exponential race with each token's own noise; greedy rows take the first
+        b = tl.program_id(0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        r = tl.arange(0, CAP)
+        idx = tl.load(idx_ptr + b * CAP + r)
+        x = tl.load(vals_ptr + b * CAP + r) / tl.load(t_ptr + b)
+        x = tl.where(r >= tl.load(k_ptr + b), float("-inf"), x)
+        e = tl.exp(x - tl.max(x, axis=0))
+        tail = tl.cumsum(e / tl.sum(e, axis=0), axis=0, reverse=True)
+        x = tl.where((tail <= 1 - tl.load(p_ptr + b)) & (r > 0), float("-inf"), x)
+        e = tl.exp(x - tl.max(x, axis=0))
+        score = (e / tl.sum(e, axis=0)) / -tl.log(tl.load(nsel_ptr + b * CAP + r))
+        choice = tl.argmax(score, axis=0)
+        sampled = tl.sum(tl.where(r == choice, idx, 0), axis=0)
+        greedy = tl.sum(tl.where(r == 0, idx, 0), axis=0)
+        token = tl.where(tl.load(ds_ptr + b) != 0, sampled, greedy)
+        tl.store(out_ptr + b, token)
+        if EMB:  # the token's row of the embedding table [*, D]: the next step's input
+            for d0 in range(0, D, BLOCK_D):
+                dd = d0 + tl.arange(0, BLOCK_D)
+                tl.store(embo_ptr + b * D + dd, tl.load(emb_ptr + token * D + dd, mask=dd < D), mask=dd < D)
+
+    @torch.library.custom_op("q3tts::sample_top", mutates_args=())
+    def sample_top_op(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor, noise: torch.Tensor, cap: int,
+                      emb: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """See sample_top."""
+        B, V = logits.shape
+        vals, nsel = torch.empty((2, B, cap), device=logits.device, dtype=torch.float32)
+        idx = torch.empty((B, cap), device=logits.device, dtype=torch.int64)
+        out = torch.empty((B,), device=logits.device, dtype=torch.int64)
+        D = 0 if emb is None else emb.shape[1]
+        rows = logits.new_empty((B, D), dtype=logits.dtype if emb is None else emb.dtype)
+        _top_rank[(B, V // TOP_RANK_ROWS)](logits, noise, vals, idx, nsel, V, CAP=cap, BI=TOP_RANK_ROWS,
+                                           BJ=TOP_RANK_COLS, PDL=pdl(), num_warps=4, launch_pdl=pdl())
+        _top_draw[(B,)](vals, idx, nsel, do_sample.view(torch.uint8), temperature, top_k, top_p, out,
+                        rows if emb is None else emb, rows, D, CAP=cap, EMB=emb is not None, BLOCK_D=1024, PDL=pdl(),
+                        num_warps=1, launch_pdl=pdl())
+        return out, rows
+
+    @sample_top_op.register_fake
+    def _(logits, do_sample, temperature, top_k, top_p, noise, cap, emb):
+        B = logits.shape[0]
+        return (logits.new_empty((B,), dtype=torch.int64),
+                logits.new_empty((B, 0)) if emb is None else emb.new_empty((B, emb.shape[1])))
+
+
+def sample_top_applies(logits: torch.Tensor, cap: int) -> bool:
+    """Whether sample_top serves these logits [B, V] (CUDA, fp32 / bf16 / fp16, B <= TOP_KERNEL_MAX_ROWS) with this
+    cap (a power of two)."""
+    B, V = logits.shape
+    return (ENABLED and logits.is_cuda and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and B <= TOP_KERNEL_MAX_ROWS and V % TOP_RANK_ROWS == 0 and V % TOP_RANK_COLS == 0
+            and cap & (cap - 1) == 0 and cap <= V)
+
+
+def sample_top(logits, do_sample, temperature, top_k, top_p, noise, cap: int,
+               emb: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """q3tts.sampling.sample_topk on CUDA: logits [B, V] (fp32 / bf16 / fp16, computed on in fp32); do_sample [B]
+    bool; temperature, top_p [B] fp32; top_k [B] int64 (1..cap); noise [B, V] fp32 -> tokens [B] int64, and with an
+    embedding table emb [*, D] also the tokens' rows [B, D]. The same ranking (ties in index order) and the same warps
+    in fp32, summed in another order: a sampled token can differ only where two race scores, or a tail mass and
+    1 - top_p, are within float rounding of each other. Only where sample_top_applies."""
+    tokens, rows = torch.ops.q3tts.sample_top(
+        logits.contiguous(), do_sample.contiguous(), temperature.float().contiguous(), top_k.long().contiguous(),
+        top_p.float().contiguous(), noise.contiguous(), cap, None if emb is None else emb.contiguous())
+    return tokens if emb is None else (tokens, rows)
 
 
 # ------------------------------------------------------------------------------------------- the vocoder's joins

@@ -92,8 +92,9 @@ def talker_logits_rules(logits, seen, penalty, num_generated, eos_id: int, suppr
 
 
 def sample(logits, do_sample, temperature, top_k, top_p, noise):
-    """logits: [B, V] float32 (already processed); per-row do_sample [B] bool, temperature [B],
+    """logits: [B, V] (already processed; computed on in float32); per-row do_sample [B] bool, temperature [B],
     top_k [B] int64 (0 = off), top_p [B]; noise: [B, V] uniforms. Returns tokens [B] int64."""
+    logits = logits.float()
     greedy = logits.argmax(-1)
     V = logits.shape[-1]
     x = logits / temperature[:, None]
@@ -145,11 +146,15 @@ def _rank_top(x: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.gather(1, idx), idx
 
 
-def sample_topk(logits, do_sample, temperature, top_k, top_p, noise, cap: int = TOPK_CAP):
+def sample_topk(logits, do_sample, temperature, top_k, top_p, noise, cap: int = TOPK_CAP, emb=None):
     """Same draw as `sample` when every row has 1 <= top_k <= cap (tokens outside the top-k have probability 0,
     and each token keeps its own noise), at the cost of one topk instead of two full-vocabulary sorts.
-    Only difference: ties with the k-th value beyond the cap are dropped. The engine uses it only then."""
-    vals, idx = top_values(logits, cap)  # [B, cap], descending
+    Only difference: ties with the k-th value beyond the cap are dropped. The engine uses it only then. On CUDA:
+    kernels.sample_top, the same draw in two launches. emb (an embedding table [*, D]) given: returns (tokens, their
+    rows [B, D]), the next step's input looked up in the same launch."""
+    if kernels.sample_top_applies(logits, cap):
+        return kernels.sample_top(logits, do_sample, temperature, top_k, top_p, noise, cap, emb)
+    vals, idx = top_values(logits.float(), cap)  # [B, cap], descending
     rank = torch.arange(cap, device=logits.device)
     x = (vals / temperature[:, None]).masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
     probs = x.softmax(-1)
@@ -158,4 +163,5 @@ def sample_topk(logits, do_sample, temperature, top_k, top_p, noise, cap: int = 
     probs = x.masked_fill(drop, float("-inf")).softmax(-1)
     choice = (probs / -torch.log(noise.gather(-1, idx))).argmax(-1)
     sampled = idx.gather(-1, choice[:, None])[:, 0]
-    return torch.where(do_sample, sampled, idx[:, 0])
+    tokens = torch.where(do_sample, sampled, idx[:, 0])
+    return tokens if emb is None else (tokens, torch.nn.functional.embedding(tokens, emb))

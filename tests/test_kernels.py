@@ -74,15 +74,16 @@ def _random_layer(hidden: int, n: int, B: int):
     mask = torch.arange(n, device="cuda")[None, None, None, :] <= pos[:, None, :, None]
     inv_freq = layers.rope_inv_freq(Dh, 1e6).to("cuda")
 
-    def run(module, dtype, fused: bool, part=lambda m: m):
-        """(output, caches) of part(module) run in dtype; fused False: with the module's own ops."""
-        cache = kv.to(dtype)
+    def run(module, dtype, fused: bool, part=lambda m: m, write: bool = False):
+        """(output, caches) of part(module) run in dtype; fused False: with the module's own ops; write: the fused
+        attention writes the caches itself."""
+        cache = kv.to(dtype, copy=True)
         cos, sin = layers.rope_cos_sin(pos, inv_freq, dtype)
         with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
             if not fused:
                 mp.setattr(layers, "decode_attention_applies", lambda *a: False)
                 mp.setattr(layers, "gemv_ex_applies", lambda *a: False)
-            ctx = layers.AttnContext(pos, mask, fused_attention=fused)
+            ctx = layers.AttnContext(pos, mask, fused_attention=fused, write_kv_in_attention=write)
             out = part(module)(x.to(dtype), cos, sin, cache[0], cache[1], ctx)
         return out.double(), cache.double()
 
@@ -117,6 +118,19 @@ def test_decode_attention_is_as_accurate_as_the_eager_module(B, n):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("B,n", [(1, 16), (3, 16), (5, 48)])
+def test_decode_attention_writing_the_caches_is_it_and_the_index_put(B, n):
+    """AttnContext.write_kv_in_attention: the kernel stores this token's key and value itself, bit for bit what it
+    hands the index_put otherwise, and the same output."""
+    lay, exact, x, kv, run = _random_layer(1024, n, B)
+    att = lambda m: m.self_attn  # noqa: E731
+    out, caches = run(lay, torch.bfloat16, True, att)
+    out_w, caches_w = run(lay, torch.bfloat16, True, att, write=True)
+    assert torch.equal(out_w, out) and torch.equal(caches_w, caches) and not torch.equal(caches, kv.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("hidden,n", [(1024, 16), (1024, 256), (2048, 64)])
 def test_one_row_layer_is_as_accurate_as_the_eager_module(hidden, n):
     """One token of one row: the layer whose norms, SiLU gate and residual adds ride in its GEMVs (and, for short
@@ -129,6 +143,69 @@ def test_one_row_layer_is_as_accurate_as_the_eager_module(hidden, n):
     ref, ref_kv = run(exact, torch.float64, False)
     _no_less_accurate(fused_kv, eager_kv, ref_kv, f"hidden={hidden} n={n} caches")
     _no_less_accurate(fused, eager, ref, f"hidden={hidden} n={n} output")
+
+
+def _draw_float64(vals, idx, noise, temp, top_k, top_p):
+    """sample_topk's warps and race in float64 on its ranked values / indices [B, cap] -> (tokens [B], near [B]: rows
+    whose draw is within 1e-4 relative of another: the two best race scores, or a kept token's tail mass and the
+    fp32 threshold 1 - top_p). fp32 softmax over <= 64 terms is good to ~64 x 6e-8 = 4e-6 relative (the kernel's
+    exp: a few ulp more), so 1e-4 is 25 times what fp32 can move."""
+    cap = vals.shape[1]
+    r = torch.arange(cap)
+    x = (vals.double() / temp.double()[:, None]).masked_fill(r >= top_k[:, None], float("-inf"))
+    tail = x.softmax(-1).flip(-1).cumsum(-1).flip(-1)
+    thr = (1 - top_p).double()[:, None]  # computed in fp32 by both
+    kept = (r > 0) & (r < top_k[:, None])
+    near = (((tail - thr).abs() <= 1e-4 * thr) & kept).any(-1)
+    x = x.masked_fill((tail <= thr) & (r > 0), float("-inf"))
+    score = x.softmax(-1) / -noise.gather(1, idx).double().log()
+    best = score.topk(2, dim=-1).values
+    near |= best[:, 0] - best[:, 1] <= 1e-4 * best[:, 0]
+    return idx.gather(1, score.argmax(-1, keepdim=True))[:, 0], near
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("V", [2048, 3072])
+def test_sample_top_kernel_draws_as_sample_topk(V):
+    """The sampling kernel (sample_topk on CUDA, up to TOP_KERNEL_MAX_ROWS rows) against sample_topk's torch ops on
+    the CPU, on the code predictor's (2048) and the talker's (3072, its suppressed tail at -inf) logit widths: the
+    ranking is a stable sort's (bf16-valued logits tie often), greedy rows take the argmax, and every sampled token
+    is the float64 draw's except at near ties (_draw_float64), which stay rare."""
+    from q3tts import sampling
+    g = torch.Generator().manual_seed(V)
+    B, cap = 512, sampling.TOPK_CAP  # (any number of rows is drawn alike)
+    logits = (torch.randn(B, V, generator=g) * 3).bfloat16().float()
+    logits[: B // 2, 2048 + 1:] = float("-inf")  # the talker's suppressed codes (all but EOS)
+    noise = sampling.uniform_noise(torch.arange(B), torch.full((B,), 7), 2, V)
+    top_k = torch.randint(1, cap + 1, (B,), generator=g)
+    top_p = torch.rand(B, generator=g) * 0.9 + 0.1
+    temp = torch.rand(B, generator=g) + 0.3
+    do = torch.rand(B, generator=g) > 0.2
+    args = [t.cuda() for t in (logits, do, temp, top_k, top_p, noise)]
+    assert kernels.sample_top_applies(args[0][: kernels.TOP_KERNEL_MAX_ROWS], cap)
+    assert not kernels.sample_top_applies(args[0], cap)  # many rows: torch.topk's path
+    vals, nsel = torch.empty(2, B, cap, device="cuda")
+    idx = torch.empty(B, cap, device="cuda", dtype=torch.long)
+    kernels._top_rank[(B, V // kernels.TOP_RANK_ROWS)](args[0], args[5], vals, idx, nsel, V, CAP=cap,
+                                                       BI=kernels.TOP_RANK_ROWS, BJ=kernels.TOP_RANK_COLS, PDL=False)
+    ref_vals, ref_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
+    assert torch.equal(vals.cpu(), ref_vals[:, :cap]) and torch.equal(idx.cpu(), ref_idx[:, :cap])
+    assert torch.equal(nsel.cpu(), noise.gather(1, ref_idx[:, :cap]))
+    got = kernels.sample_top(*args, cap)
+    assert torch.equal(kernels.sample_top(args[0].bfloat16(), *args[1:], cap), got)  # bf16-valued logits
+    table = torch.randn(V, 1024, device="cuda", dtype=torch.bfloat16)
+    tokens, rows = kernels.sample_top(*args, cap, emb=table)  # with the next step's input looked up
+    assert torch.equal(tokens, got) and torch.equal(rows, table[tokens])
+    few = kernels.TOP_KERNEL_MAX_ROWS
+    assert torch.equal(sampling.sample_topk(*(a[:few] for a in args)), got[:few])  # what the engine runs
+    got = got.cpu()
+    assert torch.equal(got[~do], ref_idx[~do, 0])
+    exact, near = _draw_float64(ref_vals[:, :cap], ref_idx[:, :cap], noise, temp, top_k, top_p)
+    torch_ops = sampling.sample_topk(logits, do, temp, top_k, top_p, noise)  # the CPU: the torch ops
+    sure = do & ~near
+    assert near.sum() <= B // 20, f"{int(near.sum())} near ties of {B}: the check would say little"
+    assert torch.equal(got[sure], exact[sure]) and torch.equal(torch_ops[sure], exact[sure])
 
 
 @pytest.mark.gpu

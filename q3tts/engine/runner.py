@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..inputs.request import InputError
-from ..kernels import MAX_ROWS, linear
+from ..kernels import MAX_ROWS, gemv_ex, gemv_ex_applies, linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
 from ..sampling import TOPK_CAP, SamplingParams, frame_noise, sample, sample_topk, talker_logits_rules, uniform_noise
@@ -145,6 +145,13 @@ class ModelRunner:
         # (KV_SPARE as in the talker's cache: the steps attend all K positions, never a slice to the end)
         self.cp_kv = torch.zeros(cp.num_hidden_layers, 2, S, cp.num_key_value_heads, self.K + KV_SPARE, cp.head_dim,
                                  device=dev, dtype=dt)
+        # the step compiled whole (<= FUSED_CP_MAX_BATCH rows) has a cache of its own: per layer a k and a v tensor
+        # that alias nothing, which its attention kernel writes in place (AttnContext.write_kv_in_attention). (The
+        # batched steps keep views of the one tensor above: the compiled layer they share with the talker guards on
+        # how its inputs alias, and non-aliasing caches compiled it once more.)
+        self.cp_kv_whole = [tuple(torch.zeros(min(S, FUSED_CP_MAX_BATCH), cp.num_key_value_heads, self.K + KV_SPARE,
+                                              cp.head_dim, device=dev, dtype=dt) for _ in range(2))
+                            for _ in range(cp.num_hidden_layers)]
         self.tts_pad_embed = tts_pad_embed.to(dev, dt)  # [D]
         # per-slot state
         self.position = torch.zeros(S, dtype=torch.long, device=dev)  # next cache position
@@ -343,13 +350,14 @@ class ModelRunner:
     def _code_predictor(self, B: int, h: torch.Tensor, code0: torch.Tensor, capped: bool) -> torch.Tensor:
         """C2: h [B, D] talker hidden, code0 [B] -> codes 1..K-1 [B, K-1]."""
         cp, p, r = self.talker.code_predictor, self.params, slice(0, B)
-        # per layer a (k, v) pair of views: the step compiled whole then writes them in place (given the one
-        # [layers, 2, B, ...] view, torch.compile copied it whole for every write)
-        kv = [(self.cp_kv[i, 0, :B], self.cp_kv[i, 1, :B]) for i in range(self.cp_kv.shape[0])]
+        whole = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None
+        # per layer a (k, v) pair of views (given the one [layers, 2, B, ...] view, torch.compile copied it whole for
+        # every write); the step compiled whole has caches of its own
+        kv = ([(k[:B], v[:B]) for k, v in self.cp_kv_whole] if whole else
+              [(self.cp_kv[i, 0, :B], self.cp_kv[i, 1, :B]) for i in range(self.cp_kv.shape[0])])
         frame = self.num_generated[r] - 1  # this frame's index: noise differs per frame and codebook
         noise_all = frame_noise(self.seed[r], frame, cp.lm_head[0].out_features, 1, self.K - 1)  # [K-1, B, V]
         x = torch.stack([h, self.talker.model.codec_embedding(code0)], dim=1)  # [B, 2, D]
-        whole = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None
         step = self._cp_step_fused if whole else self._cp_step
         out = []
         for i in range(self.K - 1):
@@ -357,7 +365,7 @@ class ModelRunner:
             cos, sin, write_pos, mask = (t[:B] for t in self.cp_steps[i])
             code, x = step(x, cos, sin, kv, write_pos, mask, cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
                            p["subtalker_temperature"][r], p["subtalker_top_k"][r], p["subtalker_top_p"][r],
-                           noise_all[i], capped, self.device.type == "cuda" and (whole or i > 0))
+                           noise_all[i], capped, self.device.type == "cuda" and (whole or i > 0), whole)
             out.append(code)
         return torch.stack(out, dim=1)
 
@@ -382,16 +390,26 @@ class ModelRunner:
         return cos, sin, write_pos, mask
 
     def _cp_step(self, x, cos, sin, kv, write_pos, mask, head_w, emb_w, do_sample, temperature, top_k, top_p, noise,
-                 capped: bool, fused_attention: bool = False):
+                 capped: bool, fused_attention: bool = False, write_kv_in_attention: bool = False):
         """One code-predictor step: x [B, S, D_talker] (S = 2 at step 0, then 1) -> (code [B], next input
         codec_embedding[i](code) [B, 1, D_talker]). Under torch.compile as a whole (single stream), the norms,
         residuals, head and sampler fuse across layer boundaries. fused_attention (CUDA: the one-token steps, and the
-        step compiled whole) puts each layer's attention in one kernel (kernels.decode_attention)."""
-        ctx = AttnContext(write_pos, mask, fused_attention=fused_attention)
-        hid = self.talker.code_predictor(x, cos, sin, kv, ctx)[:, -1]  # [B, D_cp]
-        logits = linear(hid, head_w).float()
-        code = (self._sample_topk if capped else self._sample)(logits, do_sample, temperature, top_k, top_p, noise)
-        return code, F.embedding(code, emb_w)[:, None]
+        step compiled whole) puts each layer's attention in one kernel (kernels.decode_attention), which also writes
+        the caches with write_kv_in_attention (the step compiled whole)."""
+        ctx = AttnContext(write_pos, mask, fused_attention=fused_attention, write_kv_in_attention=write_kv_in_attention)
+        cp = self.talker.code_predictor
+        hid = cp(x, cos, sin, kv, ctx, normed=False)[:, -1]  # [B, D_cp] before the final norm
+        if gemv_ex_applies(hid, head_w):  # one row on a GPU: the norm rides in the head's kernel
+            logits = gemv_ex(hid, head_w, norm=cp.model.norm)
+        else:
+            logits = linear(cp.model.norm(hid), head_w)
+        # (logits in the head's dtype: the samplers compute in fp32, the CUDA one as it loads them)
+        if capped:
+            code, nxt = self._sample_topk(logits, do_sample, temperature, top_k, top_p, noise, emb=emb_w)
+        else:
+            code = self._sample(logits, do_sample, temperature, top_k, top_p, noise)
+            nxt = F.embedding(code, emb_w)
+        return code, nxt[:, None]
 
     def _frame(self, B: int, n: int, capped: bool = False) -> None:
         """One whole frame for rows [0, B), attending over n cache positions. Static shapes, no host sync.

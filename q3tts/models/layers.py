@@ -84,9 +84,13 @@ class Attention(nn.Module):
             qkv = linear(x, self.qkv_weight)
         if ctx.fused_attention and self.qkv_weight is not None and decode_attention_applies(x, k_cache, n):
             # one token per row on a GPU, a short span: one kernel from q|k|v to the attention output
-            out, kv_new = decode_attention(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, k_cache, v_cache,
-                                           ctx.write_pos, ctx.mask, H, self.q_norm.eps)  # kv_new [B, 1, 2, Hkv, Dh]
-            _write_kv(k_cache, v_cache, ctx.write_pos, kv_new[:, :, 0], kv_new[:, :, 1])
+            args = (qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, k_cache, v_cache, ctx.write_pos, ctx.mask,
+                    H, self.q_norm.eps)
+            if ctx.write_kv_in_attention:
+                out = decode_attention(*args, write=True)
+            else:
+                out, kv_new = decode_attention(*args)  # kv_new [B, 1, 2, Hkv, Dh]
+                _write_kv(k_cache, v_cache, ctx.write_pos, kv_new[:, :, 0], kv_new[:, :, 1])
             return self._project_out(out, residual)
         if self.qkv_weight is not None:
             q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
@@ -204,15 +208,19 @@ class AttnContext:
     # test on every call split each of the talker's variants in two (measured: 3 more compilations at start-up, 28 s
     # more of a warm start)
     fused_attention: bool = False
+    # with fused_attention: its kernel writes the new keys and values into the caches (no index_put kernels after
+    # it). Only for caches that alias neither each other nor the other layers' (kernels.decode_attention says why):
+    # the code predictor's, in its step compiled whole
+    write_kv_in_attention: bool = False
 
 
-def run_layers(layers: nn.ModuleList, norm: RMSNorm, x, cos, sin, kv, ctx: AttnContext):
+def run_layers(layers: nn.ModuleList, norm: RMSNorm | None, x, cos, sin, kv, ctx: AttnContext):
     """kv: this batch's rows of the engine's cache, [num_layers, 2, B, Hkv, Lmax, Dh] (a view) or per layer a
     (k, v) pair of [B, Hkv, Lmax, Dh] views; or the paged pool [num_layers, 2, num_blocks, Hkv, block_size, Dh]
-    with ctx.block_table. Returns the final-normed hidden."""
+    with ctx.block_table. Returns the final-normed hidden (norm None: the last layer's output)."""
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, kv[i][0], kv[i][1], ctx)
-    return norm(x)
+    return x if norm is None else norm(x)
 
 
 def fuse_projections(module: nn.Module) -> None:

@@ -67,10 +67,11 @@ class CodePredictor(nn.Module):
         self.small_to_mtp_projection = (nn.Linear(cfg.hidden_size, cp.hidden_size, bias=True)
                                         if cp.hidden_size != cfg.hidden_size else nn.Identity())
 
-    def forward(self, x, cos, sin, kv, ctx):
-        """x: [B, S, D_talker] (talker hidden or codec embeddings) -> hidden [B, S, D_cp]."""
+    def forward(self, x, cos, sin, kv, ctx, normed: bool = True):
+        """x: [B, S, D_talker] (talker hidden or codec embeddings) -> hidden [B, S, D_cp], final-normed unless not
+        normed (the caller then applies model.norm, e.g. inside the head's kernel)."""
         x = self.small_to_mtp_projection(x)
-        return run_layers(self.model.layers, self.model.norm, x, cos, sin, kv, ctx)
+        return run_layers(self.model.layers, self.model.norm if normed else None, x, cos, sin, kv, ctx)
 
 
 class Talker(nn.Module):
