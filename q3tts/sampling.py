@@ -121,10 +121,11 @@ def top_values(x: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The cap largest values of each row of x [B, V] and their indices, descending; equal values in index
     order (a stable sort's order, so the first is argmax's choice).
 
-    On CUDA, for a few rows, each token's rank (how many tokens go before it) is counted by comparing all pairs: V^2
-    comparisons in one fused reduction under torch.compile, cheaper than torch.topk's radix select for
-    decode-sized batches (H200, 2048 logits: 12.6 us vs 20.9 for one row, even at 4 rows). Larger batches use torch.topk (ties among equal values may then come in another
-    order)."""
+    On CUDA (sample_topk comes here only where kernels.sample_top does not serve: more than its rows, or the Triton
+    kernels off), for a few rows, each token's rank (how many tokens go before it) is counted by comparing all pairs:
+    V^2 comparisons in one fused reduction under torch.compile, cheaper than torch.topk's radix select for
+    decode-sized batches (H200, 2048 logits: 12.6 us vs 20.9 for one row, even at 4 rows). Larger batches use
+    torch.topk (ties among equal values may then come in another order)."""
     B, V = x.shape
     if not x.is_cuda:  # no ranking ([B, V, V]); one row of 3072 logits, 2 cores: a full stable sort 88 us, this 37
         vals, idx = x.topk(cap, dim=-1)

@@ -83,8 +83,9 @@ def test_capped_sampler_draws_the_same_token_as_the_full_one():
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_top_values_is_a_stable_descending_sort_prefix(rows):
-    """top_values (a stable sort on CPU) and _rank_top (what CUDA runs for <= 4 rows) both give a stable sort's
-    first values and indices: ties in index order, so the first index is argmax's; -inf entries rank last."""
+    """top_values (a stable sort on CPU) and _rank_top (CUDA's for <= 4 rows, the Triton kernels off) both give a
+    stable sort's first values and indices: ties in index order, so the first index is argmax's; -inf entries rank
+    last."""
     from q3tts.sampling import _rank_top, top_values
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 300, generator=g)
@@ -94,5 +95,5 @@ def test_top_values_is_a_stable_descending_sort_prefix(rows):
     ref_vals, ref_idx = torch.sort(x, dim=-1, descending=True, stable=True)
     assert torch.equal(vals, ref_vals[:, :64])
     assert torch.equal(idx, ref_idx[:, :64]) and idx[:, :2].tolist() == [[5, 7]] * rows  # CPU: the stable sort
-    rank_vals, rank_idx = _rank_top(x, 64)  # what CUDA runs for <= 4 rows
+    rank_vals, rank_idx = _rank_top(x, 64)  # CUDA's for <= 4 rows where kernels.sample_top does not serve
     assert torch.equal(rank_vals, vals) and torch.equal(rank_idx, idx)
