@@ -147,7 +147,10 @@ def test_page_speaks_the_live_protocol(stand_in, browser, artifacts):  # noqa: F
     WebDriverWait(d, 30).until(lambda d: by_id(d, "status").text.startswith("Live: sentence 3 done"))
     assert len(sent(log, "input.done")) == 3
 
-    # the server's error, as worded, on the status line
+    # the server's error, as worded, on the status line. The pause is made long first: when it ends the sentence,
+    # the stand-in's audio.done replaces the error on the status line, and a 0.5 s pause is one WebDriverWait poll.
+    by_id(d, "live-pause").clear()
+    by_id(d, "live-pause").send_keys("10")
     by_id(d, "live-text").send_keys("!")
     WebDriverWait(d, 30).until(lambda d: by_id(d, "status").text.startswith("Error"))
     assert by_id(d, "status").text == "Error: no exclamations, please"
