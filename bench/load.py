@@ -4,7 +4,8 @@
     python -m bench.load --url http://127.0.0.1:8000 --concurrency 1,4,16,64 --out bench/results/load.json
 
 For each concurrency C, C clients each send requests back to back (streaming pcm, so every byte is timed
-as it arrives) until `--requests` requests per client are done. Per request: time to first audio (first
+as it arrives; one aiohttp connection pool, made for many concurrent connections: httpx's, used before and
+kept as --client httpx, delayed requests on reused connections by up to seconds from 64 streams on) until `--requests` requests per client are done. Per request: time to first audio (first
 audio byte after the request was sent), audio seconds, real-time factor (wall time / audio seconds),
 and the playback buffer it needs: how far behind a player that started at the first byte the stream ever
 fell, i.e. how long a listener must buffer after the first byte to never stall (0 = playable at once).
@@ -27,7 +28,10 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
+import aiohttp
 import httpx
 
 SR = 24000
@@ -47,28 +51,50 @@ def summary(xs: list[float], scale: float = 1.0, digits: int = 4) -> dict:
             for k, v in (("p50", pct(xs, 50)), ("p95", pct(xs, 95)), ("max", max(xs) if xs else None))}
 
 
-async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+async def one_request(client: aiohttp.ClientSession | httpx.AsyncClient, body: dict) -> dict:
     t0 = time.perf_counter()
+    if isinstance(client, httpx.AsyncClient):
+        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+            return await timed_body(t0, r.status_code, r.headers, r.aiter_raw(), r.aread)
+    async with client.post("/v1/audio/speech", json=body) as r:
+        return await timed_body(t0, r.status, r.headers, r.content.iter_any(), r.read)
+
+
+async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[bytes], read) -> dict:
+    """One response's body read as it arrives -> the request's figures."""
+    if status != 200:
+        return {"error": f"{status}: {(await read())[:300].decode(errors='replace')}"}
     first = None
     nbytes = 0
     stall = 0.0
-    async with client.stream("POST", "/v1/audio/speech", json=body) as r:
-        if r.status_code != 200:
-            return {"error": f"{r.status_code}: {(await r.aread())[:300].decode(errors='replace')}"}
-        async for chunk in r.aiter_raw():
-            if not chunk:
-                continue
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:  # a player started at the first byte has played this much by now
-                stall = max(stall, (now - first) - nbytes / 2 / SR)
-            nbytes += len(chunk)
+    async for chunk in chunks:
+        if not chunk:
+            continue
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        else:  # a player started at the first byte has played this much by now
+            stall = max(stall, (now - first) - nbytes / 2 / SR)
+        nbytes += len(chunk)
     t1 = time.perf_counter()
     audio_s = nbytes / 2 / SR
     return {"ttfa_s": (first or t1) - t0, "wall_s": t1 - t0, "audio_s": audio_s,
             "rtf": (t1 - t0) / audio_s if audio_s else None, "buffer_s": max(stall, 0.0),
-            "replica": r.headers.get("x-q3tts-replica")}
+            "replica": headers.get("x-q3tts-replica")}
+
+
+@asynccontextmanager
+async def streaming_client(kind: str, url: str, concurrency: int, headers: dict):
+    """The clients' one connection pool: aiohttp's, or httpx's (--client httpx)."""
+    if kind == "httpx":
+        limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits,
+                                     headers=headers) as client:
+            yield client
+    else:
+        async with aiohttp.ClientSession(url, headers=headers, timeout=aiohttp.ClientTimeout(total=600),
+                                         connector=aiohttp.TCPConnector(limit=concurrency + 4)) as client:
+            yield client
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -94,11 +120,10 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 async def run_level(url: str, concurrency: int, requests_per_client: int, body: dict, headers: dict,
-                    server_metrics: bool = True) -> dict:
+                    server_metrics: bool = True, client_kind: str = "aiohttp") -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as c:
         before = scrape((await c.get("/metrics")).text) if server_metrics else {}
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits, headers=headers) as client:
+    async with streaming_client(client_kind, url, concurrency, headers) as client:
         results: list[dict] = []
 
         async def worker(w: int) -> None:
@@ -106,13 +131,14 @@ async def run_level(url: str, concurrency: int, requests_per_client: int, body: 
                 b = dict(body, seed=w * 1000 + i)
                 try:
                     results.append(await one_request(client, b))
-                except httpx.HTTPError as e:
+                except (httpx.HTTPError, aiohttp.ClientError, asyncio.TimeoutError) as e:
                     results.append({"error": f"{type(e).__name__}: {e}"})
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         wall = time.perf_counter() - t0
-        after = scrape((await client.get("/metrics")).text) if server_metrics else {}
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as c:
+        after = scrape((await c.get("/metrics")).text) if server_metrics else {}
     ok = [r for r in results if "error" not in r]
     audio = sum(r["audio_s"] for r in ok)
     rtfs = [r["rtf"] for r in ok if r["rtf"] is not None]
@@ -148,14 +174,14 @@ async def main_async(a) -> dict:
     if a.greedy:
         body.update(do_sample=False, subtalker_dosample=False)
     if a.warmup:
-        await run_level(a.url, 1, 1, dict(body, max_new_tokens=16), headers, a.server_metrics)
+        await run_level(a.url, 1, 1, dict(body, max_new_tokens=16), headers, a.server_metrics, a.client)
     levels = []
     for conc in a.concurrency:
         n = a.requests if a.requests else max(2, 64 // conc)
-        res = await run_level(a.url, conc, n, body, headers, a.server_metrics)
+        res = await run_level(a.url, conc, n, body, headers, a.server_metrics, a.client)
         print(json.dumps(res), file=sys.stderr, flush=True)
         levels.append(res)
-    return {"url": a.url, "model": model, "body": {k: v for k, v in body.items() if k != "input"},
+    return {"url": a.url, "client": a.client, "model": model, "body": {k: v for k, v in body.items() if k != "input"},
             "text_chars": len(a.text), "levels": levels}
 
 
@@ -173,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--no-server-metrics", dest="server_metrics", action="store_false",
                     help="skip /metrics deltas (behind Ray Serve each scrape reaches one replica of several)")
+    ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the streaming clients' HTTP library; httpx was the load generator's until 2026-11-24, and "
+                         "from 64 streams on its pool, not the server, delayed requests by seconds (BENCHMARKS.md)")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     a = ap.parse_args(argv)
     result = asyncio.run(main_async(a))

@@ -69,9 +69,13 @@ def start_server(variant: str, voice_dir, **settings) -> LiveServer:
     tts = TTS.from_pretrained(fx.checkpoint(variant), device="cpu", dtype=torch.float32, max_seq_len=256)
     opts = {"max_concurrent": 4, "max_seq_len": 256, "voice_dir": str(voice_dir)}
     opts.update(settings)
-    app = create_app(tts, ServerSettings(model=f"tiny-{variant}", **opts))
+    return serve(create_app(tts, ServerSettings(model=f"tiny-{variant}", **opts)), f"uvicorn-{variant}")
+
+
+def serve(app, name: str = "uvicorn") -> LiveServer:
+    """Serve a q3tts app on a free port of 127.0.0.1 from a thread, once ready."""
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{variant}", daemon=True)
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()
     deadline = time.time() + 60
     while not server.started:

@@ -1,0 +1,102 @@
+"""The server's HTTP side under many streams, on any machine: `q3tts serve` with the model's work replaced by time.
+
+    python -m bench.paced_server --port 8000 --slots 256 --decode-ms 6.8 --vocode-ms 4.0 --prefill-ms 5 &
+    python -m bench.load --url http://127.0.0.1:8000 --concurrency 64,128,256 --max-new-tokens 126
+
+Everything from the socket to the engine's step is the real code: uvicorn, the middleware, validation, the text
+processor, AsyncEngine, the Engine's scheduling, prompt embedding (a tiny random model on the CPU), chunking and
+encoding. Only the device's work becomes a wait that releases the GIL, as a wait for the GPU does: each frame
+(decode-ms, every step with a running row), each admission's prefill (prefill-ms) and each step's vocoding
+(vocode-ms, when a chunk is due); the frames are code 1 (never EOS) and the audio silence. Given the step times
+measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
+HTTP side or the client is the limit, without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.golden: the tiny checkpoint's recipe
+
+
+class PacedRunner:
+    """The engine's ModelRunner with prefill and frame as GIL-free waits; the rest (slots, prompts) is the real one."""
+
+    def __init__(self, runner, prefill_s: float, decode_s: float):
+        self._runner, self.prefill_s, self.decode_s = runner, prefill_s, decode_s
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def prefill_batch(self, lo, prefills, trailings, params) -> list[int]:
+        time.sleep(self.prefill_s)
+        return [1] * len(prefills)
+
+    def decode_frame(self, B: int, active: list[bool]):
+        from q3tts.engine.scheduler import FrameResult
+        time.sleep(self.decode_s)
+        return FrameResult(torch.ones(B, self._runner.K, dtype=torch.long), [1] * B)
+
+
+class PacedVocoder:
+    """The StreamingVocoder with decoding as a GIL-free wait that returns silence; rows are the real ones'."""
+
+    def __init__(self, vocoder, vocode_s: float):
+        self._vocoder, self.vocode_s = vocoder, vocode_s
+
+    def __getattr__(self, name):
+        return getattr(self._vocoder, name)
+
+    def decode(self, work) -> list[np.ndarray]:
+        if work:
+            time.sleep(self.vocode_s)
+        return [np.zeros(codes.shape[0] * 1920, dtype=np.float32) for _, codes in work]
+
+
+def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0):
+    """The server's app on the tiny random CustomVoice checkpoint of the tests, its device work paced."""
+    from q3tts import TTS
+    from q3tts.server.app import create_app
+    from q3tts.server.settings import ServerSettings
+    from tests.golden import fixtures
+
+    tts = TTS.from_pretrained(fixtures.checkpoint("cv06"), device="cpu", dtype=torch.float32, max_seq_len=512)
+    app = create_app(tts, ServerSettings(model="paced", max_concurrent=slots, max_queue=4 * slots, max_seq_len=512,
+                                         voice_dir=tempfile.mkdtemp(prefix="q3tts-paced-")))
+    engine = app.state.engine.engine  # its thread waits for work: no step runs before the first request
+    engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000)
+    engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--slots", type=int, default=256, help="--max-concurrent of the server")
+    ap.add_argument("--decode-ms", type=float, default=6.8, help="one frame for all running rows")
+    ap.add_argument("--vocode-ms", type=float, default=4.0, help="a step's vocoding, when some chunk is due")
+    ap.add_argument("--prefill-ms", type=float, default=5.0, help="a step's prefill of its newcomers (one batch)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the server process (Python's default 5 ms)")
+    a = ap.parse_args(argv)
+    if a.switch_interval_ms:
+        sys.setswitchinterval(a.switch_interval_ms / 1000)
+    import uvicorn
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO)
+    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, a.prefill_ms)
+    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
