@@ -145,13 +145,6 @@ class ModelRunner:
         # (KV_SPARE as in the talker's cache: the steps attend all K positions, never a slice to the end)
         self.cp_kv = torch.zeros(cp.num_hidden_layers, 2, S, cp.num_key_value_heads, self.K + KV_SPARE, cp.head_dim,
                                  device=dev, dtype=dt)
-        # the step compiled whole (<= FUSED_CP_MAX_BATCH rows) has a cache of its own: per layer a k and a v tensor
-        # that alias nothing, which its attention kernel writes in place (AttnContext.write_kv_in_attention). (The
-        # batched steps keep views of the one tensor above: the compiled layer they share with the talker guards on
-        # how its inputs alias, and non-aliasing caches compiled it once more.)
-        self.cp_kv_whole = [tuple(torch.zeros(min(S, FUSED_CP_MAX_BATCH), cp.num_key_value_heads, self.K + KV_SPARE,
-                                              cp.head_dim, device=dev, dtype=dt) for _ in range(2))
-                            for _ in range(cp.num_hidden_layers)]
         self.tts_pad_embed = tts_pad_embed.to(dev, dt)  # [D]
         # per-slot state
         self.position = torch.zeros(S, dtype=torch.long, device=dev)  # next cache position
@@ -206,6 +199,13 @@ class ModelRunner:
                 torch.compile(f, dynamic=True) for f in (sample, sample_topk, talker_logits_rules))
             # static shapes: 2 step shapes x 2 samplers per batch size up to FUSED_CP_MAX_BATCH
             self._cp_step_fused = torch.compile(self._cp_step, dynamic=False, fullgraph=True)
+            # The step compiled whole has a cache of its own: per layer a k and a v tensor that alias nothing, which its
+            # attention kernel writes in place (AttnContext.write_kv_in_attention). (The batched steps keep views of
+            # cp_kv: the compiled layer they share with the talker guards on how its inputs alias, and non-aliasing
+            # caches compiled it once more.) Under 1 MB, inside memory.NON_TORCH_RESERVE's margin.
+            self.cp_kv_whole = [tuple(torch.zeros(min(S, FUSED_CP_MAX_BATCH), cp.num_key_value_heads,
+                                                  self.K + KV_SPARE, cp.head_dim, device=dev, dtype=dt)
+                                      for _ in range(2)) for _ in range(cp.num_hidden_layers)]
 
     # ------------------------------------------------------------------ slots
     def _state_tensors(self):
