@@ -5,8 +5,9 @@
 
 For each concurrency C, C clients each send requests back to back (streaming pcm, so every byte is timed
 as it arrives; one aiohttp connection pool, made for many concurrent connections: httpx's, used before and
-kept as --client httpx, delayed requests on reused connections by up to seconds from 64 streams on) until `--requests` requests per client are done. Per request: time to first audio (first
-audio byte after the request was sent), audio seconds, real-time factor (wall time / audio seconds),
+kept as --client httpx, delayed requests on reused connections by up to seconds from 64 streams on) until
+`--requests` requests per client are done. Per request: time to first audio (first audio byte after the
+request was sent), audio seconds, real-time factor (wall time / audio seconds),
 and the playback buffer it needs: how far behind a player that started at the first byte the stream ever
 fell, i.e. how long a listener must buffer after the first byte to never stall (0 = playable at once).
 Per level: aggregate audio seconds per wall second, p50/p95/max of each.

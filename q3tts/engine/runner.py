@@ -45,6 +45,12 @@ FUSED_CP_MAX_BATCH = 1  # the code-predictor step compiled whole: measured faste
 # Python, the 28 compiled layers' ~450 kernels took 13.6 ms for a 43-token prompt on an H100, most of the time to
 # first audio (25.7 ms); a graph launches them at once
 PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256)
+# Up to this many requests admitted in one step replay their prefill graphs one after another rather than run one
+# batched forward launched from Python. From the seventh session's H100 figures: a replay took ~1.8 ms for a
+# 43-token prompt (first audio 25.9 -> 14.1 ms when it replaced a 13.6 ms launch), while the batched forward is
+# launch-bound: 13.4 ms for 16 such prompts. Four replays (~7 ms) stay well under one batched forward; from about
+# seven on they would not. Not timed as such yet.
+PREFILL_GRAPH_MAX_REQUESTS = 4
 log = logging.getLogger("q3tts.engine")
 
 
@@ -262,12 +268,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill_batch(self, lo: int, prefills: list[torch.Tensor], trailings: list[torch.Tensor],
-                      params: list[SamplingParams]) -> list[int]:
-        """Admit N requests into rows [lo, lo+N) with one talker forward; returns their code 0 of frame 0.
-        prefills: N x [L_i, D] prompt embeddings, trailings: N x [S_i, D]; each passed check_prompt."""
+                      params: list[SamplingParams], graphs: bool = True) -> list[int]:
+        """Admit N requests into rows [lo, lo+N); returns their code 0 of frame 0.
+        prefills: N x [L_i, D] prompt embeddings, trailings: N x [S_i, D]; each passed check_prompt.
+        Up to PREFILL_GRAPH_MAX_REQUESTS prompts that each have a captured prefill graph (their bucket's) replay it
+        one after another, each exactly as alone; else one talker forward prefills them all (graphs=False: always,
+        for the warm-up of its compiled variants)."""
         N, D = len(prefills), self.cfg.hidden_size
         lens = [p.shape[0] for p in prefills]
-        L = self.prefill_len(N, max(lens))
+        buckets = [self.prefill_len(1, n) for n in lens]
+        replays = ([self.prefill_graphs.get(b) for b in buckets]
+                   if graphs and N <= PREFILL_GRAPH_MAX_REQUESTS and self.prefill_graphs else [None])
+        replays = replays if all(g is not None for g in replays) else None
+        L = max(buckets) if replays else self.prefill_len(N, max(lens))
         r = slice(lo, lo + N)
         fits = lambda sample, k: not sample or 1 <= k <= TOPK_CAP  # noqa: E731
         x = torch.zeros(N, L, D, device=self.device, dtype=self.dtype)  # right-padded with zeros
@@ -284,13 +297,14 @@ class ModelRunner:
         self.seen[r] = False
         self.num_generated[r] = 0
         last = torch.tensor(lens, device=self.device)
-        graph = self.prefill_graphs.get(L) if N == 1 else None
-        if graph is not None:  # one request: its bucket's captured forward into the scratch cache, then its row's
-            self.prefill_in[:, :L] = x
-            self.prefill_last.copy_(last - 1)
-            graph.replay()
-            self.kv[:, :, lo, :, :L] = self.prefill_kv[:, :, 0, :, :L]
-            h = self.prefill_h
+        if replays:  # each its bucket's captured forward into the scratch cache, then copied into its row
+            h = torch.empty(N, D, device=self.device, dtype=self.dtype)
+            for i, (graph, b) in enumerate(zip(replays, buckets)):
+                self.prefill_in[:, :b] = x[i, :b]
+                self.prefill_last.copy_(last[i:i + 1] - 1)
+                graph.replay()
+                self.kv[:, :, lo + i, :, :b] = self.prefill_kv[:, :, 0, :, :b]
+                h[i] = self.prefill_h[0]
         else:
             kv = self.kv if self.block_table is not None else self.kv[:, :, r]
             table = None if self.block_table is None else self.block_table[r]
@@ -542,7 +556,8 @@ class ModelRunner:
         for n in (1, 2)[: self.num_rows]:
             for L in (8, 5 * MAX_ROWS):
                 self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)] * n,
-                                   [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n, [SamplingParams()] * n)
+                                   [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n,
+                                   [SamplingParams()] * n, graphs=n == 1)  # 2 rows: the batched forward
         torch.cuda.synchronize()
         for t in self._state_tensors():  # the warm-ups wrote garbage into free rows
             t.zero_()

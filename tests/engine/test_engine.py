@@ -1,6 +1,8 @@
 """Engine equivalences on CPU fp32: batched == alone (sampling too, batched prefill too), streamed == offline,
 cancellation, a failing request in a batch."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -80,6 +82,68 @@ def test_prefill_batch_equals_single_prefills(variant):
         L = pre.shape[0]
         assert batched.position_cpu[i] == L and int(batched.position[i]) == L
         assert torch.equal(single.kv[:, :, 0, :, :L], batched.kv[:, :, i, :, :L])
+
+
+class ScratchReplay:
+    """A CPU stand-in for a captured prefill graph of padded length L: replay() runs what capture_graphs records."""
+
+    def __init__(self, runner, L: int):
+        self.runner, self.L, self.replays = runner, L, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.runner._prefill_into_scratch(self.L)
+
+
+def with_prefill_replays(runner, monkeypatch):
+    """Give a CPU runner what capture_graphs gives a CUDA one for prefills: the scratch buffers, one replay per
+    bucket, and one prompt padded to its bucket."""
+    from q3tts.engine.runner import PREFILL_GRAPH_LENS
+    lens = [b for b in PREFILL_GRAPH_LENS if b <= runner.max_len]
+    cfg, D, dt = runner.cfg, runner.cfg.hidden_size, runner.dtype
+    with torch.inference_mode():
+        runner.prefill_in, runner.prefill_h = torch.zeros(1, lens[-1], D, dtype=dt), torch.zeros(1, D, dtype=dt)
+        runner.prefill_last = torch.zeros(1, dtype=torch.long)
+    runner.prefill_kv = torch.zeros(cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, lens[-1] + 2, cfg.head_dim,
+                                    dtype=dt)
+    runner.prefill_graphs = {b: ScratchReplay(runner, b) for b in lens}
+    monkeypatch.setattr(runner, "prefill_len", lambda N, L: next((b for b in lens if L <= b), L) if N == 1 else L)
+    return runner
+
+
+def test_a_few_admitted_together_replay_their_prefill_graphs_each_as_alone(monkeypatch):
+    """Up to PREFILL_GRAPH_MAX_REQUESTS requests admitted in one step replay their bucket's prefill graph one after
+    another (CPU stand-ins here): code 0, the last hidden, the KV rows, positions and per-row state are bit-identical
+    to each request's prefill alone. More requests, or graphs=False, take the one batched forward."""
+    from q3tts.engine.runner import PREFILL_GRAPH_MAX_REQUESTS
+    tts, ps = prepared_lengths("cv06")
+    assert len(ps) == PREFILL_GRAPH_MAX_REQUESTS
+    with torch.inference_mode():
+        embeds = [embed_prompt(tts.ckpt.talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
+    pre, trail, params = [e[0] for e in embeds], [e[1] for e in embeds], [p.params for p in ps]
+    runner = with_prefill_replays(Engine(tts.ckpt, max_slots=8, max_seq_len=256).runner, monkeypatch)
+    codes0 = runner.prefill_batch(1, pre, trail, params)  # rows 1..4
+    replayed = {b: g.replays for b, g in runner.prefill_graphs.items() if g.replays}
+    assert replayed == Counter(min(b for b in runner.prefill_graphs if b >= x.shape[0]) for x in pre), replayed
+    for i, p in enumerate(ps):
+        single = with_prefill_replays(Engine(tts.ckpt, max_slots=1, max_seq_len=256).runner, monkeypatch)
+        assert single.prefill_batch(0, pre[i:i + 1], trail[i:i + 1], params[i:i + 1]) == [codes0[i]]
+        L, S = pre[i].shape[0], trail[i].shape[0]
+        assert torch.equal(single.last_hidden[0], runner.last_hidden[1 + i])
+        assert torch.equal(single.kv[:, :, 0, :, :L], runner.kv[:, :, 1 + i, :, :L])
+        assert runner.position_cpu[1 + i] == L and int(runner.position[1 + i]) == L
+        assert torch.equal(single.trailing[0, :S], runner.trailing[1 + i, :S]) and int(runner.trailing_len[1 + i]) == S
+        for name, t in runner.params.items():
+            assert t[1 + i] == single.params[name][0], name
+        assert runner.seed[1 + i] == single.seed[0] and runner.topk_ok_cpu[1 + i] == single.topk_ok_cpu[0]
+    # one more than PREFILL_GRAPH_MAX_REQUESTS, or graphs=False: one batched forward, no replay
+    five = (pre + pre[:1], trail + trail[:1], params + params[:1])
+    for args, kw in ((five, {}), ((pre, trail, params), {"graphs": False})):
+        for g in runner.prefill_graphs.values():
+            g.replays = 0
+        runner.prefill_batch(0, *args, **kw)
+        assert not any(g.replays for g in runner.prefill_graphs.values())
+        assert runner.last_code0[:4].tolist() == codes0  # (CPU: the batched forward is bit-identical too)
 
 
 def test_a_too_long_request_is_refused_and_the_others_run_as_alone():
