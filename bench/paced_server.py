@@ -36,7 +36,7 @@ class PacedRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
-    def prefill_batch(self, lo, prefills, trailings, params) -> list[int]:
+    def prefill_batch(self, lo, prefills, trailings, params, graphs: bool = True) -> list[int]:
         time.sleep(self.prefill_s)
         return [1] * len(prefills)
 
