@@ -182,17 +182,8 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded prompt length -> graph (capture_graphs)
         self.compiled_while_capturing = 0  # graphs Inductor produced during capture_graphs' captures (should be 0)
-        if self.use_graphs and block_size is None:  # their static inputs and outputs, and a scratch cache of one
-            # row (~30 MB for the real models) that the graphs write, copied into the admitted row afterwards.
-            # The input an inference tensor and the cache not, as an eager prefill's: the compiled layers guard on
-            # their inputs' dispatch keys (measured: 3 more compilations at start-up otherwise)
-            Lp = max(b for b in PREFILL_GRAPH_LENS if b <= self.max_len)
-            with torch.inference_mode():
-                self.prefill_in = torch.zeros(1, Lp, D, device=dev, dtype=dt)
-                self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
-                self.prefill_h = torch.zeros(1, D, device=dev, dtype=dt)
-            self.prefill_kv = torch.zeros(cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, Lp + KV_SPARE,
-                                          cfg.head_dim, device=dev, dtype=dt)
+        if self.use_graphs and block_size is None:
+            self.alloc_prefill_scratch()
         self._pool = None
         self._sample, self._sample_topk, self._rules = sample, sample_topk, talker_logits_rules
         self._cp_step_fused = None
@@ -494,6 +485,20 @@ class ModelRunner:
             lens.append(n)
             n *= 2
         return [(B, n, c) for B in self.batch_buckets for n in lens for c in (True, False)]
+
+    def alloc_prefill_scratch(self) -> None:
+        """The prefill graphs' static input and outputs, and a scratch cache of one row (~30 MB for the real models)
+        that they write, copied into the admitted row afterwards. The input an inference tensor and the cache not, as
+        an eager prefill's: the compiled layers guard on their inputs' dispatch keys (measured: 3 more compilations
+        at start-up otherwise)."""
+        cfg, D, dev, dt = self.cfg, self.cfg.hidden_size, self.device, self.dtype
+        Lp = max(b for b in PREFILL_GRAPH_LENS if b <= self.max_len)
+        with torch.inference_mode():
+            self.prefill_in = torch.zeros(1, Lp, D, device=dev, dtype=dt)
+            self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
+            self.prefill_h = torch.zeros(1, D, device=dev, dtype=dt)
+        self.prefill_kv = torch.zeros(cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, Lp + KV_SPARE,
+                                      cfg.head_dim, device=dev, dtype=dt)
 
     def _prefill_into_scratch(self, L: int) -> None:
         """One request's prefill at padded length L from the static input into the scratch cache (a prefill graph)."""

@@ -100,12 +100,7 @@ def with_prefill_replays(runner, monkeypatch):
     bucket, and one prompt padded to its bucket."""
     from q3tts.engine.runner import PREFILL_GRAPH_LENS
     lens = [b for b in PREFILL_GRAPH_LENS if b <= runner.max_len]
-    cfg, D, dt = runner.cfg, runner.cfg.hidden_size, runner.dtype
-    with torch.inference_mode():
-        runner.prefill_in, runner.prefill_h = torch.zeros(1, lens[-1], D, dtype=dt), torch.zeros(1, D, dtype=dt)
-        runner.prefill_last = torch.zeros(1, dtype=torch.long)
-    runner.prefill_kv = torch.zeros(cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, lens[-1] + 2, cfg.head_dim,
-                                    dtype=dt)
+    runner.alloc_prefill_scratch()
     runner.prefill_graphs = {b: ScratchReplay(runner, b) for b in lens}
     monkeypatch.setattr(runner, "prefill_len", lambda N, L: next((b for b in lens if L <= b), L) if N == 1 else L)
     return runner
