@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from bench import load
-from bench.paced_server import paced_app
-from tests.server.live import SPF, SR, serve
-
 pytest.importorskip("aiohttp")
+
+from bench import load  # noqa: E402
+from bench.paced_server import paced_app  # noqa: E402
+from tests.server.live import SPF, SR, serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
