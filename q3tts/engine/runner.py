@@ -268,9 +268,9 @@ class ModelRunner:
         N, D = len(prefills), self.cfg.hidden_size
         lens = [p.shape[0] for p in prefills]
         buckets = [self.prefill_len(1, n) for n in lens]
-        replays = ([self.prefill_graphs.get(b) for b in buckets]
-                   if graphs and N <= PREFILL_GRAPH_MAX_REQUESTS and self.prefill_graphs else [None])
-        replays = replays if all(g is not None for g in replays) else None
+        one_by_one = graphs and N <= PREFILL_GRAPH_MAX_REQUESTS
+        replays = [self.prefill_graphs.get(b) for b in buckets] if one_by_one else [None]
+        replays = None if None in replays else replays
         L = max(buckets) if replays else self.prefill_len(N, max(lens))
         r = slice(lo, lo + N)
         fits = lambda sample, k: not sample or 1 <= k <= TOPK_CAP  # noqa: E731
