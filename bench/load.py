@@ -5,7 +5,7 @@
 
 For each concurrency C, C clients each send requests back to back (streaming pcm, so every byte is timed
 as it arrives; one aiohttp connection pool, made for many concurrent connections: httpx's, used before and
-kept as --client httpx, delayed requests on reused connections by up to seconds from 64 streams on) until
+kept as --client httpx, delayed requests by up to seconds from 64 streams on) until
 `--requests` requests per client are done. Per request: time to first audio (first audio byte after the
 request was sent), audio seconds, real-time factor (wall time / audio seconds),
 and the playback buffer it needs: how far behind a player that started at the first byte the stream ever
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip /metrics deltas (behind Ray Serve each scrape reaches one replica of several)")
     ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                     help="the streaming clients' HTTP library; httpx was the load generator's until 2026-11-24, and "
-                         "from 64 streams on its pool, not the server, delayed requests by seconds (BENCHMARKS.md)")
+                         "from 64 streams on it, not the server, delayed requests by seconds (BENCHMARKS.md)")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     a = ap.parse_args(argv)
     result = asyncio.run(main_async(a))
