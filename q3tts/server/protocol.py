@@ -78,9 +78,35 @@ class SpeechRequest(SpeechOptions):
 
 
 class SessionConfig(SpeechOptions):
-    """The WebSocket's session.config message: how the session's next utterances are spoken (PCM s16le)."""
+    """The WebSocket's session.config message: how the session's next utterances are spoken (PCM s16le).
+
+    Besides the /v1/audio/speech fields, vLLM-Omni's streaming fields (LiveKit's Qwen3-TTS client sends them);
+    the values this server cannot honour are refused by session.SpeechSession with a message naming them."""
 
     type: Literal["session.config"]
+    task_type: str | None = Field(None, max_length=32, description="CustomVoice | VoiceDesign | Base: must be the "
+                                                                   "served model's")
+    response_format: str | None = Field(None, max_length=16, description="pcm (the only format of the socket)")
+    stream_audio: bool = Field(True, description="False: each utterance's audio in one binary message")
+    speed: float | None = Field(None, description="1.0 (the socket streams at the native tempo)")
+    initial_codec_chunk_frames: int | None = Field(None, ge=1, le=64, description="Frames (80 ms) in the first "
+                                                   "audio chunk of each utterance")
+    split_granularity: str | None = Field(None, max_length=16, description="none: each flush is one utterance")
+    timestamp_type: str | None = Field(None, max_length=16, description="word timestamps (not available yet)")
+    timestamp_transport_strategy: str | None = Field(None, max_length=16)
+
+
+class VoiceAddMessage(BaseModel):
+    """The WebSocket's voice.add message (vLLM-Omni's): clone a reference clip into the voice store (Base)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["voice.add"]
+    name: str = Field(min_length=1, max_length=64)
+    audio_data: str = Field(min_length=1, description="The reference clip as base64 or a data URL")
+    audio_format: str | None = Field(None, max_length=16, description="Accepted; the clip's own header is read")
+    ref_text: str | None = Field(None, max_length=4096)
+    consent: str | None = Field(None, max_length=256, description="Accepted, recorded nowhere")
+    x_vector_only_mode: bool = False
 
 
 class CreateVoiceRequest(BaseModel):
@@ -91,7 +117,30 @@ class CreateVoiceRequest(BaseModel):
     audio_sample: str = Field(min_length=1, description="The reference clip as base64 or a data URL")
     ref_text: str | None = Field(None, max_length=4096, description="Transcript of the clip (needed for ICL)")
     x_vector_only_mode: bool = False
-    consent: str | None = None  # accepted for OpenAI compatibility, not used
+    consent: str | None = None  # a consent id (POST /v1/audio/voice_consents) or any string: recorded nowhere
+    type: Literal["audio_sample"] = "audio_sample"  # OpenAI's; its "prompt" voices are Live-only there
+
+
+class VoiceConsent(BaseModel):
+    """OpenAI's consent recording object (POST /v1/audio/voice_consents)."""
+
+    id: str
+    object: Literal["audio.voice_consent"] = "audio.voice_consent"
+    name: str
+    language: str
+    created_at: int
+
+
+class VoiceConsentList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[VoiceConsent]
+    has_more: bool = False
+
+
+class VoiceConsentDeleted(BaseModel):
+    id: str
+    object: Literal["audio.voice_consent"] = "audio.voice_consent"  # (sic: OpenAI's deleted consent object)
+    deleted: bool = True
 
 
 class VoiceObject(BaseModel):

@@ -17,10 +17,11 @@ import logging
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from q3tts.engine.async_engine import AsyncEngine
+from q3tts.engine.async_engine import AsyncEngine, RequestHandle
 from q3tts.engine.compile_cache import compile_counts, describe_counts
 from q3tts.engine.engine import AudioChunk
 from q3tts.engine.request import StreamOptions
@@ -51,7 +52,7 @@ class SpeechStream:
 
 @dataclass(slots=True)
 class Run:
-    """One generation's bookkeeping for metrics and usage."""
+    """One generation's bookkeeping for metrics and usage (HTTP and WebSocket alike: SpeechServing.stream)."""
 
     request_id: str
     fmt: str
@@ -59,9 +60,32 @@ class Run:
     input_tokens: int
     frames: int = 0
     first_audio: float | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # the engine's: "stop" | "length" | "abort" | "error"
     outcome: str = "cancelled"  # until it completes or fails
     errors: list[str] = field(default_factory=list)
+
+    def record(self, chunk: AudioChunk) -> None:
+        """One chunk's frames and, for the first audible one, the time; the last one sets the outcome."""
+        if chunk.num_frames and self.first_audio is None:
+            self.first_audio = time.perf_counter()
+        self.frames += chunk.num_frames
+        if chunk.is_last:
+            self.finish_reason = chunk.finish_reason
+            if chunk.error:
+                self.errors.append(chunk.error)
+            self.outcome = {"abort": "cancelled", "error": "failed"}.get(chunk.finish_reason, "completed")
+
+    def fail(self, e: BaseException) -> None:
+        self.outcome = "failed"
+        self.errors.append(f"{type(e).__name__}: {e}")
+
+
+@dataclass(slots=True, eq=False)
+class Generation:
+    """A submitted request: its bookkeeping and its engine handle."""
+
+    run: Run
+    handle: RequestHandle
 
 
 class SpeechServing:
@@ -70,6 +94,7 @@ class SpeechServing:
         self.model_type = tts.cfg.tts_model_type
         self.ready = False
         self.warmup_error: str | None = None
+        self.ws_clients: Counter[str] = Counter()  # client address -> its WebSocket utterances in flight
 
     # ------------------------------------------------------------------ request -> PreparedRequest
     async def prepare(self, req: SpeechOptions, text: str | None) -> PreparedRequest:
@@ -83,10 +108,11 @@ class SpeechServing:
         if nsm is not None:
             kw["non_streaming_mode"] = nsm
         instructions = (req.instructions or "").strip() or None
+        voice_name = self.voices.resolve(req.voice_name)  # OpenAI's names through --voice-alias / the defaults
         proc = self.tts.processor
         try:
             if self.model_type == "custom_voice":
-                return proc.custom_voice(text, req.voice_name, req.language, instructions, **kw)[0]
+                return proc.custom_voice(text, voice_name, req.language, instructions, **kw)[0]
             if self.model_type == "voice_design":
                 if instructions is None:
                     raise ApiError(400, "instructions is required: this server runs a VoiceDesign model, which makes "
@@ -97,8 +123,8 @@ class SpeechServing:
             def voice():  # the processor calls it once the language has passed: a bad one is answered before cloning
                 if req.ref_audio:
                     return [self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)]
-                if req.voice_name:
-                    return [self.voices.prompt_item(req.voice_name, req.x_vector_only_mode)]
+                if voice_name:
+                    return [self.voices.prompt_item(voice_name, req.x_vector_only_mode)]
                 raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
@@ -109,7 +135,41 @@ class SpeechServing:
             msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)
             raise ApiError(400, msg, param=field, code=e.code) from None
 
-    # ------------------------------------------------------------------ generation
+    # ------------------------------------------------------------------ the one submit path
+    def submit(self, prepared: PreparedRequest, fmt: str, prefix: str, arrival: float,
+               stream: StreamOptions | None = None) -> Generation:
+        """Queue a prepared request in the engine (HTTP and WebSocket alike). Raises ApiError: 503 + Retry-After
+        when the engine's queue is full, 400 when the engine refuses it (the prompt does not fit --max-seq-len)."""
+        s = self.settings
+        layout = prepared.layout
+        run = Run(f"{prefix}-{uuid.uuid4().hex[:16]}", fmt, arrival, len(layout) if layout is not None else 0)
+        try:
+            handle = self.engine.submit(prepared, stream or StreamOptions(s.first_chunk_frames, s.chunk_frames),
+                                        request_id=run.request_id, arrival_time=arrival)
+        except QueueFullError as e:
+            raise ApiError(503, str(e), type="server_busy", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except InputError as e:
+            raise ApiError(400, str(e), param="input", code=e.code) from e
+        return Generation(run, handle)
+
+    async def stream(self, gen: Generation) -> AsyncIterator[AudioChunk]:
+        """The generation's chunks, each recorded in its Run, which is booked when the stream ends: at the last
+        chunk, on an engine failure (raised), or when the consumer closes it early (the request is aborted and
+        its slot is free at the next step)."""
+        run = gen.run
+        try:
+            async for chunk in gen.handle.chunks():
+                run.record(chunk)
+                yield chunk
+        except Exception as e:
+            run.fail(e)
+            raise
+        finally:
+            gen.handle.close()
+            self.book(run)
+
+    # ------------------------------------------------------------------ HTTP generation
     async def create_speech(self, req: SpeechRequest) -> SpeechStream:
         """Validate, queue, wait for the first chunk, then hand back the byte stream.
 
@@ -118,58 +178,48 @@ class SpeechServing:
         arrival = time.perf_counter()
         prepared = await self.prepare(req, req.input)
         enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
-        run = Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
-        chunks = self.engine.generate(prepared, StreamOptions(self.settings.first_chunk_frames,
-                                                              self.settings.chunk_frames),
-                                      request_id=run.request_id, arrival_time=arrival)
+        try:
+            gen = self.submit(prepared, req.response_format, "speech", arrival)
+        except BaseException:
+            enc.close()
+            raise
+        chunks = self.stream(gen)
         try:
             first = await chunks.__anext__()
         except BaseException as e:  # no response: release the encoder and the request
             enc.close()
             await chunks.aclose()
-            if isinstance(e, QueueFullError):
-                raise ApiError(503, str(e), type="server_busy", code="queue_full",
-                               headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-            if isinstance(e, InputError):  # the engine refused it (the prompt does not fit --max-seq-len): the client's
-                raise ApiError(400, str(e), param="input", code=e.code) from e
             if isinstance(e, Exception):  # an engine step failed while it held this request: ours, not the client's
                 raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
                                code="engine_error") from e
             raise  # cancelled (client gone)
+        run = gen.run
         if req.stream_format == "sse":
             return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc))
         return SpeechStream(run.request_id, enc.media_type, self._encoded(run, first, chunks, enc))
 
     async def _encoded(self, run: Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
                        enc: AudioEncoder) -> AsyncIterator[bytes]:
-        """Encoded bytes as chunks arrive, then the encoder's tail; books the run when it ends either way."""
+        """Encoded bytes as chunks arrive, then the encoder's tail (the run is booked by self.stream)."""
         try:
             chunk = first
             while True:
-                if chunk.num_frames and run.first_audio is None:
-                    run.first_audio = time.perf_counter()
-                run.frames += chunk.num_frames
                 data = enc.encode(chunk.audio)
                 if data:
                     yield data
                 if chunk.is_last:
                     break
                 chunk = await chunks.__anext__()
-            run.finish_reason = chunk.finish_reason
-            if chunk.error:
-                run.errors.append(chunk.error)
             tail = enc.finish()
             if tail:
                 yield tail
-            run.outcome = "failed" if chunk.finish_reason == "error" else "completed"
         except Exception as e:  # engine failure mid-stream: the response is already started
-            run.outcome = "failed"
+            if run.outcome != "failed":
+                run.fail(e)
             log.exception("%s failed mid-stream", run.request_id)
-            run.errors.append(f"{type(e).__name__}: {e}")
         finally:
             enc.close()
             await chunks.aclose()  # a no-op after the last chunk; else aborts the request and frees its slot
-            self.book(run)
 
     async def _sse(self, run, first, chunks, enc) -> AsyncIterator[bytes]:
         gen = self._encoded(run, first, chunks, enc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -38,6 +39,12 @@ class ServerSettings:
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
     warmup: bool = True  # run one short request at startup; /ready is true after it
+    # WebSocket sessions: idle limits as vLLM-Omni's, and fairness (a session or a client cannot take every slot)
+    ws_config_timeout: float = 10.0  # seconds for a new socket's first message / session.config
+    ws_idle_timeout: float = 30.0  # seconds without a client message (and no audio going out) that end a session
+    ws_max_utterances: int = 8  # utterances of one session in flight (speaking or queued); more get queue_full
+    ws_max_client_utterances: int = 32  # the same over all sessions of one client address
+    voice_alias: tuple[str, ...] = ()  # "NAME=VOICE": OpenAI voice names (Pipecat's) -> this model's voices
     log_level: str = "info"
     # Ray Serve (q3tts.server.ray_serve): replicas > 0 or a ray_address serves through Ray instead of one uvicorn
     replicas: int = 0  # server replicas (one GPU each where there are GPUs); 0: no Ray
@@ -93,6 +100,14 @@ _FLAGS = [
                                   "page (WebSockets: also ?api_key=)"),
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
     ("--chunk-frames", "chunk_frames", int, "largest streamed chunk (chunks double up to it)"),
+    ("--ws-config-timeout", "ws_config_timeout", float, "WebSocket: seconds a new session has for its first "
+                                                        "message"),
+    ("--ws-idle-timeout", "ws_idle_timeout", float, "WebSocket: seconds without a client message (while no audio "
+                                                    "is going out) that end a session and free its slots"),
+    ("--ws-max-utterances", "ws_max_utterances", int, "WebSocket: utterances one session may have speaking or "
+                                                      "queued; more are refused (queue_full)"),
+    ("--ws-max-client-utterances", "ws_max_client_utterances", int, "WebSocket: the same over all sessions of one "
+                                                                    "client address"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),
     ("--replicas", "replicas", int, "serve N replicas on Ray Serve (pip install 'q3tts[ray]'); 0: one process"),
     ("--max-replicas", "max_replicas", int, "autoscale on queue length up to this many replicas (Ray Serve)"),
@@ -119,12 +134,23 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
     no_warmup = env.get(env_name("warmup"), "1").lower() in ("0", "false", "no")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", default=not no_warmup,
                     help=f"skip the warm-up request (/ready is true at once) [env {env_name('warmup')}=0]")
+    alias_env = [a for a in env.get(env_name("voice_alias"), "").split(",") if a.strip()]
+    ap.add_argument("--voice-alias", dest="voice_alias", action="append", default=None, metavar="NAME=VOICE",
+                    help="map a voice name clients send (OpenAI's: alloy, ash, ...) to one of this model's voices; "
+                         "repeatable; defaults in docs/integrations.md [env "
+                         f"{env_name('voice_alias')}=alloy=vivian,echo=ryan]")
     a = ap.parse_args(argv)
+    a.voice_alias = tuple(a.voice_alias if a.voice_alias is not None else alias_env)
+    for alias in a.voice_alias:
+        if not re.fullmatch(r"[^=\s]+=[^=\s]+", alias.strip()):
+            ap.error(f"--voice-alias {alias!r}: expected NAME=VOICE, e.g. alloy=vivian")
     s = ServerSettings(**{f.name: getattr(a, f.name) for f in fields(ServerSettings) if hasattr(a, f.name)})
     for name in ("max_text_length", "max_upload_bytes", "max_queue", "max_concurrent", "max_seq_len",
-                 "first_chunk_frames", "chunk_frames"):
+                 "first_chunk_frames", "chunk_frames", "ws_max_utterances", "ws_max_client_utterances"):
         if getattr(s, name) is not None and getattr(s, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not (s.ws_config_timeout > 0 and s.ws_idle_timeout > 0):
+        ap.error("--ws-config-timeout and --ws-idle-timeout must be > 0 (seconds)")
     if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
         ap.error("--gpu-memory-utilization must be in (0, 1]")
     if s.kv_block_size and (s.kv_block_size < 0 or s.kv_block_size > 64 or s.kv_block_size & (s.kv_block_size - 1)):

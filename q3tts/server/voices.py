@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import re
@@ -23,14 +24,25 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
 from q3tts.audio import Base64TooLarge, decode_base64
 from q3tts.inputs.voice import Voice
 
-from .protocol import ApiError, VoiceDeleted, VoiceObject
+from .protocol import ApiError, CreateVoiceRequest, VoiceConsent, VoiceDeleted, VoiceObject
 
 log = logging.getLogger("q3tts.server")
 
 NAME_RE = re.compile(r"^[\w][\w .\-]{0,63}$")
+# the voice names OpenAI's clients accept (Pipecat's OpenAITTSService sends nothing else)
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
+# their default speakers on a CustomVoice model (docs/integrations.md): the English natives (ryan, aiden) for the
+# voices OpenAI describes as male, the clearest female speakers (vivian, serena) for the female ones
+CUSTOM_VOICE_ALIASES = {"alloy": "vivian", "ash": "ryan", "ballad": "aiden", "cedar": "ryan", "coral": "serena",
+                        "echo": "aiden", "fable": "ryan", "marin": "vivian", "nova": "serena", "onyx": "uncle_fu",
+                        "sage": "vivian", "shimmer": "serena", "verse": "aiden"}
 ID_RE = re.compile(r"^voice_[0-9a-f]{16}$")
 
 
@@ -54,6 +66,9 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS voices (
     id TEXT PRIMARY KEY, name TEXT NOT NULL, created_at INTEGER NOT NULL, mode TEXT NOT NULL,
     ref_text TEXT, model_size TEXT NOT NULL, file TEXT NOT NULL, UNIQUE (name, model_size))"""
 _COLS = "id, name, created_at, mode, ref_text, model_size, file"
+# OpenAI's consent recordings: kept as records (the recording itself is not stored); a voice may name one
+_CONSENTS = """CREATE TABLE IF NOT EXISTS consents (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, language TEXT NOT NULL, created_at INTEGER NOT NULL)"""
 
 
 class VoiceStore:
@@ -67,6 +82,7 @@ class VoiceStore:
         self._loaded: dict[str, object] = {}  # id -> Voice, loaded on first use
         with self._connect() as c:
             c.execute(_SCHEMA)
+            c.execute(_CONSENTS)
 
     def _connect(self) -> sqlite3.Connection:
         return sqlite3.connect(self.db, timeout=10)
@@ -113,6 +129,25 @@ class VoiceStore:
         self._loaded.pop(voice_id, None)
         return True
 
+    def add_consent(self, name: str, language: str) -> VoiceConsent:
+        rec = VoiceConsent(id=f"cons_{secrets.token_hex(8)}", name=name, language=language,
+                           created_at=int(time.time()))
+        with self._lock, self._connect() as c:
+            c.execute("INSERT INTO consents (id, name, language, created_at) VALUES (?, ?, ?, ?)",
+                      (rec.id, rec.name, rec.language, rec.created_at))
+        return rec
+
+    def consents(self, consent_id: str | None = None) -> list[VoiceConsent]:
+        where, args = ("WHERE id = ?", (consent_id,)) if consent_id is not None else ("", ())
+        with self._lock, self._connect() as c:
+            rows = c.execute(f"SELECT id, name, language, created_at FROM consents {where} ORDER BY created_at, id",
+                             args).fetchall()
+        return [VoiceConsent(id=r[0], name=r[1], language=r[2], created_at=r[3]) for r in rows]
+
+    def delete_consent(self, consent_id: str) -> bool:
+        with self._lock, self._connect() as c:
+            return c.execute("DELETE FROM consents WHERE id = ?", (consent_id,)).rowcount > 0
+
     def voice(self, rec: VoiceRecord):
         v = self._loaded.get(rec.id)
         if v is None:
@@ -149,11 +184,36 @@ def decode_base64_audio(s: str, max_bytes: int, param: str) -> bytes:
 class VoiceService:
     """What the voice endpoints and the speech endpoint ask about voices."""
 
-    def __init__(self, tts, voice_dir: str | os.PathLike, max_upload_bytes: int):
+    def __init__(self, tts, voice_dir: str | os.PathLike, max_upload_bytes: int, aliases: tuple[str, ...] = ()):
         self.tts, self.max_upload_bytes = tts, max_upload_bytes
         self.model_type = tts.cfg.tts_model_type
         self.store = VoiceStore(voice_dir, tts.cfg) if self.model_type == "base" else None
         self._inline: OrderedDict[str, object] = OrderedDict()  # recent inline references (LRU)
+        self.aliases = self._aliases(aliases)
+
+    # ---- aliases: voice names other clients send
+    def _aliases(self, given: tuple[str, ...]) -> dict[str, str]:
+        """OpenAI's voice names -> this model's voices: on CustomVoice the defaults above (a speaker the model
+        lacks -> its first speaker), on Base none (no stored voice is a sensible default); then --voice-alias."""
+        out: dict[str, str] = {}
+        speakers = [s.lower() for s in self.builtin()]
+        if speakers:
+            out = {k: v if v in speakers else speakers[0] for k, v in CUSTOM_VOICE_ALIASES.items()}
+        for a in given:
+            name, _, voice = a.strip().partition("=")
+            out[name.lower()] = voice
+        return out
+
+    def resolve(self, name: str | None) -> str | None:
+        """A voice as a client names it -> this model's voice: a real one as it is, else its alias."""
+        if name is None:
+            return None
+        key = name.strip().lower()
+        if key in (s.lower() for s in self.builtin()):
+            return name
+        if self.store is not None and self.store.find(name) is not None:
+            return name
+        return self.aliases.get(key, name)
 
     # ---- listing and lookup
     def builtin(self) -> list[str]:
@@ -180,7 +240,9 @@ class VoiceService:
         """A stored voice (id or name) -> VoiceClonePromptItem; 400 listing the voices if unknown."""
         rec = self.store.find(key)
         if rec is None:
-            raise ApiError(400, f"unknown voice {key!r}. Stored voices: {self.names_hint()}. Upload one with "
+            alias = (f" {key!r} is one of OpenAI's voice names: map it to a stored voice with --voice-alias "
+                     f"{key.lower()}=NAME." if key.strip().lower() in OPENAI_VOICES else "")
+            raise ApiError(400, f"unknown voice {key!r}. Stored voices: {self.names_hint()}.{alias} Upload one with "
                            "POST /v1/audio/voices, or pass ref_audio (+ ref_text) in the request",
                            param="voice", code="voice_not_found")
         try:
@@ -208,12 +270,16 @@ class VoiceService:
             self._inline.popitem(last=False)
         return voice.to_prompt_item(True if xvec else None)
 
-    async def create(self, name: str, audio: bytes, ref_text: str | None, xvec: bool) -> VoiceObject:
+    def _need_store(self) -> VoiceStore:
         if self.store is None:
             what = ("its voices are the built-in speakers: " + ", ".join(self.builtin())
                     if self.model_type == "custom_voice" else "describe the voice in `instructions` instead")
             raise ApiError(400, f"voice cloning needs a Base model; this server runs a {self.model_type} model "
                            f"({what})", param="voice", code="unsupported_for_model")
+        return self.store
+
+    async def create(self, name: str, audio: bytes, ref_text: str | None, xvec: bool) -> VoiceObject:
+        self._need_store()
         name = (name or "").strip()
         if not NAME_RE.match(name) or ID_RE.match(name):
             raise ApiError(400, f"invalid voice name {name!r}: 1-64 letters, digits, spaces, '_', '.', '-' "
@@ -237,6 +303,95 @@ class VoiceService:
         if rec is None or not self.store.delete(rec.id):
             raise _not_found(voice_id)
         return VoiceDeleted(id=rec.id)
+
+
+    # ---- OpenAI's consent recordings (Base models: the voices they authorize are clones)
+    def add_consent(self, name: str, language: str, recording: bytes) -> VoiceConsent:
+        store = self._need_store()
+        if not recording:
+            raise ApiError(400, "recording is required: the consent audio file", param="recording")
+        name, language = name.strip(), language.strip()
+        if not name or not language:
+            raise ApiError(400, "name and language (a BCP 47 tag, e.g. en-US) are required", param="name")
+        return store.add_consent(name[:256], language[:64])
+
+    def consent(self, consent_id: str) -> VoiceConsent:
+        found = self._need_store().consents(consent_id)
+        if not found:
+            raise ApiError(404, f"no consent recording {consent_id!r}", type="not_found_error", param="consent_id",
+                           code="consent_not_found")
+        return found[0]
+
+    def list_consents(self) -> list[VoiceConsent]:
+        return self._need_store().consents()
+
+    def delete_consent(self, consent_id: str) -> VoiceConsent:
+        rec = self.consent(consent_id)
+        self.store.delete_consent(consent_id)
+        return rec
+
+    # ---- the upload of POST /v1/audio/voices
+    async def parse_upload(self, request) -> tuple[str, bytes, str | None, bool]:
+        """multipart/form-data (OpenAI's: name, audio_sample file, consent, type; plus ref_text,
+        x_vector_only_mode) or JSON (CreateVoiceRequest, audio_sample as base64 / data URL) ->
+        (name, clip bytes, ref_text, x_vector_only_mode); 413 past the upload limit."""
+        limit = self.max_upload_bytes
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            form = await request.form()
+            kind = str(form.get("type") or "audio_sample")
+            if kind != "audio_sample":
+                raise _prompt_voice(kind)
+            upload = form.get("audio_sample") or form.get("file")
+            if isinstance(upload, str):
+                check_not_url(upload, "audio_sample")
+            if upload is None or isinstance(upload, str):
+                raise ApiError(400, "audio_sample is required: the reference clip as a file field",
+                               param="audio_sample")
+            audio = await upload.read(limit + 1)
+            if len(audio) > limit:
+                raise ApiError(413, f"audio_sample is more than this server's limit of {limit} bytes "
+                               "(--max-upload-bytes)", param="audio_sample", code="upload_too_large")
+            xvec = str(form.get("x_vector_only_mode", "false")).strip().lower() in ("1", "true", "yes", "on")
+            ref_text = form.get("ref_text")
+            return str(form.get("name") or ""), audio, str(ref_text) if ref_text is not None else None, xvec
+        body = await request.body()
+        try:
+            if _json_type(body) not in (None, "audio_sample"):
+                raise _prompt_voice(_json_type(body))
+            req = CreateVoiceRequest.model_validate_json(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return req.name, decode_base64_audio(req.audio_sample, limit, "audio_sample"), req.ref_text, \
+            req.x_vector_only_mode
+
+    async def read_file(self, form, field: str) -> bytes:
+        """A multipart file field's bytes, at most the upload limit (413 past it)."""
+        upload = form.get(field)
+        if upload is None or isinstance(upload, str):
+            raise ApiError(400, f"{field} is required: an audio file field", param=field)
+        data = await upload.read(self.max_upload_bytes + 1)
+        if len(data) > self.max_upload_bytes:
+            raise ApiError(413, f"{field} is more than this server's limit of {self.max_upload_bytes} bytes "
+                           "(--max-upload-bytes)", param=field, code="upload_too_large")
+        return data
+
+
+def _json_type(body: bytes) -> str | None:
+    """The "type" of a JSON voice upload, read before the model validates it (a "prompt" voice gets its own
+    message rather than a list of missing fields)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    t = data.get("type") if isinstance(data, dict) else None
+    return t if isinstance(t, str) else None
+
+
+def _prompt_voice(kind: str) -> ApiError:
+    return ApiError(400, f"type {kind!r} is not supported here: this server makes voices from an audio sample "
+                    '(type "audio_sample" with name, audio_sample and consent); to describe a voice in words, '
+                    "serve a VoiceDesign model and pass the description as `instructions`", param="type",
+                    code="unsupported_voice_type")
 
 
 def _not_found(voice_id: str) -> ApiError:

@@ -22,20 +22,26 @@ def keyed(cv_server):
 def test_api_key_on_every_route_but_probes_and_page(keyed):
     routes = [("GET", "/v1/models"), ("GET", "/v1/audio/voices"), ("GET", "/v1/audio/voices/vivian"),
               ("DELETE", "/v1/audio/voices/x"), ("POST", "/v1/audio/voices"), ("POST", "/v1/audio/speech"),
-              ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/nope")]
+              ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/nope"),
+              ("POST", "/v1/audio/voice_consents"), ("GET", "/v1/audio/voice_consents"),
+              ("GET", "/v1/audio/voice_consents/cons_x"), ("DELETE", "/v1/audio/voice_consents/cons_x")]
     # every documented route of the app is in the list above or open on purpose
     open_paths = {"/health", "/ready", "/"}
     app_paths = set(keyed.app.openapi()["paths"])
-    listed = {p for _, p in routes} | open_paths | {"/v1/audio/voices/{voice_id}"}
+    listed = {p for _, p in routes} | open_paths | {"/v1/audio/voices/{voice_id}",
+                                                    "/v1/audio/voice_consents/{consent_id}"}
     assert app_paths <= listed, app_paths - listed
     with keyed.http() as h:
         for method, path in routes:
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                            {"Authorization": "Api-Key wrong"}):
                 r = h.request(method, path, headers=headers, json={})
                 assert r.status_code == 401, (method, path, headers, r.status_code)
                 assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
         ok = {"Authorization": f"Bearer {KEY}"}
         assert h.get("/v1/models", headers=ok).status_code == 200
+        # LiveKit's Baseten client authenticates as "Api-Key <key>": accepted wherever Bearer is
+        assert h.get("/v1/models", headers={"Authorization": f"Api-Key {KEY}"}).status_code == 200
         assert h.get("/metrics", headers=ok).status_code == 200
         assert h.get("/openapi.json", headers=ok).status_code == 200
         for path in sorted(open_paths):  # load balancer probes and the static page need no key

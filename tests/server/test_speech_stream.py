@@ -49,7 +49,7 @@ def pieces(text, rng):
 
 def test_text_over_the_socket_equals_the_official_whole_text(cv_server):
     """Two utterances on one session, the text split anywhere (mid-word), each the official audio of its
-    whole text (non_streaming_mode=False), then session.close -> session.done."""
+    whole text (non_streaming_mode=False) and a session.done per flush, then session.close -> session.done."""
     cases = [fx.get_case("cv06", n) for n in ("english_stream", "dialect_dylan_auto_stream")]
     with connect(ws_url(cv_server)) as ws:
         for i, case in enumerate(cases):
@@ -68,6 +68,7 @@ def test_text_over_the_socket_equals_the_official_whole_text(cv_server):
             # at most half an int16 step more
             assert np.abs(got - ref).max() <= 1e-4 + 0.5 / 32767
             assert done["finish_reason"] in ("stop", "length")
+            assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}  # the flush is answered
         ws.send(json.dumps({"type": "session.close"}))
         assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
     cv_server.wait_idle()
@@ -88,6 +89,7 @@ def test_bad_messages_get_an_error_and_the_session_goes_on(cv_server):
         ws.send(json.dumps({"type": "input.done"}))
         _, pcm, done, _ = utterance(ws)
         assert len(pcm) == done["frames"] * SPF * 2 > 0
+        assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
         ws.send(json.dumps({"type": "input.text", "text": "   "}))  # nothing to say: refused at input.done
         ws.send(json.dumps({"type": "input.done"}))
         _, pcm, done, other = utterance(ws)
