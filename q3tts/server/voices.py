@@ -287,6 +287,9 @@ class VoiceService:
         if self.store.find(name) is not None:
             raise ApiError(409, f"a voice named {name!r} already exists; delete it first or pick another name",
                            param="name", code="voice_exists")
+        # without its transcript (OpenAI's voices API and LiveKit's voice.add have none) a clip can only give the
+        # speaker embedding: an x-vector voice, as vLLM-Omni makes it
+        xvec = xvec or not (ref_text or "").strip()
         voice = await asyncio.to_thread(self._clone, audio, ref_text, xvec, name)
         try:
             return self.store.add(name, voice).to_object()
