@@ -2,13 +2,15 @@
 pieces gives the official audio of the whole text; bad messages get an error and the session goes on; a
 cancel ends the utterance; a disconnect frees its slot; the API key guards the socket."""
 
+import base64
 import json
 import random
 import socket
+import time
 
 import numpy as np
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from tests.golden import fixtures as fx
@@ -131,5 +133,135 @@ def test_api_key_guards_the_socket(cv_server):
         with connect(ws_url(cv_server), additional_headers={"Authorization": "Bearer sekret"}) as ws:
             ws.send(json.dumps({"type": "session.close"}))
             assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
+        with connect(ws_url(cv_server), additional_headers={"Authorization": "Api-Key sekret"}) as ws:  # LiveKit's
+            ws.send(json.dumps({"type": "session.close"}))
+            assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
+        # the web page's way (a browser sets no header, and a query string lands in access logs): a subprotocol
+        key = base64.urlsafe_b64encode(b"sekret").decode().rstrip("=")
+        with connect(ws_url(cv_server), subprotocols=["q3tts", f"q3tts-key.{key}"]) as ws:
+            assert ws.subprotocol == "q3tts"  # the key is not echoed back
+            ws.send(json.dumps({"type": "session.close"}))
+            assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
+        wrong = base64.urlsafe_b64encode(b"nope").decode().rstrip("=")
+        with pytest.raises(InvalidStatus):
+            connect(ws_url(cv_server), subprotocols=["q3tts", f"q3tts-key.{wrong}"])
     finally:
         settings.api_key = None
+
+
+def test_silent_sessions_end_at_the_idle_limits_and_free_their_slots(cv_server):
+    """No first message within ws_config_timeout; an open utterance then silence past ws_idle_timeout: each
+    session gets an idle_timeout error and a close, and the slot the open utterance held comes back."""
+    settings = cv_server.app.state.settings
+    saved = settings.ws_config_timeout, settings.ws_idle_timeout
+    settings.ws_config_timeout, settings.ws_idle_timeout = 0.5, 1.0
+    try:
+        with connect(ws_url(cv_server)) as ws:
+            err = json.loads(ws.recv(timeout=10))
+            assert err["code"] == "idle_timeout" and "--ws-config-timeout" in err["message"]
+            with pytest.raises(ConnectionClosed):
+                ws.recv(timeout=10)
+        with connect(ws_url(cv_server)) as ws:
+            ws.send(json.dumps({"type": "session.config", "voice": "ryan", **GREEDY, "max_new_tokens": 200}))
+            ws.send(json.dumps({"type": "input.text", "text": "An utterance that is never finished"}))
+            t0, msgs = time.monotonic(), []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    msgs.append(ws.recv(timeout=10))
+            err = json.loads(next(m for m in msgs if isinstance(m, str) and "idle_timeout" in m))
+            assert "--ws-idle-timeout" in err["message"] and time.monotonic() - t0 < 8
+        cv_server.wait_idle()
+    finally:
+        settings.ws_config_timeout, settings.ws_idle_timeout = saved
+
+
+def test_a_flooding_session_is_capped_while_another_client_is_served(cv_server):
+    """One session flushing many utterances gets queue_full (limit "session") past ws_max_utterances, answered with
+    session.done per flush all the same; meanwhile another client's request is served."""
+    settings = cv_server.app.state.settings
+    saved = settings.ws_max_utterances
+    settings.ws_max_utterances = 2
+    try:
+        with connect(ws_url(cv_server)) as ws:
+            ws.send(json.dumps({"type": "session.config", "voice": "ryan", **GREEDY, "max_new_tokens": 40}))
+            for i in range(6):
+                ws.send(json.dumps({"type": "input.text", "text": f"Utterance number {i}."}))
+                ws.send(json.dumps({"type": "input.done"}))
+            other = cv_server.client().audio.speech.create(model="q3tts", voice="vivian", input="Me too.",
+                                                            response_format="pcm",
+                                                            extra_body={**GREEDY, "max_new_tokens": 4}).content
+            assert len(other) > 0
+            errors, dones, audio_done = [], 0, 0
+            while dones < 6:
+                msg = ws.recv(timeout=60)
+                if isinstance(msg, bytes):
+                    continue
+                m = json.loads(msg)
+                errors += [m] if m["type"] == "error" else []
+                dones += m["type"] == "session.done"
+                audio_done += m["type"] == "audio.done"
+            assert audio_done == 2 and len(errors) == 4
+            assert all(e["code"] == "queue_full" and e["limit"] == "session" and "--ws-max-utterances" in e["message"]
+                       for e in errors)
+        settings.ws_max_utterances, saved_client = 8, settings.ws_max_client_utterances
+        settings.ws_max_client_utterances = 1
+        try:  # the per-client share: a second session of the same client address is refused while the first speaks
+            with connect(ws_url(cv_server)) as a, connect(ws_url(cv_server)) as b:
+                for ws in (a, b):
+                    ws.send(json.dumps({"type": "session.config", "voice": "ryan", **GREEDY, "max_new_tokens": 60}))
+                a.send(json.dumps({"type": "input.text", "text": "First."}))
+                assert json.loads(a.recv(timeout=30))["type"] == "audio.start"
+                b.send(json.dumps({"type": "input.text", "text": "Second."}))
+                err = json.loads(b.recv(timeout=30))
+                assert err["code"] == "queue_full" and err["limit"] == "client"
+        finally:
+            settings.ws_max_client_utterances = saved_client
+    finally:
+        settings.ws_max_utterances = saved
+    cv_server.wait_idle()
+
+
+def test_unencodable_text_and_deep_json_get_invalid_message_and_the_session_goes_on(cv_server):
+    with connect(ws_url(cv_server)) as ws:
+        for bad, what in [('{"type": "input.text", "text": "a\\ud800b"}', "lone surrogate"),
+                          ('{"type": "session.config", "voice": "\\udfff"}', "lone surrogate"),
+                          ('{"type": "input.text", "text": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested"),
+                          ('{"type": "input.text", "x": ' + "[" * 40 + "]" * 40 + "}", "nested")]:
+            ws.send(bad)
+            err = json.loads(ws.recv(timeout=30))
+            assert err["type"] == "error" and err["code"] == "invalid_message" and what in err["message"], err
+        ws.send(json.dumps({"type": "session.config", "voice": "vivian", **GREEDY, "max_new_tokens": 4}))
+        ws.send(json.dumps({"type": "input.text", "text": "Still usable."}))
+        ws.send(json.dumps({"type": "input.done"}))
+        _, pcm, done, _ = utterance(ws)
+        assert len(pcm) == done["frames"] * SPF * 2 > 0
+    cv_server.wait_idle()
+
+
+def test_vllm_omni_config_fields(cv_server):
+    """task_type checked against the served model; pcm only; speed 1.0 only; split_granularity none; word timestamps
+    refused until they exist; a misspelt field refused by name; initial_codec_chunk_frames sizes the first chunk;
+    an empty input.done answers session.done at once; the config is kept across flushes."""
+    with connect(ws_url(cv_server)) as ws:
+        for field, value, words in [("task_type", "Base", "CustomVoice"), ("response_format", "mp3", "pcm"),
+                                    ("speed", 1.5, "1.0"), ("split_granularity", "sentence", "none"),
+                                    ("timestamp_type", "word", "timestamps"), ("stream_audo", True, "stream_audo")]:
+            ws.send(json.dumps({"type": "session.config", "voice": "ryan", field: value}))
+            err = json.loads(ws.recv(timeout=30))
+            assert err["code"] == "invalid_config" and words in err["message"], (field, err)
+        ws.send(json.dumps({"type": "input.done"}))
+        assert json.loads(ws.recv(timeout=5)) == {"type": "session.done"}
+        ws.send(json.dumps({"type": "session.config", "task_type": "CustomVoice", "response_format": "pcm",
+                            "stream_audio": True, "speed": 1.0, "split_granularity": "none", "voice": "ryan",
+                            "initial_codec_chunk_frames": 3, **GREEDY, "max_new_tokens": 12}))
+        for _ in range(2):  # the config is kept for the second flush
+            ws.send(json.dumps({"type": "input.text", "text": "Hello there."}))
+            ws.send(json.dumps({"type": "input.done"}))
+            assert json.loads(ws.recv(timeout=30))["type"] == "audio.start"
+            first = ws.recv(timeout=30)
+            assert isinstance(first, bytes) and len(first) == 3 * SPF * 2
+            while isinstance(msg := ws.recv(timeout=30), bytes):
+                pass
+            assert json.loads(msg)["type"] == "audio.done"
+            assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
+    cv_server.wait_idle()
