@@ -5,6 +5,7 @@ text as deltas that add up to what was typed, input.done per sentence; and what 
 plays and counts the audio, reports a sentence done, shows an error message as the server words it.
 The same page against the real socket is test_web_page.py's live-typing test."""
 
+import base64
 import json
 import shutil
 import threading
@@ -53,8 +54,11 @@ def stand_in_app(log: list):
 
     @app.websocket("/v1/audio/speech/stream")
     async def stream(ws: WebSocket):
-        log.append({"type": "connect", "api_key": ws.query_params.get("api_key")})
-        await ws.accept()
+        offered = ws.scope.get("subprotocols") or []
+        keys = [base64.urlsafe_b64decode(p[len("q3tts-key."):] + "==").decode() for p in offered
+                if p.startswith("q3tts-key.")]
+        log.append({"type": "connect", "api_key": ws.query_params.get("api_key"), "key": keys[0] if keys else None})
+        await ws.accept(subprotocol="q3tts" if "q3tts" in offered else None)
         frames, started = 0, False
         try:
             while True:
@@ -122,7 +126,8 @@ def test_page_speaks_the_live_protocol(stand_in, browser, artifacts):  # noqa: F
     WebDriverWait(d, 60).until(lambda d: by_id(d, "status").text.startswith("Live: sentence 1 done"))
     paragraph = js(d, "return LLM_TEXT")
     config = sent(log, "session.config")
-    assert log[0] == {"type": "connect", "api_key": "sk-test"} and len(config) == 1
+    # the key as a subprotocol, never in the URL (which access logs keep)
+    assert log[0] == {"type": "connect", "api_key": None, "key": "sk-test"} and len(config) == 1
     assert config[0]["voice"] == "vivian" and config[0]["seed"] == 7 and "input" not in config[0]
     texts = [m["text"] for m in sent(log, "input.text")]
     assert "".join(texts) == paragraph and max(map(len, texts)) <= 4 and len(texts) == -(-total // 4)
