@@ -300,3 +300,27 @@ def test_voice_add_over_the_socket_with_base64(base):
         ws.send(json.dumps({"type": "voice.add", "name": "bad", "audio_data": "!!!"}))
         err = json.loads(ws.recv(timeout=30))
         assert err["type"] == "error" and err["code"] == "invalid_base64"
+
+
+def test_livekit_openai_plugin_over_sse_equals_plain_http(cv):
+    """LiveKit's openai.TTS(base_url=...) (gpt-4o-mini-tts: SSE with speech.audio.delta events) gets the audio of
+    the plain HTTP request."""
+    lk_openai = pytest.importorskip("livekit.plugins.openai")
+    text = "Hello from LiveKit over SSE."
+
+    async def main():
+        tts = lk_openai.TTS(base_url=cv.base_url + "/v1", api_key=KEY, model="gpt-4o-mini-tts", voice="alloy",
+                            response_format="pcm")
+        pcm = bytearray()
+        async with tts.synthesize(text) as stream:
+            async for ev in stream:
+                pcm += bytes(ev.frame.data)
+        await tts.aclose()
+        return bytes(pcm)
+
+    got = asyncio.run(main())
+    want = cv.client(api_key=KEY).audio.speech.create(model="q3tts", voice="vivian", input=text,
+                                                       response_format="pcm").content
+    # LiveKit's emitter pads the last frame of its own framing with silence
+    assert len(want) > 0 and got[:len(want)] == want and not any(got[len(want):])
+    assert len(got) - len(want) < 24000 * 2 * 0.2
