@@ -265,3 +265,17 @@ def test_vllm_omni_config_fields(cv_server):
             assert json.loads(msg)["type"] == "audio.done"
             assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
     cv_server.wait_idle()
+
+
+def test_stream_audio_false_sends_each_utterance_in_one_message(cv_server):
+    with connect(ws_url(cv_server)) as ws:
+        ws.send(json.dumps({"type": "session.config", "voice": "ryan", "stream_audio": False, **GREEDY,
+                            "max_new_tokens": 12}))
+        ws.send(json.dumps({"type": "input.text", "text": "Hello there."}))
+        ws.send(json.dumps({"type": "input.done"}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "audio.start"
+        audio = ws.recv(timeout=60)
+        done = json.loads(ws.recv(timeout=30))
+        assert isinstance(audio, bytes) and done["type"] == "audio.done" and len(audio) == done["frames"] * SPF * 2 > 0
+        assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
+    cv_server.wait_idle()
