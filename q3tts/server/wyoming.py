@@ -148,9 +148,12 @@ class WyomingService:
                               f"{DESIGN_VOICE!r}")
             return SpeechOptions(language=language, instructions=self.instructions)
         name = name or self.default_voice
-        if name is None:  # a Base model and no --voice
-            raise Refused("missing_voice", "voice.name is required: a stored voice of this Base model "
-                          f"({self.serving.voices.names_hint()})")
+        if name is None:  # a Base model and no --voice: its oldest stored voice
+            stored = self.serving.voices.list()
+            if not stored:
+                raise Refused("missing_voice", "this Base model has no stored voice yet: add one with `q3tts voices "
+                              "add NAME --voice-dir DIR --ref-audio FILE ...`, or POST /v1/audio/voices")
+            name = stored[0].name
         return SpeechOptions(voice=name, language=language, instructions=self.instructions)
 
     async def prepare(self, data: dict, text: str | None) -> PreparedRequest:
@@ -396,7 +399,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None):
                     help="tcp://HOST:PORT (tcp://0.0.0.0:10200 for Home Assistant on another machine), unix://PATH "
                          "or stdio:// [env Q3TTS_WYOMING_URI]")
     ap.add_argument("--voice", default=None, help="the voice of requests that name none (CustomVoice: vivian, else "
-                                                  "the first speaker; Base: a stored voice's name or id)")
+                                                  "the first speaker; Base: a stored voice's name or id, else the "
+                                                  "oldest stored voice)")
     ap.add_argument("--instructions", default=None, help="VoiceDesign: the voice in words (required); CustomVoice "
                                                          "1.7B: a style instruction for every request")
     ap.add_argument("--zeroconf", nargs="?", const="q3tts", default=None, metavar="NAME",

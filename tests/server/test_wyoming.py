@@ -42,7 +42,8 @@ TOL = 1e-4 + 0.5 / 32767  # float32 audio within 1e-4 of the official (test_pari
 class LiveWyoming:
     """A Wyoming server on a free port of 127.0.0.1, its event loop in a thread (as uvicorn's in live.py)."""
 
-    def __init__(self, variant: str, tmp_path, **settings):
+    def __init__(self, variant: str, tmp_path, voice: str | None = "ryan", instructions: str | None = None,
+                 **settings):
         from q3tts.server.app import load_model
         from q3tts.server.settings import ServerSettings
 
@@ -55,10 +56,11 @@ class LiveWyoming:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="wyoming", daemon=True)
         self.thread.start()
-        self.service, self.server, self.port = asyncio.run_coroutine_threadsafe(self._start(tts), self.loop).result(60)
+        self.service, self.server, self.port = asyncio.run_coroutine_threadsafe(
+            self._start(tts, voice, instructions), self.loop).result(60)
 
-    async def _start(self, tts):
-        service = build_service(tts, self.settings, voice="ryan")
+    async def _start(self, tts, voice, instructions):
+        service = build_service(tts, self.settings, voice=voice, instructions=instructions)
         server = AsyncTcpServer("127.0.0.1", 0)
         await server.start(partial(WyomingHandler, service))
         return service, server, server._server.sockets[0].getsockname()[1]
@@ -119,8 +121,8 @@ def audio(events: list[Event]) -> np.ndarray:
     return np.frombuffer(b"".join(c.audio for c in chunks), "<i2").astype(np.float32) / 32767
 
 
-def official(name: str) -> np.ndarray:
-    return fx.outputs("cv06")[f"{name}.wav.0"].numpy()
+def official(name: str, variant: str = "cv06") -> np.ndarray:
+    return fx.outputs(variant)[f"{name}.wav.0"].numpy()
 
 
 def pieces(text, rng):
@@ -318,3 +320,76 @@ def test_the_cli_serves_wyoming(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_base_model_voices_are_the_stored_ones(tmp_path):
+    """A Base model: its voices are those stored in --voice-dir (read at each describe). A whole text gets the
+    model's default layout (Base: text streamed in the prompt's trailing part); the language beside a voice name
+    (this server reads it; the library's classes send a language only without a name) picks English."""
+    from q3tts.inputs.voice import Voice
+    from q3tts.server.voices import VoiceStore
+
+    server = LiveWyoming("base06", tmp_path, voice=None)
+    try:
+        store = VoiceStore(server.settings.voice_dir, server.service.cfg)
+        assert talk(server, _describe).tts[0].voices == []
+        err = talk(server, lambda c: _say(c, Synthesize(text="Hi.").event(), "error"))
+        assert Error.from_event(err[-1]).code == "missing_voice"
+
+        def add(name, case):
+            [item] = fx.case_prompt_items("base06", fx.get_case("base06", case))
+            store.add(name, Voice.from_prompt_item(item, "0b6", name))
+
+        add("xv", "xvec_stream")
+        voices = talk(server, _describe).tts[0].voices
+        assert [v.name for v in voices] == ["xv"] and "en" in voices[0].languages
+        text = fx.get_case("base06", "xvec_stream")["kw"]["text"]
+        raw = Event(type="synthesize", data={"text": text, "voice": {"name": "xv", "language": "en"}})
+        got, ref = audio(talk(server, lambda c: _say(c, raw, "audio-stop"))), official("xvec_stream", "base06")
+        assert got.shape == ref.shape and np.abs(got - ref).max() <= TOL
+        # no voice named: the oldest stored one
+        default = audio(talk(server, lambda c: _say(c, Synthesize(text=text, voice=SynthesizeVoice(
+            language="en")).event(), "audio-stop")))
+        assert np.array_equal(default, got)
+        add("icl5", "icl_short_ref_stream")
+        assert sorted(v.name for v in talk(server, _describe).tts[0].voices) == ["icl5", "xv"]
+        # streamed into an ICL voice: the reference warms the decoder, only the new speech comes out
+        # (upstream cuts the reference's share of its audio proportionally: one sample may differ in length)
+        events = talk(server, lambda c: _stream(c, {"name": "icl5", "language": "en"},
+                                                pieces(text, random.Random(3))))
+        got, ref = audio(events[:-1]), official("icl_short_ref_stream", "base06")
+        n = min(len(got), len(ref))
+        assert abs(len(got) - len(ref)) <= 1 and np.abs(got[-n:] - ref[-n:]).max() <= TOL
+        server.wait_idle()
+    finally:
+        server.stop()
+
+
+def test_voice_design_model_speaks_as_instructed(tmp_path):
+    """A VoiceDesign model: one voice, "design", described by --instructions; the official output."""
+    case = fx.get_case("vd17", "auto_nsm")
+    server = LiveWyoming("vd17", tmp_path, voice=None, instructions=case["kw"]["instruct"])
+    try:
+        [voice] = talk(server, _describe).tts[0].voices
+        assert voice.name == "design" and voice.description == case["kw"]["instruct"]
+        events = talk(server, lambda c: _say(c, Synthesize(text=case["kw"]["text"]).event(), "audio-stop"))
+        got, ref = audio(events), official("auto_nsm", "vd17")
+        assert got.shape == ref.shape and np.abs(got - ref).max() <= TOL
+        err = talk(server, lambda c: _say(c, Synthesize(text="Hi.", voice=SynthesizeVoice(name="ryan")).event(),
+                                          "error"))
+        assert Error.from_event(err[-1]).code == "voice_not_found" and "'design'" in err[-1].data["text"]
+    finally:
+        server.stop()
+
+
+async def _say(client, event, *until_types):
+    await client.write_event(event)
+    return await until(client, *until_types)
+
+
+async def _stream(client, voice: dict, parts: list[str]):
+    await client.write_event(Event(type="synthesize-start", data={"voice": voice}))
+    for p in parts:
+        await client.write_event(SynthesizeChunk(text=p).event())
+    await client.write_event(SynthesizeStop().event())
+    return await until(client, "synthesize-stopped")
