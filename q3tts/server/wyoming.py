@@ -99,8 +99,10 @@ class WyomingService:
     """What every connection shares: the HTTP server's SpeechServing (engine, voices, limits) and the voice
     settings of this server."""
 
-    def __init__(self, serving: SpeechServing, voice: str | None = None, instructions: str | None = None):
+    def __init__(self, serving: SpeechServing, voice: str | None = None, instructions: str | None = None,
+                 stream_idle_timeout: float = 30.0):
         self.serving, self.instructions = serving, (instructions or "").strip() or None
+        self.stream_idle_timeout = stream_idle_timeout  # seconds an open stream may hold its slot without text
         self.cfg = serving.tts.cfg
         self.model_type = self.cfg.tts_model_type
         if self.model_type == "voice_design" and self.instructions is None:
@@ -185,6 +187,7 @@ class WyomingHandler(AsyncEventHandler):
         self.streaming = self.refused = False
         self.utt: Utterance | None = None
         self.pending = ""
+        self.idle: asyncio.TimerHandle | None = None  # ends a stream that holds a slot and sends nothing
         self.sender = asyncio.ensure_future(self._send_all())
 
     async def handle_event(self, event: Event) -> bool:
@@ -215,6 +218,7 @@ class WyomingHandler(AsyncEventHandler):
 
     async def disconnect(self) -> None:
         """The client is gone: free every slot it held now."""
+        self._disarm()
         self.sender.cancel()
         for utt in self.live:
             utt.handle.close()
@@ -254,11 +258,13 @@ class WyomingHandler(AsyncEventHandler):
             self.outbox.put_nowait(self.utt)
         self.utt.chars += len(text)
         self.stream.text.append(text)
+        self._arm()
 
     def _stop(self) -> None:
         if not self.streaming:
             raise Refused("no_stream", "synthesize-stop outside a stream: send synthesize-start first")
         self.streaming = False
+        self._disarm()
         if self.utt is not None:
             try:
                 self.stream.text.close()  # its last audio, then audio-stop, then synthesize-stopped below
@@ -267,6 +273,25 @@ class WyomingHandler(AsyncEventHandler):
         elif not self.refused:
             self._error(Refused("empty_input", "the streamed text is empty: give the words to speak"))
         self.outbox.put_nowait(SynthesizeStopped().event())
+
+    def _arm(self) -> None:
+        self._disarm()
+        if self.service.stream_idle_timeout:
+            self.idle = asyncio.get_running_loop().call_later(self.service.stream_idle_timeout, self._idle_out)
+
+    def _disarm(self) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
+            self.idle = None
+
+    def _idle_out(self) -> None:
+        """No text for stream_idle_timeout seconds while the stream held a slot: cancel it (the slot is free at the
+        next step); its chunks are dropped from now on and its synthesize-stop still answered."""
+        if self.streaming and not self.refused and self.utt is not None:
+            self.refused = True
+            self.utt.handle.cancel()
+            self._error(Refused("idle_timeout", f"no synthesize-chunk or synthesize-stop for "
+                                f"{self.service.stream_idle_timeout:g} s: the stream was cancelled"))
 
     def _submit(self, prepared: PreparedRequest) -> Utterance:
         """Queue the request in the shared engine now (a full queue or a prompt too long: refused)."""
@@ -338,8 +363,8 @@ def _text(data: dict, kind: str) -> str:
 
 
 # --------------------------------------------------------------------------- the server
-def build_service(tts, settings: ServerSettings, voice: str | None = None,
-                  instructions: str | None = None) -> WyomingService:
+def build_service(tts, settings: ServerSettings, voice: str | None = None, instructions: str | None = None,
+                  stream_idle_timeout: float = 30.0) -> WyomingService:
     """The engine (sized by settings, as `q3tts serve` sizes it), voices and serving of a Wyoming server; call it
     inside the event loop that will serve it."""
     engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
@@ -347,7 +372,7 @@ def build_service(tts, settings: ServerSettings, voice: str | None = None,
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)
     try:
         return WyomingService(SpeechServing(tts, engine, voices, Metrics(engine.stats), settings), voice,
-                              instructions)
+                              instructions, stream_idle_timeout)
     except BaseException:
         engine.shutdown()
         raise
@@ -403,6 +428,9 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None):
                                                   "oldest stored voice)")
     ap.add_argument("--instructions", default=None, help="VoiceDesign: the voice in words (required); CustomVoice "
                                                          "1.7B: a style instruction for every request")
+    ap.add_argument("--stream-idle-timeout", type=float, default=30.0, metavar="SECONDS",
+                    help="a streamed synthesis that holds an engine slot and sends no text for this long is "
+                         "cancelled, freeing the slot (0: never)")
     ap.add_argument("--zeroconf", nargs="?", const="q3tts", default=None, metavar="NAME",
                     help="announce the server to Home Assistant over mDNS (needs: pip install zeroconf)")
     for flag, name, typ, help_ in _FLAGS:
@@ -422,6 +450,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None):
         ap.error("--kv-block-size must be 0 or a power of two up to 64")
     if a.gpu_memory is not None and not a.gpu_memory > 0:
         ap.error("--gpu-memory must be > 0 (GB)")
+    if not a.stream_idle_timeout >= 0:
+        ap.error("--stream-idle-timeout must be >= 0 (seconds; 0: never)")
     try:
         generation_overrides(a.generation_config)
         AsyncServer.from_uri(a.uri)
@@ -439,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def run() -> None:
-        await serve(build_service(tts, settings, a.voice, a.instructions), a.uri, a.zeroconf, a.warmup)
+        await serve(build_service(tts, settings, a.voice, a.instructions, a.stream_idle_timeout), a.uri, a.zeroconf,
+                    a.warmup)
 
     try:
         t0 = time.perf_counter()

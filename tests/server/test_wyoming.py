@@ -261,6 +261,28 @@ def test_a_client_that_leaves_frees_its_slot(wyo):
     wyo.wait_idle()
 
 
+def test_a_stream_left_open_is_ended_by_the_idle_limit(wyo):
+    """A stream that holds a slot and sends no text for --stream-idle-timeout is cancelled (the slot comes back);
+    its later chunks are dropped, its stop still answered, and the connection goes on."""
+    wyo.service.stream_idle_timeout = 0.5
+    try:
+        async def script(client):
+            await client.write_event(SynthesizeStart().event())
+            await client.write_event(SynthesizeChunk(text="Waiting for the rest of").event())
+            events = await until(client, "error")
+            await client.write_event(SynthesizeChunk(text=" the text.").event())
+            await client.write_event(SynthesizeStop().event())
+            return events, await until(client, "synthesize-stopped")
+
+        events, rest = talk(wyo, script)
+    finally:
+        wyo.service.stream_idle_timeout = 30.0
+    kinds = [e.type for e in events]
+    assert kinds[0] == "audio-start" and kinds[-2:] == ["audio-stop", "error"], kinds
+    assert Error.from_event(events[-1]).code == "idle_timeout" and [e.type for e in rest] == ["synthesize-stopped"]
+    wyo.wait_idle()
+
+
 def test_language_tags():
     langs = ["auto", "chinese", "english", "french", "german", "italian", "japanese", "korean", "portuguese",
              "russian", "spanish"]
