@@ -167,7 +167,6 @@ class WyomingService:
 
 @dataclass(eq=False)
 class Utterance:
-    prepared: PreparedRequest
     handle: RequestHandle
     run: Run  # metrics bookkeeping, as the HTTP server's
     chars: int = 0
@@ -254,7 +253,9 @@ class WyomingHandler(AsyncEventHandler):
             if not self.pending.strip():
                 return  # nothing to say yet: the request waits for words
             text, self.pending = self.pending, ""
+            self.refused = True  # until it is queued (a full queue refuses the whole stream)
             self.utt = self._submit(self.stream)
+            self.refused = False
             self.outbox.put_nowait(self.utt)
         self.utt.chars += len(text)
         self.stream.text.append(text)
@@ -303,10 +304,10 @@ class WyomingHandler(AsyncEventHandler):
             handle = self.serving.engine.submit(prepared, StreamOptions(s.first_chunk_frames, s.chunk_frames),
                                                 request_id=run.request_id, arrival_time=arrival)
         except QueueFullError as e:
-            raise Refused("queue_full", f"server busy: {e}") from None
+            raise Refused("queue_full", str(e)) from None
         except InputError as e:
             raise Refused(e.code or "invalid_request", str(e)) from None
-        utt = Utterance(prepared, handle, run)
+        utt = Utterance(handle, run)
         self.live.append(utt)
         return utt
 

@@ -49,9 +49,9 @@ class LiveWyoming:
 
         gen = tmp_path / "greedy.json"
         gen.write_text(json.dumps(fx.manifest(variant)["greedy"]))  # greedy and 33 frames at most, as the fixtures
-        self.settings = ServerSettings(model=str(fx.checkpoint(variant)), device="cpu", generation_config=str(gen),
-                                       max_concurrent=2, max_seq_len=256, voice_dir=str(tmp_path / "voices"),
-                                       **settings)
+        self.settings = ServerSettings(**{"model": str(fx.checkpoint(variant)), "device": "cpu",
+                                          "generation_config": str(gen), "max_concurrent": 2, "max_seq_len": 256,
+                                          "voice_dir": str(tmp_path / "voices"), **settings})
         tts = load_model(self.settings)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="wyoming", daemon=True)
@@ -281,6 +281,43 @@ def test_a_stream_left_open_is_ended_by_the_idle_limit(wyo):
     assert kinds[0] == "audio-start" and kinds[-2:] == ["audio-stop", "error"], kinds
     assert Error.from_event(events[-1]).code == "idle_timeout" and [e.type for e in rest] == ["synthesize-stopped"]
     wyo.wait_idle()
+
+
+def test_a_full_queue_is_an_error_event(tmp_path):
+    """One slot, a queue of one: a third request, whole or streamed, gets queue_full; the others go on."""
+    server = LiveWyoming("cv06", tmp_path, max_concurrent=1, max_queue=1)
+    try:
+        async def script():
+            clients = [AsyncTcpClient("127.0.0.1", server.port, read_timeout=60) for _ in range(3)]
+            for c in clients:
+                await c.connect()
+            holder, queued, late = clients
+            await holder.write_event(SynthesizeStart().event())
+            await holder.write_event(SynthesizeChunk(text="Holding the only slot").event())
+            early = await until(holder, "audio-chunk")
+            await queued.write_event(Synthesize(text="Waiting in the queue.").event())
+            while server.stats.queue_depth == 0:
+                await asyncio.sleep(0.01)
+            await late.write_event(Synthesize(text="No room.").event())
+            refused = [Error.from_event((await until(late, "error", "audio-start"))[-1])]
+            for event in (SynthesizeStart().event(), SynthesizeChunk(text="No room either.").event(),
+                          SynthesizeChunk(text=" Dropped.").event(), SynthesizeStop().event()):
+                await late.write_event(event)
+            late_stream = await until(late, "synthesize-stopped", "audio-start")
+            await holder.write_event(SynthesizeStop().event())
+            held, waited = early + await until(holder, "synthesize-stopped"), await until(queued, "audio-stop")
+            for c in clients:
+                await c.disconnect()
+            return refused, late_stream, held, waited
+
+        refused, late_stream, held, waited = asyncio.run(script())
+        assert refused[0].code == "queue_full" and "max_queue 1" in refused[0].text
+        assert [e.type for e in late_stream] == ["error", "synthesize-stopped"]
+        assert Error.from_event(late_stream[0]).code == "queue_full"
+        assert audio(held[:-1]).size > 0 and audio(waited).size > 0
+        server.wait_idle()
+    finally:
+        server.stop()
 
 
 def test_language_tags():
