@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import importlib.util
 import logging
 import os
 import sys
@@ -451,6 +452,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None):
         ap.error("--kv-block-size must be 0 or a power of two up to 64")
     if a.gpu_memory is not None and not a.gpu_memory > 0:
         ap.error("--gpu-memory must be > 0 (GB)")
+    if a.zeroconf and not (a.uri.startswith("tcp://") and importlib.util.find_spec("zeroconf")):
+        ap.error("--zeroconf needs a tcp:// --uri and the zeroconf package (pip install zeroconf)")
     if not a.stream_idle_timeout >= 0:
         ap.error("--stream-idle-timeout must be >= 0 (seconds; 0: never)")
     try:
@@ -468,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
 
     settings, a = parse_args(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = AsyncServer.from_uri(a.uri)
+    if isinstance(server, AsyncTcpServer) and server.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("wyoming: serving on %s: the Wyoming protocol has no authentication, anyone who can reach this "
+                    "port can use it", a.uri)
 
     async def run() -> None:
         await serve(build_service(tts, settings, a.voice, a.instructions, a.stream_idle_timeout), a.uri, a.zeroconf,

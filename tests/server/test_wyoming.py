@@ -320,6 +320,19 @@ def test_a_full_queue_is_an_error_event(tmp_path):
         server.stop()
 
 
+def test_zeroconf_needs_tcp_and_its_package():
+    import importlib.util
+
+    from wyoming.server import AsyncServer
+
+    from q3tts.server.wyoming import _announce
+    with pytest.raises(ValueError, match="needs a tcp:// --uri"):
+        asyncio.run(_announce(AsyncServer.from_uri("unix:///tmp/q3tts-wyoming.sock"), "q3tts"))
+    if importlib.util.find_spec("zeroconf") is None:  # (with it, announcing needs a multicast network)
+        with pytest.raises(ValueError, match="pip install zeroconf"):
+            asyncio.run(_announce(AsyncServer.from_uri("tcp://127.0.0.1:10200"), "q3tts"))
+
+
 def test_language_tags():
     langs = ["auto", "chinese", "english", "french", "german", "italian", "japanese", "korean", "portuguese",
              "russian", "spanish"]
