@@ -227,7 +227,7 @@ def generation_overrides(src: dict[str, Any] | str | Path | None) -> dict[str, A
             raise ValueError(f"{where}: must be a JSON object of generation_config.json's fields, "
                              f"got {type(src).__name__}")
     fields_ = GenerationDefaults.__dataclass_fields__
-    unknown = sorted(set(src) - set(fields_))
+    unknown = sorted(str(k) for k in src if k not in fields_)
     if unknown:
         raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(fields_)}")
     for name, value in src.items():

@@ -93,8 +93,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
     with torch.inference_mode():
         pad = talker.embed_text(torch.tensor([cfg.tts_pad_token_id]))[0]
     defaults = parse_generation_defaults(read_json(d / "generation_config.json"), overrides)
-    return Checkpoint(d, cfg, speech_cfg, defaults,
-                      talker, code2wav, pad, device, dtype)
+    return Checkpoint(d, cfg, speech_cfg, defaults, talker, code2wav, pad, device, dtype)
 
 
 def vocoder_dtype(device: torch.device, dtype: torch.dtype, quantization: str | None) -> torch.dtype:
