@@ -130,8 +130,8 @@ class WyomingService:
         voices = [TtsVoice(name=n, description=d, attribution=attribution, installed=True, version=None,
                            languages=tags) for n, d in self.voices()]
         program = TtsProgram(name="q3tts", description=f"Qwen3-TTS {self.serving.settings.model_id} (q3tts)",
-                             attribution=attribution, installed=True, version=importlib.metadata.version("q3tts"),
-                             voices=voices, supports_synthesize_streaming=True)
+                             attribution=attribution, installed=True, version=_version(), voices=voices,
+                             supports_synthesize_streaming=True)
         return Info(tts=[program])
 
     def options(self, data: dict) -> SpeechOptions:
@@ -355,6 +355,13 @@ class WyomingHandler(AsyncEventHandler):
             utt.handle.close()  # a no-op once finished; else (cancelled, connection lost) its slot is freed now
             self.serving.book(run)
         await self.write_event(AudioStop().event())
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("q3tts")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return None
 
 
 def _text(data: dict, kind: str) -> str:
