@@ -31,6 +31,7 @@ import asyncio
 import json
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -305,15 +306,16 @@ class SpeechSession:
         await self._send_json({"type": "audio.start", "sample_rate": sr, "format": "pcm_s16le"})
         run, held = utt.gen.run, bytearray()
         try:
-            async for chunk in self.serving.stream(utt.gen):
-                if chunk.num_frames:
-                    pcm = to_s16(chunk.audio).tobytes()
-                    if self.config.stream_audio:
-                        await self._send_bytes(pcm)
-                    else:
-                        held += pcm
-                if chunk.is_last and chunk.error:
-                    await self._error("generation_failed", chunk.error)
+            async with aclosing(self.serving.stream(utt.gen)) as chunks:  # closed (slot freed, run booked) on any exit
+                async for chunk in chunks:
+                    if chunk.num_frames:
+                        pcm = to_s16(chunk.audio).tobytes()
+                        if self.config.stream_audio:
+                            await self._send_bytes(pcm)
+                        else:
+                            held += pcm
+                    if chunk.is_last and chunk.error:
+                        await self._error("generation_failed", chunk.error)
             if held:
                 await self._send_bytes(bytes(held))
         except Exception as e:  # an engine failure: this utterance ends, the session goes on

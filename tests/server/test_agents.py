@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from tests.golden import fixtures as fx
 
@@ -28,28 +27,19 @@ from livekit.plugins.baseten import qwen3_tts  # noqa: E402
 KEY = "sekret"
 
 
-def greedy_checkpoint(variant: str, root):
-    """The variant's tiny checkpoint with a greedy generation_config.json (the fixtures' greedy settings)."""
-    src, out = fx.checkpoint(variant), root / f"{variant}-greedy"
-    out.mkdir()
-    for p in src.iterdir():
-        if p.name != "generation_config.json":
-            (out / p.name).symlink_to(p)
-    gen = json.loads((src / "generation_config.json").read_text())
-    gen.update(fx.manifest(variant)["greedy"])
-    (out / "generation_config.json").write_text(json.dumps(gen))
-    return out
-
-
 def start_greedy(variant: str, tmp_path_factory, **settings):
-    from q3tts import TTS
-    from q3tts.server.app import create_app
+    """A live server as `q3tts serve --model DIR --generation-config greedy.json` builds it (load_model)."""
+    from q3tts.server.app import create_app, load_model
     from q3tts.server.settings import ServerSettings
 
     root = tmp_path_factory.mktemp(f"agents-{variant}")
-    tts = TTS.from_pretrained(greedy_checkpoint(variant, root), device="cpu", dtype=torch.float32, max_seq_len=256)
+    greedy = root / "greedy.json"  # the fixtures' greedy settings (and their 33-token cap) over the checkpoint's
+    greedy.write_text(json.dumps(fx.manifest(variant)["greedy"]))
     opts = {"max_concurrent": 4, "max_seq_len": 256, "voice_dir": str(root / "voices"), "api_key": KEY, **settings}
-    return serve(create_app(tts, ServerSettings(model=f"tiny-{variant}", **opts)), f"uvicorn-agents-{variant}")
+    s = ServerSettings(model=str(fx.checkpoint(variant)), device="cpu", dtype="float32", generation_config=str(greedy),
+                       **opts)
+    tts = load_model(s)
+    return serve(create_app(tts, s), f"uvicorn-agents-{variant}")
 
 
 @pytest.fixture(scope="module")
