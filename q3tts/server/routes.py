@@ -109,7 +109,8 @@ _VOICE_UPLOAD_BODY = {"requestBody": {"required": True, "content": {
 }}}
 _CONSENT_BODY = {"requestBody": {"required": True, "content": {
     "multipart/form-data": {"schema": {"type": "object", "required": ["name", "language", "recording"], "properties": {
-        "name": {"type": "string"}, "language": {"type": "string"}, "recording": {"type": "string", "format": "binary"}}}},
+        "name": {"type": "string"}, "language": {"type": "string"},
+        "recording": {"type": "string", "format": "binary"}}}},
 }}}
 
 
