@@ -21,6 +21,10 @@ REFERENCE = Path(__file__).resolve().parents[1] / "q3tts" / "reference"
 MANIFEST = json.loads((FIX / "aligner.json").read_text())
 TENSORS = load_file(str(FIX / "tensors.safetensors"))
 CASES = {c["name"]: c for c in MANIFEST["cases"]}
+# the official's cases our aligner reproduces: not long_sdpa (the official's default attention crosses the audio
+# encoder's windows; we window as its flash-attention and vLLM paths do, recorded as long_windowed), and Japanese /
+# Korean on their own
+PARITY = [n for n in CASES if n not in ("ja", "ko", "long_sdpa")]
 
 
 @lru_cache(maxsize=1)
@@ -55,7 +59,7 @@ def run_case(case: dict):
     return a.align([w for w, _ in items], [sr for _, sr in items], case["text"], lang)
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("ja", "ko")])
+@pytest.mark.parametrize("name", PARITY)
 def test_words_and_times_equal_the_official(name):
     case = CASES[name]
     got = run_case(case)
@@ -161,7 +165,7 @@ def test_not_an_aligner_checkpoint(tmp_path):
         ForcedAligner.from_pretrained(tmp_path, device="cpu")
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("ja", "ko")])
+@pytest.mark.parametrize("name", PARITY)
 def test_raw_timestamp_classes_equal_the_official(name):
     """Before the fix-up (which can hide a differing class): the argmax class at every timestamp slot."""
     a = aligner()
@@ -180,3 +184,9 @@ def test_raw_timestamp_classes_equal_the_official(name):
         del a.thinker.forward
     for i, got in enumerate(captured["classes"]):
         assert got.tolist() == TENSORS[f"{name}.{i}.classes"].tolist()
+
+
+def test_the_two_official_attention_forms_differ_on_long_audio():
+    """Why long_sdpa is not a parity case: on audio longer than a window the official's two attention paths give
+    different classes, so the fixture pins which one we follow."""
+    assert TENSORS["long_windowed.0.classes"].tolist() != TENSORS["long_sdpa.0.classes"].tolist()

@@ -16,8 +16,9 @@ Notes on the oracle:
 - The official `from_pretrained` loads the processor with `fix_mistral_regex=True`; the tiny tokenizer is the Qwen2
   BPE of the TTS checkpoints plus the aligner's special tokens (randomckpt.aligner_tokenizer_config).
 - The official audio encoder, on its default (sdpa / eager) attention, attends over a whole utterance; on
-  flash-attention 2 (and in qwen-asr's vLLM backend) within windows of `n_window_infer` mel frames. The cases keep
-  every audio inside one window, where both agree.
+  flash-attention 2 (and in qwen-asr's vLLM backend) within windows of `n_window_infer` mel frames. Most cases keep
+  their audio inside one window, where both agree; `long_windowed` records the windowed form (the official
+  encoder with its own window mask, `_prepare_attention_mask`), `long_sdpa` the default attention on the same input.
 - Japanese (nagisa) and Korean (soynlp) word splitting are recorded only if those packages installed in the venv.
 - The product (q3tts) is never imported here except `q3tts/randomckpt.py`, loaded by file path.
 """
@@ -25,6 +26,7 @@ Notes on the oracle:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -90,7 +92,7 @@ T_JA = "今日はいい天気ですね。"
 T_KO = "안녕하세요 오늘 날씨가 좋네요."
 
 # audio name -> (seconds, sample rate); each is a deterministic mix of tones and noise (see make_audio)
-AUDIO = {"a": (1.37, 16000), "b": (2.5, 16000), "c": (3.61, 16000), "d": (2.05, 24000)}
+AUDIO = {"a": (1.37, 16000), "b": (2.5, 16000), "c": (3.61, 16000), "d": (2.05, 24000), "long": (9.3, 8000)}
 CASES = [
     dict(name="en", audio=["c"], text=[T_EN], language=["English"]),
     dict(name="zh", audio=["b"], text=[T_ZH], language=["Chinese"]),
@@ -98,6 +100,11 @@ CASES = [
     dict(name="en_24k", audio=["d"], text=[T_EN], language=["english"]),
     dict(name="batch", audio=["c", "b", "a"], text=[T_EN, T_ZH, T_MIX], language=["English", "Chinese", "Chinese"]),
     dict(name="batch_one_language", audio=["a", "c"], text=[T_MIX, T_EN], language=["French"]),
+    # longer than one attention window (n_window_infer = 800 frames = 8 s): run with the official encoder's own
+    # window mask (`_prepare_attention_mask`, its stand-in for the flash-attention-2 windows); "long_sdpa" is the
+    # same input on the default attention, which attends across windows
+    dict(name="long_windowed", audio=["long"], text=[T_EN + " " + T_EN], language=["English"], windowed=True),
+    dict(name="long_sdpa", audio=["long"], text=[T_EN + " " + T_EN], language=["English"]),
     dict(name="ja", audio=["b"], text=[T_JA], language=["Japanese"], needs="nagisa"),
     dict(name="ko", audio=["b"], text=[T_KO], language=["Korean"], needs="soynlp"),
 ]
@@ -115,6 +122,27 @@ def make_audio(seconds: float, sr: int, seed: int):
 
 
 # --------------------------------------------------------------------------- inside the oracle venv
+class Windowed:
+    """Within the block: the official audio attention gets the official window mask from cu_seqlens."""
+
+    def __init__(self, tower):
+        from qwen_asr.core.transformers_backend import modeling_qwen3_asr as m
+        self.cls, self.tower, self.orig = m.Qwen3ASRAudioAttention, tower, m.Qwen3ASRAudioAttention.forward
+
+    def __enter__(self):
+        tower, orig = self.tower, self.orig
+
+        def forward(attn, hidden_states, cu_seqlens=None, attention_mask=None, **kw):
+            if attention_mask is None:
+                attention_mask = tower._prepare_attention_mask(hidden_states, cu_seqlens)
+            return orig(attn, hidden_states, cu_seqlens=cu_seqlens, attention_mask=attention_mask, **kw)
+
+        self.cls.forward = forward
+
+    def __exit__(self, *exc):
+        self.cls.forward = self.orig
+
+
 def run_inside() -> None:
     import numpy as np
     import torch
@@ -159,16 +187,18 @@ def run_inside() -> None:
             print(f"skip {case['name']}: {case['needs']} is not installed")
             continue
         items = [(audio[a], AUDIO[a][1]) for a in case["audio"]]
+        windowed = Windowed(aligner.model.thinker.audio_tower) if case.get("windowed") else contextlib.nullcontext()
         lang = case["language"] if len(case["language"]) > 1 else case["language"][0]
-        results = aligner.align(audio=items if len(items) > 1 else items[0],
-                                text=case["text"] if len(items) > 1 else case["text"][0], language=lang)
+        with windowed:
+            results = aligner.align(audio=items if len(items) > 1 else items[0],
+                                    text=case["text"] if len(items) > 1 else case["text"][0], language=lang)
         ids = captured["input_ids"]
         classes = captured["logits"].argmax(-1)
         rec = dict(case, results=[[[it.text, it.start_time, it.end_time] for it in r] for r in results])
         for i in range(len(items)):
             tensors[f"{case['name']}.{i}.classes"] = classes[i][ids[i] == cfg["timestamp_token_id"]].contiguous()
             tensors[f"{case['name']}.{i}.input_ids"] = ids[i][captured["attention_mask"][i].bool()].contiguous()
-            if len(items) == 1:
+            if len(items) == 1 and "long" not in case["audio"]:  # (the long cases' features: 0.5 MB each)
                 n = int(captured["feature_attention_mask"][i].sum())
                 tensors[f"{case['name']}.{i}.features"] = captured["input_features"][i, :, :n].contiguous()
         cases.append(rec)
