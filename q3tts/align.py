@@ -9,7 +9,11 @@ one utterance or a batch (lists in, lists out). fp32 on a CPU, bf16 on CUDA.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,7 @@ from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, load_thinker,
 from .models.audio_encoder import SAMPLE_RATE, log_mel, mel_filters, tokens_after_cnn, valid_frames
 from .weights import resolve_model_dir
 
-__all__ = ["ForcedAligner", "WordTime"]
+__all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
 
 
 @dataclass(slots=True)
@@ -81,8 +85,8 @@ class ForcedAligner:
             raise ValueError(f"{what}language must be a language name such as 'English' or 'Chinese', "
                              f"got {language!r}"[:200])
         langs = self.supported_languages
-        if langs is not None and language.lower() not in langs:
-            raise ValueError(f"{what}language {language!r} is not supported by this aligner; accepted: "
+        if langs is not None and language.lower() not in langs + ["auto"]:
+            raise ValueError(f"{what}language {language!r} is not supported by this aligner; accepted: Auto, "
                              + ", ".join(x.capitalize() for x in langs))
         if isinstance(audio, torch.Tensor):
             audio = audio.detach().float().cpu().numpy()
@@ -114,7 +118,7 @@ class ForcedAligner:
     # ------------------------------------------------------------------ the pass
     @torch.inference_mode()
     def align(self, audio: Any, sample_rate: int | list[int], text: str | list[str],
-              language: str | list[str]) -> list[WordTime] | list[list[WordTime]]:
+              language: str | list[str], rows_alone: bool = False) -> list[WordTime] | list[list[WordTime]]:
         """Word timestamps of one utterance, or of a batch.
 
         Args:
@@ -124,7 +128,9 @@ class ForcedAligner:
             text: the transcript, or one per item.
             language: e.g. "English", "Chinese"; one for all items or one per item. Chinese (and any CJK ideograph)
                 is aligned per character, Japanese per nagisa word (extra `q3tts[aligner-ja-ko]`), other languages
-                per space-delimited word.
+                per space-delimited word; "Auto" (a q3tts addition) splits as the other languages do.
+            rows_alone: a batch row's features computed as if it were aligned alone (no padding from longer rows),
+                so its words do not depend on its batch; False (default): padded as the official batch.
 
         Returns:
             A list of WordTime (word, start_s, end_s); for a batch, one such list per item.
@@ -142,18 +148,24 @@ class ForcedAligner:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
         items = [self._item(a, sr, t, lang, i) for i, (a, sr, t, lang) in
                  enumerate(zip(audio, per["sample_rate"], per["text"], per["language"]))]
-        return self._run(items)
+        return self._run(items, rows_alone)
 
-    def _run(self, items: list[_Item]) -> list[list[WordTime]]:
-        """One forward for the batch. NOTE(aligner): as the official batch, the waveforms are zero-padded to the
-        longest before the mel (a row's last frames and its log floor can see the padding), so a row's features
-        depend on its batch as the official's do."""
+    def _features(self, items: list[_Item], rows_alone: bool) -> list[torch.Tensor]:
+        """Per row its log-mel [mel, F_i] in the model dtype. NOTE(aligner): the official batch zero-pads the
+        waveforms to the longest before the mel, so a shorter row's last frames (and its log floor) see the padding
+        and its features depend on its batch; rows_alone computes each row as a batch of one instead."""
+        if rows_alone and len(items) > 1:
+            return [f for it in items for f in self._features([it], False)]
         L = max(it.wav.shape[0] for it in items)
         wavs = torch.zeros(len(items), L)
         for i, it in enumerate(items):
             wavs[i, :it.wav.shape[0]] = torch.from_numpy(it.wav)
         mel = log_mel(wavs.to(self.device), self._filters)  # [B, mel, L // 160] fp32
-        feats = [mel[i, :, :valid_frames(it.wav.shape[0], L)].to(self.dtype) for i, it in enumerate(items)]
+        return [mel[i, :, :valid_frames(it.wav.shape[0], L)].to(self.dtype) for i, it in enumerate(items)]
+
+    def _run(self, items: list[_Item], rows_alone: bool = False) -> list[list[WordTime]]:
+        """One forward for the batch."""
+        feats = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(feats)  # per row [N_i, D]
         rows = []
         for it, f in zip(items, feats):
@@ -175,3 +187,67 @@ class ForcedAligner:
             # ms as the official computes them: int class x float32 segment time
             out.append(word_times(it.words, [float(np.float32(c) * seg) for c in slots]))
         return out
+
+
+class AlignerWorker:
+    """One ForcedAligner shared by many callers (the server's streams, a TTS facade): each `submit` is checked at
+    once (a bad item fails alone, before any work), queued, and a background thread aligns everything waiting as
+    one batch (up to max_batch rows, each row as if alone: rows_alone). On CUDA the thread runs on its own stream,
+    so synthesis steps queued meanwhile are not ordered behind the aligner's kernels.
+
+        worker = AlignerWorker(aligner)
+        words = await worker.align(wav, 24000, "Hello world.", "English")      # or worker.submit(...).result()
+    """
+
+    def __init__(self, aligner: ForcedAligner, max_batch: int = 16):
+        self.aligner, self.max_batch = aligner, max_batch
+        self._queue: list[tuple[_Item, Future]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._stream = torch.cuda.Stream(aligner.device) if aligner.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._loop, name="q3tts-aligner", daemon=True)
+        self._thread.start()
+
+    def submit(self, audio: Any, sample_rate: int, text: str, language: str) -> Future:
+        """A Future of the utterance's [WordTime]; ValueError at once for bad input."""
+        item = self.aligner._item(audio, sample_rate, text, language, -1)
+        fut: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the aligner worker is closed")
+            self._queue.append((item, fut))
+            self._cond.notify()
+        return fut
+
+    async def align(self, audio: Any, sample_rate: int, text: str, language: str) -> list[WordTime]:
+        """submit, awaited (for asyncio callers: the server's HTTP and WebSocket paths)."""
+        return await asyncio.wrap_future(self.submit(audio, sample_rate, text, language))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+            batch = [(it, f) for it, f in batch if f.set_running_or_notify_cancel()]
+            if not batch:
+                continue
+            try:
+                with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
+                    words = self.aligner._run([it for it, _ in batch], rows_alone=True)
+                    if self._stream is not None:
+                        self._stream.synchronize()
+            except BaseException as e:  # noqa: BLE001 - the callers get the error; the worker lives on
+                for _, f in batch:
+                    f.set_exception(e)
+                continue
+            for (_, f), w in zip(batch, words):
+                f.set_result(w)

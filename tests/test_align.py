@@ -190,3 +190,35 @@ def test_the_two_official_attention_forms_differ_on_long_audio():
     """Why long_sdpa is not a parity case: on audio longer than a window the official's two attention paths give
     different classes, so the fixture pins which one we follow."""
     assert TENSORS["long_windowed.0.classes"].tolist() != TENSORS["long_sdpa.0.classes"].tolist()
+
+
+def test_rows_alone_batch_equals_the_official_alone_for_every_row():
+    """rows_alone: each row's features as a batch of one, so every row of a mixed batch equals its alone case."""
+    case = CASES["batch"]
+    items = [audio(n) for n in case["audio"]]
+    got = aligner().align([w for w, _ in items], [sr for _, sr in items], case["text"], case["language"],
+                          rows_alone=True)
+    assert got == [expected(CASES[n])[0] for n in ("en", "zh", "mixed")]
+
+
+def test_auto_language_splits_as_the_default():
+    wav, sr = audio("a")
+    c = CASES["mixed"]
+    assert aligner().align(wav, sr, c["text"][0], "Auto") == expected(c)[0]
+
+
+def test_worker_batches_callers_and_fails_bad_items_alone():
+    import asyncio
+
+    from q3tts.align import AlignerWorker
+    worker = AlignerWorker(aligner(), max_batch=2)
+    try:
+        futs = [worker.submit(*audio(CASES[n]["audio"][0]), CASES[n]["text"][0], CASES[n]["language"][0])
+                for n in ("en", "zh", "mixed")]
+        assert [f.result(timeout=60) for f in futs] == [expected(CASES[n])[0] for n in ("en", "zh", "mixed")]
+        with pytest.raises(ValueError, match="non-empty"):
+            worker.submit(*audio("a"), "", "English")
+        got = asyncio.run(worker.align(*audio("b"), CASES["zh"]["text"][0], "Chinese"))
+        assert got == expected(CASES["zh"])[0]
+    finally:
+        worker.close()
