@@ -50,6 +50,7 @@ class ForcedAligner:
         if self._ids["<timestamp>"] != cfg.timestamp_token_id:
             raise ValueError(f"{model_dir}: the tokenizer's <timestamp> is id {self._ids['<timestamp>']}, "
                              f"config.json says {cfg.timestamp_token_id}")
+        self._lock = threading.Lock()  # one pass at a time (the worker's thread and direct callers)
         # the last class ends here: longer audio has words the head cannot place
         self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
 
@@ -77,8 +78,8 @@ class ForcedAligner:
         return sorted({x.lower() for x in self.cfg.support_languages}) or None
 
     # ------------------------------------------------------------------ inputs
-    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int) -> _Item:
-        what = f"item {i}: " if i >= 0 else ""
+    def words(self, text: Any, language: Any, what: str = "") -> list[str]:
+        """The words of text that align() times (ValueError naming the problem for bad text or language)."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{what}text must be a non-empty string, got {text!r}"[:200])
         if not isinstance(language, str) or not language.strip():
@@ -88,6 +89,11 @@ class ForcedAligner:
         if langs is not None and language.lower() not in langs + ["auto"]:
             raise ValueError(f"{what}language {language!r} is not supported by this aligner; accepted: Auto, "
                              + ", ".join(x.capitalize() for x in langs))
+        return split_words(text, language)
+
+    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int) -> _Item:
+        what = f"item {i}: " if i >= 0 else ""
+        words = self.words(text, language, what)
         if isinstance(audio, torch.Tensor):
             audio = audio.detach().float().cpu().numpy()
         wav = np.asarray(audio)
@@ -113,7 +119,7 @@ class ForcedAligner:
         wav = np.clip(wav, -1.0, 1.0).astype(np.float32)
         if wav.shape[0] < 2 * 160:  # shorter than two mel frames: the reflect-padded STFT is undefined
             raise ValueError(f"{what}audio of {wav.shape[0] / SAMPLE_RATE * 1000:.0f} ms is too short to align")
-        return _Item(split_words(text, language), wav)
+        return _Item(words, wav)
 
     # ------------------------------------------------------------------ the pass
     @torch.inference_mode()
@@ -164,6 +170,10 @@ class ForcedAligner:
         return [mel[i, :, :valid_frames(it.wav.shape[0], L)].to(self.dtype) for i, it in enumerate(items)]
 
     def _run(self, items: list[_Item], rows_alone: bool = False) -> list[list[WordTime]]:
+        with self._lock:
+            return self._forward(items, rows_alone)
+
+    def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
         """One forward for the batch."""
         feats = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(feats)  # per row [N_i, D]
