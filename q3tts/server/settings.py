@@ -39,6 +39,7 @@ class ServerSettings:
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
     warmup: bool = True  # run one short request at startup; /ready is true after it
     log_level: str = "info"
+    aligner: str | None = None  # forced aligner for word_timestamps (hub id or directory); None: refused with a 400
     # Ray Serve (q3tts.server.ray_serve): replicas > 0 or a ray_address serves through Ray instead of one uvicorn
     replicas: int = 0  # server replicas (one GPU each where there are GPUs); 0: no Ray
     max_replicas: int = 0  # > replicas: autoscale on queue length between replicas and this
@@ -94,6 +95,8 @@ _FLAGS = [
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
     ("--chunk-frames", "chunk_frames", int, "largest streamed chunk (chunks double up to it)"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),
+    ("--aligner", "aligner", str, "forced aligner for word timestamps (e.g. Qwen/Qwen3-ForcedAligner-0.6B or a "
+                                  "directory), loaded beside the model; without it word_timestamps is refused"),
     ("--replicas", "replicas", int, "serve N replicas on Ray Serve (pip install 'q3tts[ray]'); 0: one process"),
     ("--max-replicas", "max_replicas", int, "autoscale on queue length up to this many replicas (Ray Serve)"),
     ("--ray-address", "ray_address", str, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of a "
