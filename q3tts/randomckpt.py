@@ -159,7 +159,8 @@ def aligner_tokenizer_config(tts_tokenizer_config: dict) -> dict:
 
 
 def write_aligner_checkpoint(out_dir: str | Path, config: dict, shapes: dict, tokenizer_dir: str | Path,
-                             preprocessor_config: dict, seed: int = 0, tweaks: dict | None = None) -> str:
+                             preprocessor_config: dict, seed: int = 0, tweaks: dict | None = None,
+                             dtype: torch.dtype | None = None) -> str:
     """A forced-aligner directory (config.json, preprocessor_config.json, tokenizer files, model.safetensors with
     `thinker.*` keys); returns the weights' digest.
 
@@ -172,6 +173,8 @@ def write_aligner_checkpoint(out_dir: str | Path, config: dict, shapes: dict, to
     sd = build_state_dict(shapes, seed)
     if "timestamp_embed_scale" in (tweaks or {}):
         sd["thinker.model.embed_tokens.weight"][config["timestamp_token_id"]] *= tweaks["timestamp_embed_scale"]
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config, indent=2))
