@@ -222,3 +222,15 @@ def test_worker_batches_callers_and_fails_bad_items_alone():
         assert got == expected(CASES["zh"])[0]
     finally:
         worker.close()
+
+
+def test_bf16_runs_and_times_the_same_words():
+    """bf16 (the CUDA default) on the CPU: the same words in order, non-decreasing times (bf16 rounding may move
+    an argmax, so no time equality is claimed), RoPE frequencies kept in fp32."""
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", dtype=torch.bfloat16)
+    assert a.thinker.inv_freq.dtype == torch.float32 and a.dtype == torch.bfloat16
+    case = CASES["en"]
+    got = a.align(*audio("c"), case["text"][0], "English")
+    assert [w.word for w in got] == [w.word for w in expected(case)[0]]
+    assert all(w.start_s <= w.end_s for w in got)
+    assert [w.start_s for w in got] == sorted(w.start_s for w in got)

@@ -168,18 +168,28 @@ class AudioEncoder(nn.Module):
         output_dim]. Every conv chunk of every utterance runs in one batch, every attention window in another."""
         cfg = self.cfg
         chunk = 2 * cfg.n_window
-        pieces, lens = [], []  # conv chunks [chunk frames, mel] (the last one of an utterance shorter)
+        # NOTE(aligner): as the official, an utterance's chunks are zero-padded to its longest chunk (chunk frames,
+        # or its own length when it is shorter than one chunk), never to another utterance's: past the first conv
+        # the padding is not zero (GELU of the bias), so it reaches the tail chunk's last tokens. Chunks of the same
+        # padded length run as one batch.
+        groups: dict[int, list[tuple[int, torch.Tensor]]] = {}  # padded length -> [(chunk index, [frames, mel])]
+        lens = []
         for f in feats:
+            pad_to = min(chunk, f.shape[1])
             for s in range(0, f.shape[1], chunk):
-                pieces.append(f[:, s:s + chunk].T)
-                lens.append(pieces[-1].shape[0])
-        x = nn.utils.rnn.pad_sequence(pieces, batch_first=True).transpose(1, 2)[:, None]  # [C, 1, mel, chunk]
-        x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x))))))  # [C, c, mel', t]
-        C, c, m, t = x.shape
-        x = self.conv_out(x.permute(0, 3, 1, 2).reshape(C, t, c * m))  # [C, t, D]
-        x = x + self.positional_embedding[:t].to(x.dtype)  # positions restart in every chunk
-        per_chunk = [_conv_len(n) for n in lens]
-        tokens = torch.cat([x[i, :n] for i, n in enumerate(per_chunk)])  # [N, D] all utterances' tokens
+                groups.setdefault(pad_to, []).append((len(lens), f[:, s:s + chunk].T))
+                lens.append(min(chunk, f.shape[1] - s))
+        out: list[torch.Tensor | None] = [None] * len(lens)
+        for pad_to, members in groups.items():
+            x = nn.utils.rnn.pad_sequence([p for _, p in members], batch_first=True)  # [C, <= pad_to, mel]
+            x = F.pad(x, (0, 0, 0, pad_to - x.shape[1])).transpose(1, 2)[:, None]  # [C, 1, mel, pad_to]
+            x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x))))))  # [C, c, mel', t]
+            C, c, m, t = x.shape
+            x = self.conv_out(x.permute(0, 3, 1, 2).reshape(C, t, c * m))  # [C, t, D]
+            x = x + self.positional_embedding[:t].to(x.dtype)  # positions restart in every chunk
+            for j, (i, _) in enumerate(members):
+                out[i] = x[j, :_conv_len(lens[i])]
+        tokens = torch.cat(out)  # [N, D] all utterances' tokens, in order
         # attention windows: n_window_infer frames = window tokens of t per chunk, cut per utterance
         window = _conv_len(chunk) * (cfg.n_window_infer // chunk)
         counts = [tokens_after_cnn(f.shape[1]) for f in feats]

@@ -92,7 +92,8 @@ T_JA = "今日はいい天気ですね。"
 T_KO = "안녕하세요 오늘 날씨가 좋네요."
 
 # audio name -> (seconds, sample rate); each is a deterministic mix of tones and noise (see make_audio)
-AUDIO = {"a": (1.37, 16000), "b": (2.5, 16000), "c": (3.61, 16000), "d": (2.05, 24000), "long": (9.3, 8000)}
+AUDIO = {"a": (1.37, 16000), "b": (2.5, 16000), "c": (3.61, 16000), "d": (2.05, 24000), "long": (9.3, 8000),
+         "short": (0.63, 16000)}
 CASES = [
     dict(name="en", audio=["c"], text=[T_EN], language=["English"]),
     dict(name="zh", audio=["b"], text=[T_ZH], language=["Chinese"]),
@@ -100,6 +101,9 @@ CASES = [
     dict(name="en_24k", audio=["d"], text=[T_EN], language=["english"]),
     dict(name="batch", audio=["c", "b", "a"], text=[T_EN, T_ZH, T_MIX], language=["English", "Chinese", "Chinese"]),
     dict(name="batch_one_language", audio=["a", "c"], text=[T_MIX, T_EN], language=["French"]),
+    # under one 100-frame conv chunk, alone and beside a longer row (whose chunks are padded to 100 frames)
+    dict(name="short", audio=["short"], text=["Hi there."], language=["English"]),
+    dict(name="batch_short", audio=["short", "b"], text=["Hi there.", T_ZH], language=["English", "Chinese"]),
     # longer than one attention window (n_window_infer = 800 frames = 8 s): run with the official encoder's own
     # window mask (`_prepare_attention_mask`, its stand-in for the flash-attention-2 windows); "long_sdpa" is the
     # same input on the default attention, which attends across windows
