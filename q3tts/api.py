@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .align import ForcedAligner, WordTime
+from .inputs.align_text import aligner_language
 from .engine.engine import AudioChunk, Engine
 from .engine.request import StreamOptions
 from .inputs.processor import InputProcessor
@@ -284,7 +285,8 @@ class TTS:
             raise ValueError("word_timestamps=True needs a forced aligner: TTS.from_pretrained(..., "
                              "aligner='Qwen/Qwen3-ForcedAligner-0.6B') (or a local directory)")
         texts = text if isinstance(text, list) else [text]
-        langs = [lang or "Auto" for lang in (language if isinstance(language, list) else [language] * len(texts))]
+        langs = language if isinstance(language, list) else [language] * len(texts)
+        langs = [aligner_language(lang) for lang in langs]
         for t, lang in zip(texts, langs):
             if t is None or (isinstance(t, str) and t.strip()):  # (bad text is the processor's to refuse)
                 self.aligner.words(t if t is not None else "a", lang)

@@ -81,6 +81,14 @@ def split_words(text: str, language: str) -> list[str]:
     return words
 
 
+def aligner_language(tts_language: str | None) -> str:
+    """The aligner's language for a synthesis language: none / auto -> "Auto" (the default splitting), the Chinese
+    dialects (beijing_dialect, sichuan_dialect) -> "Chinese" (per character), others as they are."""
+    if not tts_language or tts_language.lower() == "auto":
+        return "Auto"
+    return "Chinese" if tts_language.lower().endswith("_dialect") else tts_language
+
+
 def prompt_text(words: list[str]) -> str:
     return "<|audio_start|><|audio_pad|><|audio_end|>" + "".join(w + "<timestamp><timestamp>" for w in words)
 

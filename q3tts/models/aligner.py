@@ -48,7 +48,8 @@ def parse_aligner_config(d: dict) -> AlignerConfig:
         raise ValueError("aligner text model: attention_bias / a non-SiLU MLP are not supported")
     rope = t.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"aligner text model: rope_type {rope.get('rope_type')!r} is not supported (accepted: default)")
+        raise ValueError(f"aligner text model: rope_type {rope.get('rope_type')!r} is not supported "
+                         "(accepted: default)")
     return AlignerConfig(audio=parse_audio_encoder_config(th.get("audio_config", {})), text=text,
                          classify_num=th["classify_num"], audio_token_id=th.get("audio_token_id", 151646),
                          timestamp_token_id=d["timestamp_token_id"],

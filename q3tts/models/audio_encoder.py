@@ -42,7 +42,8 @@ def parse_audio_encoder_config(d: dict) -> AudioEncoderConfig:
     if cfg.n_window != 50:  # the official token count (tokens_after_cnn) hard-codes 100-frame chunks
         raise ValueError(f"audio encoder n_window {cfg.n_window} is not supported (accepted: 50)")
     if cfg.n_window_infer % (2 * cfg.n_window):
-        raise ValueError(f"n_window_infer ({cfg.n_window_infer}) must be a multiple of 2 * n_window ({2 * cfg.n_window})")
+        raise ValueError(f"n_window_infer ({cfg.n_window_infer}) must be a multiple of 2 * n_window "
+                         f"({2 * cfg.n_window})")
     return cfg
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from q3tts.engine.async_engine import AsyncEngine
-from q3tts.inputs.align_text import WordTime
+from q3tts.inputs.align_text import WordTime, aligner_language
 from q3tts.engine.compile_cache import compile_counts, describe_counts
 from q3tts.engine.engine import AudioChunk
 from q3tts.engine.request import StreamOptions
@@ -209,7 +209,7 @@ class SpeechServing:
                            "`q3tts serve --aligner Qwen/Qwen3-ForcedAligner-0.6B` (or a local directory)",
                            param="word_timestamps", code="aligner_not_loaded")
         try:
-            self.aligner.aligner.words(text if text and text.strip() else "a", language or "Auto")
+            self.aligner.aligner.words(text if text and text.strip() else "a", aligner_language(language))
         except ValueError as e:
             raise ApiError(400, f"word_timestamps: {e}", param="language", code="unsupported_language") from None
 
@@ -221,7 +221,7 @@ class SpeechServing:
         word_alignment` is livekit_alignment(words), vLLM-Omni's trailing `audio.chunk` carries words_ms(words)."""
         if not text or not text.strip() or audio.size < 2 * 160 * sample_rate // 16000:
             return []
-        return await self.aligner.align(audio, sample_rate, text, language or "Auto")
+        return await self.aligner.align(audio, sample_rate, text, aligner_language(language))
 
     async def response_words(self, pcm: list[np.ndarray], req: SpeechRequest) -> list[WordTiming]:
         """The response's words in ms; its speed (WSOLA tempo) scales the synthesized audio's times."""

@@ -6,8 +6,8 @@ Outside the venv this script only creates the isolated oracle environment (qwen-
 CPU torch 2.13) and re-runs itself inside it; inside, it builds a tiny checkpoint in the official layout (names and
 shapes from the official `Qwen3ASRForConditionalGeneration`, values from `q3tts/randomckpt.py`), runs the official
 `Qwen3ForcedAligner.align` in fp32 on CPU for English, Chinese and mixed texts, alone and batched, and writes
-`fixtures/aligner/aligner.json` (the recipe, the cases, their words and times) and `fixtures/aligner/tensors.safetensors`
-(the input audio, the features and token ids the official processor made, the raw timestamp classes).
+`fixtures/aligner/aligner.json` (the recipe, the cases, their words and times) and
+`fixtures/aligner/tensors.safetensors` (the input audio, the features and token ids the official processor made, the raw timestamp classes).
 
 Notes on the oracle:
 - The real checkpoint's files (Qwen/Qwen3-ForcedAligner-0.6B) are not in our reference set: the tiny config keeps the
@@ -120,7 +120,8 @@ def make_audio(seconds: float, sr: int, seed: int):
     t = np.arange(int(round(seconds * sr))) / sr
     wav = np.zeros_like(t)
     for f in rng.uniform(100, 3000, size=5):
-        wav += rng.uniform(0.05, 0.2) * np.sin(2 * np.pi * f * t) * (0.5 + 0.5 * np.sin(2 * np.pi * rng.uniform(0.5, 3) * t))
+        amplitude = rng.uniform(0.05, 0.2)
+        wav += amplitude * np.sin(2 * np.pi * f * t) * (0.5 + 0.5 * np.sin(2 * np.pi * rng.uniform(0.5, 3) * t))
     wav += 0.02 * rng.standard_normal(t.shape)
     return wav.astype(np.float32)
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from q3tts.inputs.align_text import InputError, WordTime, fix_timestamps, prompt_text, split_words, word_times
+from q3tts.inputs.align_text import (InputError, WordTime, aligner_language, fix_timestamps, prompt_text, split_words,
+                                     word_times)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "golden" / "fixtures" / "aligner" / "aligner.json"
 
@@ -57,3 +58,9 @@ def test_fix_timestamps_equals_the_official():
 def test_word_times_pairs_slots_and_rounds_to_ms():
     assert word_times(["a", "b"], [80.0, 160.0, 160.0, 1234.0]) == [WordTime("a", 0.08, 0.16),
                                                                     WordTime("b", 0.16, 1.234)]
+
+
+@pytest.mark.parametrize("tts,aligner", [(None, "Auto"), ("auto", "Auto"), ("English", "English"),
+                                         ("beijing_dialect", "Chinese"), ("sichuan_dialect", "Chinese")])
+def test_aligner_language_of_a_synthesis_language(tts, aligner):
+    assert aligner_language(tts) == aligner
