@@ -52,6 +52,7 @@ class TTS:
                         max_seq_len: int | None = None, max_queue: int = 256, compile: bool | None = None,
                         quantization: str | None = None, gpu_memory_utilization: float | None = None,
                         gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
+                        generation_config: dict | str | os.PathLike | None = None,
                         aligner: str | os.PathLike | ForcedAligner | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
@@ -75,10 +76,13 @@ class TTS:
             quantization: quantization of the talker and code predictor: None (exact), "int8" / "int4"
                 (weight-only) or "int8dyn" (int8 weights and activations: the fastest) on CPU, "int8" or "fp8" on
                 CUDA. Close to, not token-exact with, the unquantized model.
+            generation_config: generation defaults laid over the checkpoint's generation_config.json, as a dict or
+                the path of a JSON file of its fields (e.g. {"do_sample": False, "subtalker_dosample": False}:
+                greedy); a call's own arguments still win. Unknown fields and invalid values are a ValueError.
             aligner: a forced aligner (e.g. "Qwen/Qwen3-ForcedAligner-0.6B", a directory, or a ForcedAligner),
                 loaded on the same device: then generate_*(..., word_timestamps=True) also returns word times.
         """
-        ckpt = load_checkpoint(name_or_path, device, dtype, quantization)
+        ckpt = load_checkpoint(name_or_path, device, dtype, quantization, generation_config)
         if aligner is not None and not isinstance(aligner, ForcedAligner):
             aligner = ForcedAligner.from_pretrained(aligner, device=ckpt.device)
         return cls(ckpt, max_batch_size, max_seq_len, max_queue, compile, gpu_memory_utilization, gpu_memory,
