@@ -43,6 +43,9 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
     metrics = Metrics(engine.stats)
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes, settings.voice_alias)
     serving = SpeechServing(tts, engine, voices, metrics, settings)
+    if getattr(tts, "aligner", None) is not None:  # word timestamps: one aligner worker beside the engine
+        from q3tts.align import AlignerWorker
+        serving.aligner = AlignerWorker(tts.aligner)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -56,6 +59,8 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
             if warm is not None and not warm.done():
                 warm.cancel()
             engine.shutdown()
+            if serving.aligner is not None:
+                serving.aligner.close()
 
     app = FastAPI(title="q3tts", description="OpenAI-compatible speech server for Qwen3-TTS", lifespan=lifespan)
     st = app.state
@@ -73,7 +78,7 @@ def load_model(settings: ServerSettings):
     from q3tts.api import TTS
     return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
                                quantization=settings.quantization, compile_cache=settings.compile_cache,
-                               generation_config=settings.generation_config)
+                               generation_config=settings.generation_config, aligner=settings.aligner)
 
 
 def main(settings: ServerSettings) -> int:

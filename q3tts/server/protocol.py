@@ -75,6 +75,9 @@ class SpeechRequest(SpeechOptions):
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
     stream_format: Literal["audio", "sse"] = "audio"
+    word_timestamps: bool = Field(False, description="Word times (needs `q3tts serve --aligner`): the "
+                                  "X-Word-Timestamps header (JSON [{word, start_ms, end_ms}]) of the whole response, "
+                                  "or with stream_format sse a speech.audio.word_timestamps event after the audio")
 
 
 class SessionConfig(SpeechOptions):
@@ -92,7 +95,8 @@ class SessionConfig(SpeechOptions):
     initial_codec_chunk_frames: int | None = Field(None, ge=1, le=64, description="Frames (80 ms) in the first "
                                                    "audio chunk of each utterance")
     split_granularity: str | None = Field(None, max_length=16, description="none: each flush is one utterance")
-    timestamp_type: str | None = Field(None, max_length=16, description="word timestamps (not available yet)")
+    timestamp_type: str | None = Field(None, max_length=16, description="word: word timestamps in audio.done "
+                                                                        "(a server with --aligner)")
     timestamp_transport_strategy: str | None = Field(None, max_length=16)
 
 
@@ -200,6 +204,19 @@ class SpeechAudioDone(BaseModel):
     usage: Usage
     finish_reason: str | None = None  # extension: "stop" (EOS), "length", "error"
     audio_seconds: float = 0.0  # extension: duration of the audio sent (after speed)
+
+
+class WordTiming(BaseModel):
+    word: str
+    start_ms: int  # from the start of the response's audio
+    end_ms: int
+
+
+class SpeechWordTimestamps(BaseModel):
+    """SSE event after the audio deltas of a request with word_timestamps (extension)."""
+
+    type: Literal["speech.audio.word_timestamps"] = "speech.audio.word_timestamps"
+    words: list[WordTiming]
 
 
 class ErrorInfo(BaseModel):

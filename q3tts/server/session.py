@@ -3,7 +3,8 @@
     GET /v1/audio/speech/stream   (vLLM-Omni's protocol, as LiveKit's Qwen3-TTS client speaks it)
     client  {"type": "session.config", ...}   the /v1/audio/speech fields but input, plus vLLM-Omni's task_type,
                                               response_format, stream_audio, speed, initial_codec_chunk_frames,
-                                              split_granularity (any time; kept until the next one)
+                                              split_granularity, timestamp_type "word" (--aligner: words in
+                                              audio.done's timestamp_info) (any time; kept until the next one)
             {"type": "input.text", "text": "..."}   any number, split anywhere
             {"type": "input.done"}                  a flush: the utterance's text ends; its audio, then session.done
             {"type": "response.cancel"}             ends the current utterance now
@@ -32,8 +33,9 @@ import json
 import logging
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -42,7 +44,7 @@ from q3tts.engine.request import StreamOptions
 from q3tts.inputs.text import TextStream
 
 from .protocol import ApiError, SessionConfig, VoiceAddMessage
-from .serving import Generation
+from .serving import Generation, livekit_alignment
 
 log = logging.getLogger("q3tts.server")
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
@@ -57,6 +59,7 @@ class Utterance:
     gen: Generation
     client: str
     chars: int = 0
+    said: list[str] = field(default_factory=list)  # its text as given (the aligner's words come from it)
 
 
 FLUSH = object()  # outbox marker: session.done for a flush, once everything before it is sent
@@ -196,9 +199,16 @@ class SpeechSession:
         if cfg.split_granularity not in (None, "none"):
             return (f"split_granularity {cfg.split_granularity!r} is not supported: each input.done flushes one "
                     "utterance (split_granularity 'none')")
-        if cfg.timestamp_type is not None or cfg.timestamp_transport_strategy is not None:
-            return ("word timestamps (timestamp_type / timestamp_transport_strategy) are not available on this "
-                    "server yet: leave them out")
+        if cfg.timestamp_type is None and cfg.timestamp_transport_strategy is None:
+            return None
+        if cfg.timestamp_type != "word" or cfg.timestamp_transport_strategy not in (None, "sync"):
+            return (f"timestamp_type {cfg.timestamp_type!r} / timestamp_transport_strategy "
+                    f"{cfg.timestamp_transport_strategy!r}: this server makes word timestamps (timestamp_type 'word') "
+                    "and sends them in each utterance's audio.done (timestamp_transport_strategy 'sync')")
+        try:
+            self.serving.check_words(None, cfg.language)  # an aligner is loaded and knows the language
+        except ApiError as e:
+            return e.info.message
         return None
 
     async def _add_text(self, text: str) -> None:
@@ -223,6 +233,7 @@ class SpeechSession:
                               "(--max-text-length): it was cancelled; send input.done more often")
             return
         utt.text.append(text)
+        utt.said.append(text)
 
     async def _start(self) -> Utterance:
         """A new utterance: its request, with an open text, queued in the engine now (within the caps)."""
@@ -305,10 +316,14 @@ class SpeechSession:
         sr = self.serving.tts.sample_rate
         await self._send_json({"type": "audio.start", "sample_rate": sr, "format": "pcm_s16le"})
         run, held = utt.gen.run, bytearray()
+        words = self.config.timestamp_type == "word"  # checked at session.config: an aligner is loaded
+        audio: list = []  # float32 PCM kept for the aligner
         try:
             async with aclosing(self.serving.stream(utt.gen)) as chunks:  # closed (slot freed, run booked) on any exit
                 async for chunk in chunks:
                     if chunk.num_frames:
+                        if words:
+                            audio.append(chunk.audio)
                         pcm = to_s16(chunk.audio).tobytes()
                         if self.config.stream_audio:
                             await self._send_bytes(pcm)
@@ -322,7 +337,12 @@ class SpeechSession:
             log.exception("%s failed", run.request_id)
             await self._error("generation_failed", f"{type(e).__name__}: {e}")
         reason = FINISH.get(run.finish_reason, "error") if run.outcome != "failed" else "error"
-        await self._send_json({"type": "audio.done", "frames": run.frames, "finish_reason": reason})
+        done = {"type": "audio.done", "frames": run.frames, "finish_reason": reason}
+        if words and run.outcome == "completed":  # LiveKit's sync transport: the words in audio.done
+            pcm = np.concatenate(audio) if audio else np.zeros(0, np.float32)
+            found = await self.serving.utterance_words(pcm, sr, "".join(utt.said), self.config.language)
+            done["timestamp_info"] = {"word_alignment": livekit_alignment(found)}
+        await self._send_json(done)
 
     async def _send_bytes(self, data: bytes) -> None:
         self.last_activity = time.monotonic()

@@ -49,6 +49,7 @@ class ServerSettings:
     ws_max_client_utterances: int = 32  # the same over all sessions of one client address
     voice_alias: tuple[str, ...] = ()  # "NAME=VOICE": OpenAI voice names (Pipecat's) -> this model's voices
     log_level: str = "info"
+    aligner: str | None = None  # forced aligner for word_timestamps (hub id or directory); None: refused with a 400
     # Ray Serve (q3tts.server.ray_serve): replicas > 0 or a ray_address serves through Ray instead of one uvicorn
     replicas: int = 0  # server replicas (one GPU each where there are GPUs); 0: no Ray
     max_replicas: int = 0  # > replicas: autoscale on queue length between replicas and this
@@ -115,6 +116,8 @@ _FLAGS = [
     ("--ws-max-client-utterances", "ws_max_client_utterances", int, "WebSocket: the same over all sessions of one "
                                                                     "client address"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),
+    ("--aligner", "aligner", str, "forced aligner for word timestamps (e.g. Qwen/Qwen3-ForcedAligner-0.6B or a "
+                                  "directory), loaded beside the model; without it word_timestamps is refused"),
     ("--replicas", "replicas", int, "serve N replicas on Ray Serve (pip install 'q3tts[ray]'); 0: one process"),
     ("--max-replicas", "max_replicas", int, "autoscale on queue length up to this many replicas (Ray Serve)"),
     ("--ray-address", "ray_address", str, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of a "
