@@ -108,9 +108,9 @@ def _boundaries(text: str, abbrevs: set[str], clause: bool, start: int = 0, end:
                 j += 1  # "?!", "...", "。」"
             while j < end and text[j] in _CLOSERS:
                 j += 1
-            if c in cjk_marks or text[j - 1] in cjk_marks or j >= end or text[j].isspace():
-                if c in cjk_marks or _ends_here(text, i, j, end, abbrevs):
-                    out.append(j)
+            if c in cjk_marks or text[j - 1] in cjk_marks or (
+                    (j >= end or text[j].isspace()) and _ends_here(text, i, j, end, abbrevs)):
+                out.append(j)
             i = j
             continue
         i += 1
