@@ -15,13 +15,12 @@ segments wait (in their request's buffer) until the earlier ones are out.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -258,13 +257,13 @@ def stream(tts: TTS, prepare: Callable[..., list[PreparedRequest]], text, opts: 
 
 
 # --------------------------------------------------------------------------- the async engine (the server)
-async def generate_async(engine: AsyncEngine, prepare: Callable[[int], PreparedRequest], joiner: Joiner,
+async def generate_async(engine: AsyncEngine, prepare: Callable[[int], Awaitable[PreparedRequest]], joiner: Joiner,
                          options: StreamOptions, window: int | None = None,
                          first: PreparedRequest | None = None) -> AsyncIterator[AudioChunk]:
     """The server's long request: segment requests on the AsyncEngine, up to `window` (default twice the engine's
     slots) queued or running at once, each submitted when an earlier one has been handed out; their chunks joined
     in order. A segment that fails ends the stream with its (error) chunk; leaving early cancels every segment.
-    `prepare` may block (a voice file, tokenizing): it runs in a thread."""
+    `first`: segment 0, prepared already (its arguments checked before the response starts)."""
     n = joiner.num_segments
     window = window or 2 * engine.engine.scheduler.max_slots
     handles: deque = deque()
@@ -272,7 +271,7 @@ async def generate_async(engine: AsyncEngine, prepare: Callable[[int], PreparedR
     try:
         for i in range(n):
             while submitted < n and submitted < i + window:
-                p = first if submitted == 0 and first is not None else await asyncio.to_thread(prepare, submitted)
+                p = first if submitted == 0 and first is not None else await prepare(submitted)
                 handles.append(engine.submit(p, options, f"{joiner.request_id}-{submitted}", joiner.start))
                 submitted += 1
             h = handles.popleft()

@@ -125,7 +125,7 @@ def _ends_here(text: str, i: int, j: int, end: int, abbrevs: set[str]) -> bool:
     while k > 0 and not text[k - 1].isspace() and text[k - 1] not in _CLOSERS + "(":
         k -= 1
     word = text[k:i].lower()
-    if word in abbrevs or (len(word) == 1 and word.isalpha()):
+    if word in abbrevs or (len(word) == 1 and text[k].isupper()):
         return False  # "Dr.", "e.g.", an initial "J."
     n = j
     while n < end and text[n].isspace():

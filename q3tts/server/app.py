@@ -102,7 +102,7 @@ def _state(request: Request):
 @with_cancellation
 async def create_speech(body: SpeechRequest, raw_request: Request):
     stream = await _state(raw_request).serving.create_speech(body)
-    headers = {"X-Request-Id": stream.request_id, "Cache-Control": "no-cache"}
+    headers = {"X-Request-Id": stream.request_id, "Cache-Control": "no-cache", **stream.headers}
     return AudioStreamingResponse(stream.body, media_type=stream.media_type, headers=headers)
 
 

@@ -64,6 +64,8 @@ def test_decimals_abbreviations_initials_lowercase_do_not_split():
                  "Use tools, e.g. hammers, i.e. heavy ones.", "J. R. R. Tolkien wrote it.",
                  "The end. and then more words."):
         assert split_text(text, min_chars=0) == [text]
+    assert split_text("He was the one who came to a. Then he left.", min_chars=0) == \
+        ["He was the one who came to a.", "Then he left."]
     assert split_text("Siehe z.B. Seite drei. Dann weiter.", language="German", min_chars=0) == \
         ["Siehe z.B. Seite drei.", "Dann weiter."]
 
