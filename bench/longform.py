@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     n = max(2, round(a.minutes * 60 * FPS / frames))
     sentences = narration(n, a.words)
     text = " ".join(sentences)
-    kw = dict(speaker="ryan", max_new_tokens=frames + 1, seed=0, pause_ms=a.pause_ms)
+    kw = {"speaker": "ryan", "max_new_tokens": frames + 1, "seed": 0, "pause_ms": a.pause_ms}
     engine = tts.engine
     warm = " ".join(narration(2 * engine.scheduler.max_slots, a.words))  # compiles, graphs, every batch size
     run(tts, warm, dict(kw, max_new_tokens=4), None)

@@ -15,6 +15,7 @@ segments wait (in their request's buffer) until the earlier ones are out.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import random
@@ -29,6 +30,7 @@ import torch
 
 from .engine.engine import AudioChunk, Engine
 from .engine.request import EngineRequest, StreamOptions
+from .engine.scheduler import QueueFullError
 from .inputs.request import InputError, PreparedRequest
 from .inputs.split import split_text
 
@@ -181,7 +183,7 @@ class Joiner:
             if last:
                 reason = "length" if "length" in self.finish_reasons else c.finish_reason
         out = dataclasses.replace(c, request_id=self.request_id, audio=audio, frame_index=self.frames,
-                                  is_last=last, finish_reason=reason if last or c.error else None,
+                                  is_last=last, finish_reason=c.finish_reason if c.error else reason,
                                   elapsed_s=time.perf_counter() - self.start)
         self.frames += c.num_frames
         return out
@@ -272,7 +274,15 @@ async def generate_async(engine: AsyncEngine, prepare: Callable[[int], Awaitable
         for i in range(n):
             while submitted < n and submitted < i + window:
                 p = first if submitted == 0 and first is not None else await prepare(submitted)
-                handles.append(engine.submit(p, options, f"{joiner.request_id}-{submitted}", joiner.start))
+                try:
+                    handles.append(engine.submit(p, options, f"{joiner.request_id}-{submitted}", joiner.start))
+                except QueueFullError:  # other clients filled the queue: the first segment is refused (503),
+                    if i == 0 and not handles:  # a later one waits for room
+                        raise
+                    if handles:
+                        break  # try again after the next segment
+                    await asyncio.sleep(0.05)
+                    continue
                 submitted += 1
             h = handles.popleft()
             async for c in h.chunks():

@@ -34,9 +34,12 @@ def check_joined(wav: np.ndarray, parts: list[np.ndarray], pause_ms: int, atol: 
     ("cv06", "generate_custom_voice", {"speaker": "serena", "language": "Japanese"}, ("batch_mixed", 2)),
     ("vd17", "generate_voice_design", {"instruct": "Young woman, cheerful and fast.", "language": "French",
                                        "non_streaming_mode": False}, ("french_stream", 0)),
+    ("base06", "generate_voice_clone", {"language": "Auto", "non_streaming_mode": True}, ("xvec_auto_nsm", 0)),
 ])
 def test_each_segment_equals_the_official_output(variant, method, kw, row):
     tts = fx.tts(variant)
+    if variant == "base06":
+        kw = dict(kw, voice_clone_prompt=fx.case_prompt_items(variant, fx.get_case(variant, row[0])))
     wavs, sr = getattr(tts, method)(f"{MIXED}  {MIXED}\n\n{MIXED}", **kw, split_granularity="sentence", pause_ms=125,
                                     max_new_tokens=fx.manifest(variant)["greedy"]["max_new_tokens"], **GREEDY)
     official = fx.outputs(variant)[f"{row[0]}.wav.{row[1]}"].numpy()

@@ -69,7 +69,7 @@ def split_text(text: str, granularity: str = "sentence", language: str | None = 
     if granularity not in GRANULARITIES:
         raise ValueError(f"split_granularity must be one of {['none', *GRANULARITIES]}, got {granularity!r}")
     if not isinstance(text, str):
-        raise ValueError(f"text must be a str to be split, got {type(text).__name__}")
+        raise ValueError(f"text must be a str to be split, got {type(text).__name__}")  # noqa: TRY004 (user input)
     if max_chars < 1 or min_chars < 0:
         raise ValueError("max_chars must be >= 1 and min_chars >= 0")
     lang = (language or "auto").strip().lower()

@@ -8,7 +8,6 @@ import numpy as np
 
 from .live import GREEDY, SPF, SR, pcm_samples, speak
 
-
 WORDS = ("the cat sat on a mat and then it ran to see what was in the house where we live with our dog who "
          "likes to play all day").split()
 
