@@ -134,3 +134,67 @@ def test_leaving_a_stream_early_aborts_every_segment():
     next(stream)
     stream.close()
     assert tts.engine.scheduler.num_running == 0 and tts.engine.scheduler.queue_depth == 0
+
+
+# --------------------------------------------------------------------------- the server's path, on a fake engine
+class FakeHandle:
+    def __init__(self, i, fail=False):
+        self.i, self.fail, self.closed = i, fail, False
+
+    async def chunks(self):
+        from q3tts.engine.engine import AudioChunk
+        for k in range(2):
+            last = k == 1
+            yield AudioChunk(f"s{self.i}", np.full(4, self.i, np.float32), 8000, k, 1, last,
+                             ("error" if self.fail else "stop") if last else None, 0.0,
+                             "boom" if self.fail and last else None)
+
+    def close(self):
+        self.closed = True
+
+
+class FakeEngine:
+    """AsyncEngine's submit: refuses with QueueFullError when `full` says so; records what is in flight."""
+
+    def __init__(self, slots=2, full=lambda n: False, fail_at=None):
+        from types import SimpleNamespace
+        self.engine = SimpleNamespace(scheduler=SimpleNamespace(max_slots=slots))
+        self.full, self.fail_at, self.handles, self.tries = full, fail_at, [], 0
+
+    def submit(self, p, options, request_id, arrival):
+        from q3tts.engine.scheduler import QueueFullError
+        self.tries += 1
+        if self.full(self.tries):
+            raise QueueFullError("full")
+        h = FakeHandle(p, p == self.fail_at)
+        self.handles.append(h)
+        return h
+
+
+async def _collect(engine, n, pause_ms=0):
+    async def prepare(i):
+        return i
+    joiner = longform.Joiner("long", n, 8000, pause_ms)
+    return [c async for c in longform.generate_async(engine, prepare, joiner, None)]
+
+
+def test_generate_async_in_order_windowed_and_a_full_queue_delays():
+    import asyncio
+    eng = FakeEngine(full=lambda t: t % 3 == 0)  # every third submission is refused
+    chunks = asyncio.run(_collect(eng, 7, pause_ms=1))
+    audio = np.concatenate([c.audio for c in chunks])
+    expected = np.concatenate([np.concatenate([np.zeros(8 if i else 0), np.full(8, i)]) for i in range(7)])
+    assert np.array_equal(audio, expected)  # in order, 8 zero samples (1 ms at 8 kHz) between segments
+    assert [h.i for h in eng.handles] == list(range(7)) and chunks[-1].is_last and chunks[-1].finish_reason == "stop"
+    assert [c.frame_index for c in chunks] == list(range(14))
+    with pytest.raises(Exception, match="full"):  # the first segment refused: the caller answers 503
+        asyncio.run(_collect(FakeEngine(full=lambda t: True), 3))
+
+
+def test_generate_async_a_failed_segment_ends_the_stream_and_closes_the_rest():
+    import asyncio
+    eng = FakeEngine(slots=2, fail_at=1)
+    chunks = asyncio.run(_collect(eng, 9))
+    assert chunks[-1].is_last and chunks[-1].finish_reason == "error" and chunks[-1].error == "boom"
+    assert {c.audio[0] for c in chunks} == {0, 1}
+    assert len(eng.handles) <= 1 + 4 and all(h.closed for h in eng.handles[2:])  # window: twice the slots
