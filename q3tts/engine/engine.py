@@ -126,7 +126,8 @@ class Engine:
         self.wake.set()
 
     def has_work(self) -> bool:
-        return self._text_news or self.scheduler.has_work()
+        with self._lock:  # add_request may append to the queue from another thread while this reads it
+            return self._text_news or self.scheduler.has_work()
 
     def wait_for_work(self, timeout: float = 0.05) -> bool:
         """True if a step has something to do now; else wait up to `timeout` for news (a request, a cancellation,
