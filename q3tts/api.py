@@ -49,7 +49,8 @@ class TTS:
                         dtype: torch.dtype | str | None = None, max_batch_size: int | None = 8,
                         max_seq_len: int | None = None, max_queue: int = 256, compile: bool | None = None,
                         quantization: str | None = None, gpu_memory_utilization: float | None = None,
-                        gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None) -> TTS:
+                        gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
+                        generation_config: dict | str | os.PathLike | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
@@ -72,9 +73,12 @@ class TTS:
             quantization: quantization of the talker and code predictor: None (exact), "int8" / "int4"
                 (weight-only) or "int8dyn" (int8 weights and activations: the fastest) on CPU, "int8" or "fp8" on
                 CUDA. Close to, not token-exact with, the unquantized model.
+            generation_config: generation defaults laid over the checkpoint's generation_config.json, as a dict or
+                the path of a JSON file of its fields (e.g. {"do_sample": False, "subtalker_dosample": False}:
+                greedy); a call's own arguments still win. Unknown fields and invalid values are a ValueError.
         """
-        return cls(load_checkpoint(name_or_path, device, dtype, quantization), max_batch_size, max_seq_len, max_queue,
-                   compile, gpu_memory_utilization, gpu_memory, compile_cache)
+        return cls(load_checkpoint(name_or_path, device, dtype, quantization, generation_config), max_batch_size,
+                   max_seq_len, max_queue, compile, gpu_memory_utilization, gpu_memory, compile_cache)
 
     # ------------------------------------------------------------------ info
     @property

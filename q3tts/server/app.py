@@ -413,7 +413,8 @@ def load_model(settings: ServerSettings):
     """The q3tts.TTS a server with these settings serves (one per process / Ray Serve replica)."""
     from q3tts.api import TTS
     return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
-                               quantization=settings.quantization, compile_cache=settings.compile_cache)
+                               quantization=settings.quantization, compile_cache=settings.compile_cache,
+                               generation_config=settings.generation_config)
 
 
 def main(settings: ServerSettings) -> int:
