@@ -140,8 +140,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
     s = ServerSettings(**{f.name: getattr(a, f.name) for f in fields(ServerSettings) if hasattr(a, f.name)})
     if s.max_frames_per_token is not None and not 0 <= s.max_frames_per_token < float("inf"):
         ap.error("--max-frames-per-token must be >= 0")
-    for name in ("max_text_length", "max_split_text_length", "max_unstreamed_text_length", "max_upload_bytes", "max_queue", "max_concurrent", "max_seq_len",
-                 "first_chunk_frames", "chunk_frames"):
+    for name in ("max_text_length", "max_split_text_length", "max_unstreamed_text_length", "max_upload_bytes",
+                 "max_queue", "max_concurrent", "max_seq_len", "first_chunk_frames", "chunk_frames"):
         if getattr(s, name) is not None and getattr(s, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
