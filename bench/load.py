@@ -357,8 +357,8 @@ async def request_body(a, headers: dict) -> dict:
 async def main_async(a) -> dict:
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     model, body = await request_body(a, headers)
-    common = dict(processes=a.processes, cpus=a.client_cpus, server_metrics=a.server_metrics,
-                  client_kind=a.client, stall_tolerance_s=a.stall_tolerance_ms / 1000)
+    common = {"processes": a.processes, "cpus": a.client_cpus, "server_metrics": a.server_metrics,
+                  "client_kind": a.client, "stall_tolerance_s": a.stall_tolerance_ms / 1000}
     if a.warmup:
         await run_level(a.url, dict(body, max_new_tokens=16), headers, concurrency=1,
                         **dict(common, processes=1))

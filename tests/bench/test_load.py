@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from bench import load  # noqa: E402
-from bench.paced_server import paced_app  # noqa: E402
-from tests.server.live import SPF, SR, serve  # noqa: E402
+from bench import load
+from bench.paced_server import paced_app
+from tests.server.live import SPF, SR, serve
 
 FRAME_S = SPF / SR  # 80 ms of audio per frame
 FRAME_BYTES = 2 * SPF
