@@ -340,7 +340,7 @@ async def run_level(url: str, body: dict, headers: dict, *, concurrency: int = 0
             "server": server_side(before, after) if server_metrics else None}
 
 
-async def request_body(a, headers: dict) -> dict:
+async def request_body(a, headers: dict) -> tuple[dict, dict]:
     async with httpx.AsyncClient(base_url=a.url, timeout=30, headers=headers) as c:
         model = (await c.get("/v1/models")).json()["data"][0]
         voices = (await c.get("/v1/audio/voices")).json()["data"]
@@ -358,7 +358,7 @@ async def main_async(a) -> dict:
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     model, body = await request_body(a, headers)
     common = {"processes": a.processes, "cpus": a.client_cpus, "server_metrics": a.server_metrics,
-                  "client_kind": a.client, "stall_tolerance_s": a.stall_tolerance_ms / 1000}
+              "client_kind": a.client, "stall_tolerance_s": a.stall_tolerance_ms / 1000}
     if a.warmup:
         await run_level(a.url, dict(body, max_new_tokens=16), headers, concurrency=1,
                         **dict(common, processes=1))
