@@ -9,7 +9,9 @@ Two kinds of level:
 - closed loop (`--concurrency C`): C clients each send `--requests` requests back to back;
 - open loop (`--rate R --duration S`): requests arrive as a Poisson process of R per second for S seconds (the
   arrival times drawn from `--seed`, so a run's request count and schedule are fixed), each sent at its time
-  whether or not earlier ones are done; the level ends when the last one does.
+  whether or not earlier ones are done; the level ends when the last one does. With `--rate-steps`, one level
+  whose rate steps through the --rate list, S seconds each (an autoscaler's step test; add --per-request for each
+  request's send time, first audio and stalls).
 
 Every request streams pcm, so every byte is timed as it arrives (aiohttp clients, made for many concurrent
 connections; httpx's, kept as --client httpx, delayed requests by up to seconds from 64 streams on). Per request:
@@ -97,12 +99,13 @@ class Player:
 
 
 async def one_request(client: aiohttp.ClientSession | httpx.AsyncClient, body: dict) -> dict:
+    sent = time.time()  # wall clock, comparable across processes (--per-request)
     t0 = time.perf_counter()
     if isinstance(client, httpx.AsyncClient):
         async with client.stream("POST", "/v1/audio/speech", json=body) as r:
-            return await timed_body(t0, r.status_code, r.headers, r.aiter_raw(), r.aread)
+            return {"sent": sent, **await timed_body(t0, r.status_code, r.headers, r.aiter_raw(), r.aread)}
     async with client.post("/v1/audio/speech", json=body) as r:
-        return await timed_body(t0, r.status, r.headers, r.content.iter_any(), r.read)
+        return {"sent": sent, **await timed_body(t0, r.status, r.headers, r.content.iter_any(), r.read)}
 
 
 async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[bytes], read) -> dict:
@@ -168,6 +171,12 @@ def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
         if t >= duration:
             return out
         out.append(t)
+
+
+def step_arrivals(rates: list[float], step_s: float, seed: int) -> list[float]:
+    """Arrivals of a Poisson process whose rate steps through `rates`, `step_s` seconds each (one schedule, no gap
+    between steps: step k is poisson_arrivals(rates[k], step_s, seed + k) shifted by k * step_s)."""
+    return [k * step_s + t for k, r in enumerate(rates) for t in poisson_arrivals(r, step_s, seed + k)]
 
 
 def parse_cpus(spec: str) -> list[int]:
@@ -279,6 +288,9 @@ def run_processes(jobs: list[dict], cpus: list[int] | None) -> list[dict]:
     return [got[i] for i in range(len(jobs))]
 
 
+PER_REQUEST = ("sent", "ttfa_s", "audio_s", "stall_s", "gap_s", "replica", "error")
+
+
 def level_summary(results: list[dict], wall: float, stall_tolerance_s: float) -> dict:
     ok = [r for r in results if "error" not in r]
     audio = sum(r["audio_s"] for r in ok)
@@ -314,14 +326,17 @@ async def _metrics(url: str, headers: dict, enabled: bool) -> dict:
 
 
 async def run_level(url: str, body: dict, headers: dict, *, concurrency: int = 0, requests_per_client: int = 1,
-                    rate: float = 0.0, duration: float = 0.0, seed: int = 0, processes: int = 1,
+                    rate: float | list[float] = 0.0, duration: float = 0.0, seed: int = 0, processes: int = 1,
                     cpus: list[int] | None = None, server_metrics: bool = True, client_kind: str = "aiohttp",
-                    stall_tolerance_s: float = 0.001) -> dict:
-    """One level: `concurrency` closed-loop clients, or (rate > 0) Poisson arrivals for `duration` s."""
+                    stall_tolerance_s: float = 0.001, per_request: bool = False) -> dict:
+    """One level: `concurrency` closed-loop clients, or (rate > 0) Poisson arrivals for `duration` s; a list of
+    rates: one schedule stepping through them, `duration` s each (step_arrivals)."""
     if rate:
-        arrivals = list(enumerate(poisson_arrivals(rate, duration, seed)))
+        steps = isinstance(rate, list)
+        arrivals = list(enumerate(step_arrivals(rate, duration, seed) if steps else
+                                  poisson_arrivals(rate, duration, seed)))
         shares = [{"workers": None, "arrivals": arrivals[p::processes]} for p in range(processes)]
-        head = {"mode": "poisson", "rate": rate, "duration_s": duration, "seed": seed}
+        head = {"mode": "poisson-steps" if steps else "poisson", "rate": rate, "duration_s": duration, "seed": seed}
     else:
         shares = [{"workers": list(range(concurrency))[p::processes], "arrivals": None} for p in range(processes)]
         head = {"mode": "closed", "concurrency": concurrency, "requests_per_client": requests_per_client}
@@ -337,7 +352,9 @@ async def run_level(url: str, body: dict, headers: dict, *, concurrency: int = 0
     wall = max(p["t1"] for p in parts) - min(p["t0"] for p in parts)
     return {**head, "processes": processes, **level_summary(results, wall, stall_tolerance_s),
             "client_cpus": [p.get("cpus") for p in parts] if processes > 1 else None,
-            "server": server_side(before, after) if server_metrics else None}
+            "server": server_side(before, after) if server_metrics else None,
+            **({"per_request": sorted(({k: r.get(k) for k in PER_REQUEST} for r in results),
+                                      key=lambda r: r["sent"] or 0)} if per_request else {})}
 
 
 async def request_body(a, headers: dict) -> tuple[dict, dict]:
@@ -358,18 +375,19 @@ async def main_async(a) -> dict:
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     model, body = await request_body(a, headers)
     common = {"processes": a.processes, "cpus": a.client_cpus, "server_metrics": a.server_metrics,
-              "client_kind": a.client, "stall_tolerance_s": a.stall_tolerance_ms / 1000}
+              "client_kind": a.client, "stall_tolerance_s": a.stall_tolerance_ms / 1000,
+              "per_request": a.per_request}
     if a.warmup:
         await run_level(a.url, dict(body, max_new_tokens=16), headers, concurrency=1,
-                        **dict(common, processes=1))
+                        **dict(common, processes=1, per_request=False))
     levels = []
     for conc in a.concurrency or []:
         n = a.requests if a.requests else max(2, 64 // conc)
         levels.append(await run_level(a.url, body, headers, concurrency=conc, requests_per_client=n, **common))
-        print(json.dumps(levels[-1]), file=sys.stderr, flush=True)
-    for rate in a.rate or []:
+        print(json.dumps({k: v for k, v in levels[-1].items() if k != "per_request"}), file=sys.stderr, flush=True)
+    for rate in ([a.rate] if a.rate_steps else a.rate or []):
         levels.append(await run_level(a.url, body, headers, rate=rate, duration=a.duration, seed=a.seed, **common))
-        print(json.dumps(levels[-1]), file=sys.stderr, flush=True)
+        print(json.dumps({k: v for k, v in levels[-1].items() if k != "per_request"}), file=sys.stderr, flush=True)
     return {"url": a.url, "client": a.client, "processes": a.processes, "client_cpus": a.client_cpus,
             "stall_tolerance_ms": a.stall_tolerance_ms, "model": model,
             "body": {k: v for k, v in body.items() if k != "input"}, "text_chars": len(a.text), "levels": levels}
@@ -388,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=_numbers(float), default=None, help="open-loop levels: Poisson arrivals per s")
     ap.add_argument("--duration", type=float, default=30.0, help="open loop: seconds of arrivals per level")
     ap.add_argument("--seed", type=int, default=0, help="open loop: the arrival schedule's seed")
+    ap.add_argument("--rate-steps", action="store_true",
+                    help="open loop: one level whose rate steps through --rate, --duration s each")
     ap.add_argument("--processes", type=int, default=1, help="client processes (results merged)")
     ap.add_argument("--client-cpus", type=parse_cpus, default=None,
                     help="CPUs for the client processes, shared out between them, e.g. 12-15")
@@ -405,12 +425,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                     help="the streaming clients' HTTP library; httpx was the load generator's until 2026-11-24, and "
                          "from 64 streams on it, not the server, delayed requests by seconds (BENCHMARKS.md)")
+    ap.add_argument("--per-request", action="store_true",
+                    help="each level also lists its requests: send time (time.time()), first audio, stalls, replica")
     ap.add_argument("--out", default=None, help="write the JSON here too")
     a = ap.parse_args(argv)
     if a.processes < 1:
         ap.error(f"--processes must be >= 1, got {a.processes}")
     if a.rate is not None and (min(a.rate) <= 0 or a.duration <= 0):
         ap.error("--rate values and --duration must be > 0")
+    if a.rate_steps and a.rate is None:
+        ap.error("--rate-steps needs --rate r1,r2,...")
     if a.concurrency is None and a.rate is None:
         a.concurrency = [1, 4, 16, 64]
     if a.concurrency is not None and min(a.concurrency) < 1:

@@ -64,6 +64,21 @@ def test_poisson_mode_sends_the_seeded_schedule_over_two_processes(paced, tmp_pa
     assert level["stalled_share"] == 0
 
 
+def test_rate_steps_are_one_schedule_with_each_request_listed(paced, tmp_path):
+    rates, step, seed = [8.0, 16.0], 0.75, 3
+    arrivals = load.step_arrivals(rates, step, seed)
+    result = run(tmp_path, "--url", paced.base_url, "--rate", "8,16", "--rate-steps", "--duration", str(step),
+                 "--seed", str(seed), "--per-request", "--max-new-tokens", "6", "--no-warmup")
+    (level,) = result["levels"]
+    assert level["mode"] == "poisson-steps" and level["rate"] == rates
+    assert level["requests"] == len(arrivals) and level["errors"] == 0
+    reqs = level["per_request"]
+    assert len(reqs) == len(arrivals) and [r["sent"] for r in reqs] == sorted(r["sent"] for r in reqs)
+    # sent on the schedule: the spacing between sends follows the arrivals' (within the client's lag)
+    assert reqs[-1]["sent"] - reqs[0]["sent"] == pytest.approx(arrivals[-1] - arrivals[0], abs=0.25)
+    assert all(r["audio_s"] == pytest.approx(5 * FRAME_S) and r["error"] is None for r in reqs)
+
+
 def test_closed_loop_over_processes_merges_every_client(paced, tmp_path):
     result = run(tmp_path, "--url", paced.base_url, "--concurrency", "3", "--requests", "1", "--processes", "2",
                  "--max-new-tokens", "6", "--no-warmup")
@@ -117,6 +132,12 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate():
     assert abs(len(a) - 10000) < 4 * 100  # Poisson count: mean 10000, sd 100
     with pytest.raises(ValueError, match="rate and duration must be > 0"):
         load.poisson_arrivals(0, 1, 0)
+
+
+def test_step_arrivals_join_the_steps_without_a_gap():
+    a = load.step_arrivals([5.0, 50.0], 10.0, seed=4)
+    first, second = load.poisson_arrivals(5.0, 10.0, 4), load.poisson_arrivals(50.0, 10.0, 5)
+    assert a == first + [10.0 + t for t in second] and a == sorted(a)
 
 
 def test_client_cpus_are_shared_out():
