@@ -194,9 +194,9 @@ def autoscale_summary(rows: list[dict], requests: list[dict], t0: float, toleran
 def table(res: dict) -> str:
     rows = [r for r in res["levels"] if "closed" in r]
     one = next((r for r in rows if r["replicas"] == 1), None)
-    lines = ["| replicas | streams | audio s/s | efficiency vs R x one | first audio p50 / p95 ms | streams that stall "
+    lines = [("| replicas | streams | audio s/s | efficiency vs R x one | first audio p50 / p95 ms | streams that stall "
              "| stall p95 / max ms | per replica | proxy CPU mean / max | Poisson req/s | Poisson first audio p95 / "
-             "p99 ms | Poisson stall share |", "|---:|---:|---:|---:|---|---:|---|---|---|---:|---|---:|"]
+             "p99 ms | Poisson stall share |"), "|---:|---:|---:|---:|---|---:|---|---|---|---:|---|---:|"]
     for r in rows:
         c, p = r["closed"], r.get("poisson") or {}
         if "error" in c:
@@ -217,9 +217,9 @@ def table(res: dict) -> str:
     auto = res.get("autoscale")
     if auto and "summary" in auto:
         s = auto["summary"]
-        lines += ["", f"autoscaling (target {auto['target_ongoing']} per replica, rates {auto['rates']} req/s, "
+        lines += ["", (f"autoscaling (target {auto['target_ongoing']} per replica, rates {auto['rates']} req/s, "
                       f"{auto['step_s']} s each): first stalled request sent at {s['first_stalled_request_sent_s']} s; "
-                      f"{s['stalled_requests']} of {s['requests']} requests stalled; events:"]
+                      f"{s['stalled_requests']} of {s['requests']} requests stalled; events:")]
         lines += [f"  {e}" for e in s["events"]]
     return "\n".join(lines)
 
