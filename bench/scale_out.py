@@ -4,8 +4,10 @@ step test; one JSON and a table. Run by bench/scale_out.sh (one device call); on
     python -m bench.scale_out --ckpt /tmp/ck06 --device cuda --replicas 4,2,1 --client-cpus 60-63 --out /tmp/out
 
 One Ray and one Serve application for the whole run, so that the replicas start (load, compile, warm up) once, in
-parallel: it is deployed with the most replicas first, then redeployed with fewer (Serve stops the surplus ones;
-the rest keep serving, untouched), so every R is measured on replicas that are already warm. Per R, bench/load.py
+parallel: it is deployed from a Serve config (q3tts.server.ray_serve:build_app, as `serve deploy` and KubeRay do)
+with the most replicas first, then the config's replica count is lowered (a change Serve applies in place: it stops
+the surplus replicas, the rest keep serving untouched; a redeploy from Python code would restart them all), so
+every R is measured on replicas that are already warm; each level lists the replica ids it saw. Per R, bench/load.py
 (its own process, pinned to --client-cpus, --processes client processes) runs
   - closed loop: --streams-per-replica x R streams, one utterance each;
   - open loop: Poisson arrivals at --rate-per-replica x R per second for --duration s;
@@ -167,11 +169,20 @@ def run_load(a, out: Path, name: str, args: list[str], timeout: float) -> dict:
     return {**json.loads((out / f"{name}.json").read_text()), "cpu_cores": cpu}
 
 
-def settings_for(a):
-    from q3tts.server.settings import parse_args
-    return parse_args(["--model", a.ckpt, "--device", a.device, "--max-concurrent", str(a.slots), "--max-seq-len",
-                       str(a.max_seq_len), "--voice-dir", a.voice_dir, "--served-model-name", "bench",
-                       "--replica-cpus", str(a.replica_cpus), "--ray-router", a.router, "--port", str(a.port)], {})
+def deploy(a, overrides: dict) -> None:
+    """(Re)deploy the application from a Serve config; `overrides`: the Q3TTS deployment's options (num_replicas or
+    autoscaling_config), the only part that changes between calls, so Serve updates the replicas in place."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    from q3tts.server.ray_serve import APP_NAME, DEPLOYMENT_NAME
+    args = {"model": a.ckpt, "device": a.device, "max_concurrent": a.slots, "max_seq_len": a.max_seq_len,
+            "voice_dir": a.voice_dir, "served_model_name": "bench", "router": a.router, "replicas": 1,
+            "num_cpus": a.replica_cpus, "num_gpus": 0 if a.device.startswith("cpu") else 1}
+    cfg = {"http_options": {"host": "127.0.0.1", "port": a.port},
+           "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "q3tts.server.ray_serve:build_app",
+                             "args": args, "deployments": [{"name": DEPLOYMENT_NAME, **overrides}]}]}
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(cfg))
 
 
 def autoscale_summary(rows: list[dict], requests: list[dict], t0: float, tolerance_s: float) -> dict:
@@ -208,8 +219,10 @@ def table(res: dict) -> str:
             base = one["closed"]["levels"][0]["audio_s_per_s"]
             eff = f"{cl['audio_s_per_s'] / (r['replicas'] * base):.2f}" if base else ""
         cpu = c.get("cpu_cores", {}).get("proxy", {})
+        prev = next((q for q in reversed(rows[:rows.index(r)]) if "replica_ids" in q), None)
+        kept = "" if prev is None or set(r["replica_ids"]) <= set(prev["replica_ids"]) else " (restarted)"
         lines.append(
-            f"| {r['replicas']} | {cl['concurrency']} | {cl['audio_s_per_s']} | {eff} | {cl['ttfa_ms']['p50']} / "
+            f"| {r['replicas']}{kept} | {cl['concurrency']} | {cl['audio_s_per_s']} | {eff} | {cl['ttfa_ms']['p50']} / "
             f"{cl['ttfa_ms']['p95']} | {cl['stalled_share']:.0%} | {cl['stall_ms']['p95']} / {cl['stall_ms']['max']} "
             f"| {sorted(cl['replicas'].values())} | {cpu.get('mean')} / {cpu.get('max')} | {pl.get('rate', '')} | "
             f"{pl.get('ttfa_ms', {}).get('p95', '')} / {pl.get('ttfa_ms', {}).get('p99', '')} | "
@@ -262,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from q3tts.server.ray_serve import APP_NAME, deployment
-    settings = settings_for(a)
+    from q3tts.server.ray_serve import autoscaling_config
     res = {"args": {k: v for k, v in vars(a).items()}, "compile": os.environ.get("Q3TTS_COMPILE", "default"),
            "server_cpus": sorted(os.sched_getaffinity(0)), "levels": []}
 
@@ -278,16 +290,18 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})
         for r in a.replicas:
             t0 = time.perf_counter()
-            serve.run(deployment(settings, replicas=r), name=APP_NAME, route_prefix="/", blocking=False)
-            ready = wait_replicas(a.url, r, a.ready_timeout)
-            level = {"replicas": r, "deploy_s": round(time.perf_counter() - t0, 1), "ready_s": round(ready, 1),
+            deploy(a, {"num_replicas": r})
+            wait_replicas(a.url, r, a.ready_timeout)
+            level = {"replicas": r, "ready_s": round(time.perf_counter() - t0, 1),
                      "since_start_s": round(time.perf_counter() - t_start, 1)}
-            print(f"scale_out: {r} replica(s) ready in {level['deploy_s']} s", file=sys.stderr, flush=True)
+            print(f"scale_out: {r} replica(s) ready in {level['ready_s']} s", file=sys.stderr, flush=True)
             level["closed"] = run_load(a, out, f"closed-{r}", ["--concurrency", str(a.streams_per_replica * r),
                                                                 "--requests", "1"], a.load_timeout)
             if a.rate_per_replica:
                 level["poisson"] = run_load(a, out, f"poisson-{r}", [
                     "--rate", str(a.rate_per_replica * r), "--duration", str(a.duration)], a.load_timeout)
+            level["replica_ids"] = sorted({rid for k in ("closed", "poisson") for lv in level.get(k, {}).get("levels", [])
+                                           for rid in lv["replicas"]})
             res["levels"].append(level)
             save()
             print(table(res), file=sys.stderr, flush=True)
@@ -296,13 +310,12 @@ def main(argv: list[str] | None = None) -> int:
                     "target_ongoing": a.target_ongoing or a.slots, "max_replicas": max(a.replicas)}
             res["autoscale"] = auto
             t0 = time.perf_counter()
-            serve.run(deployment(settings, replicas=1, max_replicas=max(a.replicas),
-                                 target_ongoing_requests=a.target_ongoing or None,
-                                 autoscaling={"upscale_delay_s": a.upscale_delay_s}
-                                 if a.upscale_delay_s is not None else None),
-                      name=APP_NAME, route_prefix="/", blocking=False)
-            auto["deploy_s"] = round(time.perf_counter() - t0, 1)
-            auto["ready_s"] = round(wait_replicas(a.url, 1, a.ready_timeout), 1)
+            auto["config"] = autoscaling_config(1, max(a.replicas), a.target_ongoing or a.slots,
+                                                {"upscale_delay_s": a.upscale_delay_s}
+                                                if a.upscale_delay_s is not None else None)
+            deploy(a, {"num_replicas": "auto", "autoscaling_config": auto["config"]})
+            wait_replicas(a.url, 1, a.ready_timeout)
+            auto["ready_s"] = round(time.perf_counter() - t0, 1)
             log = ReplicaLog()
             log.start()
             t_steps = time.time()

@@ -13,7 +13,7 @@
 # /tmp/out): scale_out.json, scale_out.md (the table), every bench.load JSON, the logs.
 #
 # Knobs (environment): COMPILE (1: torch.compile as `q3tts serve` does by default on CUDA, the production
-# setting; 0: CUDA graphs without compile, faster start, slower frames), REPLICAS (default 1,2,4 up to G, and G),
+# setting; 0: CUDA graphs without compile, faster start, slower frames; on a CPU 0), PORT (8000), REPLICAS (default 1,2,4 up to G, and G),
 # SLOTS (64: each replica's --max-concurrent), PER_REPLICA (32 streams), RATE (3 req/s per replica), DURATION
 # (20), MAXTOK (126: 10 s of audio), AUTO_RATES (2,4,8; "" skips the step test), STEP_S (25), TARGET (32),
 # CLIENT_CPUS (the last 4 CPUs), PROCESSES (4 client processes), CKPT (a checkpoint directory instead of a fresh
@@ -23,12 +23,12 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the hosts' rule (KINDS.md)
 mkdir -p "$OUT"
 T0=$(date +%s)
-if [ -f .scratch/raywhl/raydeps.tar.xz ]; then  # the GPU image has no Ray: the bundle goes first on the path
+if ! python3 -c "import ray.serve" 2>/dev/null; then  # the GPU image has no Ray: the bundle goes first on the path
   tar -C /tmp -xJf .scratch/raywhl/raydeps.tar.xz && export PYTHONPATH=/tmp/raydeps:${PYTHONPATH:-} || exit 1
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 DEVICE=${DEVICE:-cuda}
-export Q3TTS_COMPILE=${COMPILE:-1}
+[ "$DEVICE" = cpu ] && export Q3TTS_COMPILE=${COMPILE:-0} || export Q3TTS_COMPILE=${COMPILE:-1}
 export Q3TTS_COMPILE_CACHE=${Q3TTS_COMPILE_CACHE:-/tmp/q3tts-compile}  # shared by the replicas
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
 python3 -c "import sys, torch, ray, fastapi; print(sys.version.split()[0], 'torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'ray', ray.__version__)" || exit 1
@@ -51,7 +51,7 @@ timeout --signal=INT --kill-after=30 "${LIMIT:-500}" python3 -m bench.scale_out 
   --streams-per-replica "${PER_REPLICA:-32}" --rate-per-replica "${RATE:-3}" --duration "${DURATION:-20}" \
   ${AUTO:+--autoscale-rates "$AUTO"} --step-s "${STEP_S:-25}" --target-ongoing "${TARGET:-32}" \
   --replica-cpus "${REPLICA_CPUS:-2}" --router "${ROUTER:-least-ongoing}" --processes "${PROCESSES:-4}" \
-  ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --out "$OUT" 2> "$OUT/scale_out.log"
+  ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --port "${PORT:-8000}" --out "$OUT" 2> "$OUT/scale_out.log"
 echo "bench.scale_out: exit $? after $(( $(date +%s) - T0 )) s"
 tail -5 "$OUT/scale_out.log"
 cat "$OUT/scale_out.md" 2>/dev/null

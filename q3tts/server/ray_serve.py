@@ -50,10 +50,12 @@ REPLICA_HEADER = b"x-q3tts-replica"
 
 # Serve's autoscaler, beyond min / max / target (ray.serve.config.AutoscalingConfig):
 AUTOSCALING = {
+    "metrics_interval_s": 1.0,  # how often replicas and handles report their ongoing requests (Serve's default
+    # of 10 s would add up to that much to every reaction)
     "upscale_delay_s": 5.0,  # load above target this long before a replica is added: a burst of a few seconds
     # passes (each replica costs its start-up), a rate step does not wait long
     "downscale_delay_s": 300.0,  # below target this long before one is removed: no flapping between steps
-    "look_back_period_s": 5.0,  # the mean over this window is what is compared with the target
+    "look_back_period_s": 5.0,  # the mean over this window (> metrics_interval_s) is compared with the target
     "upscaling_factor": 1.0,  # go straight to ceil(sum / target), not part of the way
     "downscaling_factor": 0.5,  # halfway down at a time
 }
@@ -122,6 +124,16 @@ class Q3TTSReplica:
             raise RuntimeError(f"replica {self.replica_id} cannot serve: {engine.last_error or 'engine stopped'}")
 
 
+def autoscaling_config(replicas: int, max_replicas: int, target: float, autoscaling: dict | None = None) -> dict:
+    """Serve's autoscaling_config: replicas..max_replicas aiming at `target` ongoing requests per replica, with
+    AUTOSCALING's settings updated by `autoscaling`."""
+    unknown = sorted(set(autoscaling or {}) - set(AUTOSCALING))
+    if unknown:
+        raise ValueError(f"unknown autoscaling settings {unknown}; accepted: {sorted(AUTOSCALING)}")
+    return {"min_replicas": replicas, "max_replicas": max_replicas, "initial_replicas": replicas,
+            "target_ongoing_requests": target, **AUTOSCALING, **(autoscaling or {})}
+
+
 def deployment_options(settings: ServerSettings, num_cpus: float, num_gpus: float, replicas: int = 1,
                        max_replicas: int | None = None, target_ongoing_requests: float | None = None,
                        router: str | None = None, autoscaling: dict | None = None) -> dict:
@@ -151,12 +163,7 @@ def deployment_options(settings: ServerSettings, num_cpus: float, num_gpus: floa
     if ROUTERS[router] is not None:
         opts["request_router_config"] = {"request_router_class": ROUTERS[router]}
     if max_replicas is not None and max_replicas > replicas:
-        unknown = sorted(set(autoscaling or {}) - set(AUTOSCALING))
-        if unknown:
-            raise ValueError(f"unknown autoscaling settings {unknown}; accepted: {sorted(AUTOSCALING)}")
-        opts["autoscaling_config"] = {
-            "min_replicas": replicas, "max_replicas": max_replicas, "initial_replicas": replicas,
-            "target_ongoing_requests": target, **AUTOSCALING, **(autoscaling or {})}
+        opts["autoscaling_config"] = autoscaling_config(replicas, max_replicas, target, autoscaling)
     else:
         opts["num_replicas"] = replicas
     return opts
