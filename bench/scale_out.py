@@ -264,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=126, help="frames + 1 per request (126: 10 s)")
     ap.add_argument("--streams-per-replica", type=int, default=32, help="closed loop: streams per replica")
     ap.add_argument("--rate-per-replica", type=float, default=3.0, help="open loop: requests/s per replica (0: none)")
-    ap.add_argument("--duration", type=float, default=20.0, help="open loop: seconds of arrivals")
+    ap.add_argument("--duration", type=float, default=15.0, help="open loop: seconds of arrivals")
     ap.add_argument("--autoscale-rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="step test rates (requests/s), e.g. 2,4,8; none: no step test")
     ap.add_argument("--step-s", type=float, default=25.0, help="step test: seconds per rate")
     ap.add_argument("--target-ongoing", type=float, default=0, help="step test: target_ongoing_requests (0: slots)")
+    ap.add_argument("--settle-s", type=float, default=30.0,
+                    help="step test: keep logging Serve's replicas this long after the load while some start")
     ap.add_argument("--upscale-delay-s", type=float, default=None, help="step test: autoscaling upscale_delay_s")
     ap.add_argument("--router", default="least-ongoing")
     ap.add_argument("--replica-cpus", type=float, default=2.0)
@@ -340,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
             auto["load"] = run_load(a, out, "autoscale", [
                 "--rate", ",".join(map(str, a.autoscale_rates)), "--rate-steps", "--duration", str(a.step_s),
                 "--per-request"], a.load_timeout + len(a.autoscale_rates) * a.step_s)
-            time.sleep(1)
+            settle = time.perf_counter() + a.settle_s  # replicas added late: log until they run (or give up)
+            while time.perf_counter() < settle and (not log.rows or "error" in log.rows[-1]
+                                                    or set(log.rows[-1]["states"]) - {"RUNNING"}):
+                time.sleep(0.5)
             rows = log.stop()
             auto["replica_log"] = [dict(r, t=round(r["t"] - t_steps, 2)) for r in rows]
             if "levels" in auto["load"]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Ray Serve scale-out, one device call on a host with G GPUs (nvidia-h100-x4 / h200-x4: G = 4; x2: G = 2): one
 # replica per GPU; the same per-replica load on G, ..., 2, 1 replicas (closed loop: 32 streams per replica; open
-# loop: 3 requests/s per replica of 10 s audio, 20 s), then an autoscaling step test (1 -> G replicas, target
+# loop: 3 requests/s per replica of 10 s audio, 15 s), then an autoscaling step test (1 -> G replicas, target
 # 32 streams per replica, arrivals stepping 2, 4, 8 requests/s, 25 s each). bench/scale_out.py does the work.
 #
 #   bash bench/scale_deps.sh              # here, once: .scratch/raywhl/ (Ray + server deps for cp312, packed)
@@ -15,7 +15,7 @@
 # Knobs (environment): COMPILE (1: torch.compile as `q3tts serve` does by default on CUDA, the production
 # setting; 0: CUDA graphs without compile, faster start, slower frames; on a CPU 0), PORT (8000), REPLICAS (default 1,2,4 up to G, and G),
 # SLOTS (64: each replica's --max-concurrent), PER_REPLICA (32 streams), RATE (3 req/s per replica), DURATION
-# (20), MAXTOK (126: 10 s of audio), AUTO_RATES (2,4,8; "" skips the step test), STEP_S (25), TARGET (32),
+# (15), MAXTOK (126: 10 s of audio), AUTO_RATES (2,4,8; "" skips the step test), STEP_S (25), TARGET (32), SETTLE_S (30),
 # CLIENT_CPUS (the last 4 CPUs), PROCESSES (4 client processes), CKPT (a checkpoint directory instead of a fresh
 # random 0.6B), DEVICE (cuda; cpu for a smoke run), REPLICA_CPUS (2), ROUTER (least-ongoing | power-of-two).
 set -uo pipefail
@@ -48,8 +48,8 @@ AUTO=${AUTO_RATES-2,4,8}
 echo "checkpoint ready after $(( $(date +%s) - T0 )) s"
 timeout --signal=INT --kill-after=30 "${LIMIT:-500}" python3 -m bench.scale_out --ckpt "$CKPT" --device "$DEVICE" \
   --replicas "$REPLICAS" --slots "${SLOTS:-64}" --max-seq-len "${MAXSEQ:-1024}" --max-new-tokens "${MAXTOK:-126}" \
-  --streams-per-replica "${PER_REPLICA:-32}" --rate-per-replica "${RATE:-3}" --duration "${DURATION:-20}" \
-  ${AUTO:+--autoscale-rates "$AUTO"} --step-s "${STEP_S:-25}" --target-ongoing "${TARGET:-32}" \
+  --streams-per-replica "${PER_REPLICA:-32}" --rate-per-replica "${RATE:-3}" --duration "${DURATION:-15}" \
+  ${AUTO:+--autoscale-rates "$AUTO"} --step-s "${STEP_S:-25}" --settle-s "${SETTLE_S:-30}" --target-ongoing "${TARGET:-32}" \
   --replica-cpus "${REPLICA_CPUS:-2}" --router "${ROUTER:-least-ongoing}" --processes "${PROCESSES:-4}" \
   ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --port "${PORT:-8000}" --out "$OUT" 2> "$OUT/scale_out.log"
 echo "bench.scale_out: exit $? after $(( $(date +%s) - T0 )) s"
