@@ -12,12 +12,17 @@
 # LIMIT (default 500 s) so that one call of 9 minutes holds it with the start-up. Results in $OUT (default
 # /tmp/out): scale_out.json, scale_out.md (the table), every bench.load JSON, the logs.
 #
-# Knobs (environment): COMPILE (1: torch.compile as `q3tts serve` does by default on CUDA, the production
-# setting; 0: CUDA graphs without compile, faster start, slower frames; on a CPU 0), PORT (8000), REPLICAS (default 1,2,4 up to G, and G),
-# SLOTS (64: each replica's --max-concurrent), PER_REPLICA (32 streams), RATE (3 req/s per replica), DURATION
-# (15), MAXTOK (126: 10 s of audio), AUTO_RATES (2,4,8; "" skips the step test), STEP_S (25), TARGET (32), SETTLE_S (30),
-# CLIENT_CPUS (the last 4 CPUs), PROCESSES (4 client processes), CKPT (a checkpoint directory instead of a fresh
-# random 0.6B), DEVICE (cuda; cpu for a smoke run), REPLICA_CPUS (2), ROUTER (least-ongoing | power-of-two).
+# Knobs (environment): COMPILE (1: torch.compile, as `q3tts serve` does by default on CUDA, the production
+# setting; 0: CUDA graphs without compile, faster start, slower frames; on a CPU 0), PORT (8000), REPLICAS
+# (default 1,2,4 up to G, and G), SLOTS (64: each replica's --max-concurrent), PER_REPLICA (32 streams), RATE
+# (3 req/s per replica), DURATION (15), MAXTOK (126: 10 s of audio), AUTO_RATES (2,4,8; "" skips the step test),
+# STEP_S (25), TARGET (32), SETTLE_S (30), CLIENT_CPUS (the last 4 CPUs), PROCESSES (4 client processes), CKPT
+# (a checkpoint directory instead of a fresh random 0.6B), DEVICE (cuda; cpu for a smoke run), REPLICA_CPUS (2),
+# ROUTER (least-ongoing | power-of-two), LIMIT (500 s for bench.scale_out).
+#
+# A CPU smoke run (tiny checkpoint, 2 replicas pretending to be GPUs), as validated on the dev machine:
+#   DEVICE=cpu CKPT=<tiny checkpoint> GPUS=2 REPLICAS=2,1 SLOTS=4 PER_REPLICA=2 RATE=1 DURATION=3 MAXTOK=24 \
+#   MAXSEQ=256 AUTO_RATES=1,3 STEP_S=6 TARGET=2 CLIENT_CPUS= PROCESSES=2 REPLICA_CPUS=0.5 bash bench/scale_out.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the hosts' rule (KINDS.md)
