@@ -175,9 +175,11 @@ def run_load(a, out: Path, name: str, args: list[str], timeout: float) -> dict:
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
             rc = "timeout"
+        finally:  # also when this process is interrupted (the script's time limit): no client left running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         cpu = sampler.result()
     if rc != 0:
         return {"error": f"bench.load exit {rc}: {(out / f'{name}.err').read_text()[-2000:]}", "cpu": cpu}
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=15.0, help="open loop: seconds of arrivals")
     ap.add_argument("--autoscale-rates", type=lambda s: [float(x) for x in s.split(",")], default=None,
                     help="step test rates (requests/s), e.g. 2,4,8; none: no step test")
-    ap.add_argument("--step-s", type=float, default=25.0, help="step test: seconds per rate")
+    ap.add_argument("--step-s", type=float, default=20.0, help="step test: seconds per rate")
     ap.add_argument("--target-ongoing", type=float, default=0, help="step test: target_ongoing_requests (0: slots)")
     ap.add_argument("--settle-s", type=float, default=30.0,
                     help="step test: keep logging Serve's replicas this long after the load while some start")
