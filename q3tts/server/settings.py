@@ -51,6 +51,8 @@ class ServerSettings:
     max_replicas: int = 0  # > replicas: autoscale on queue length between replicas and this
     ray_address: str | None = None  # join this Ray cluster (default: start a local Ray, stopped on exit)
     replica_cpus: float = 1.0  # CPUs Ray reserves per replica (torch threads on CPU replicas)
+    target_ongoing_requests: float = 0  # autoscaling: streams per replica it aims at (0: the slots)
+    ray_router: str = "least-ongoing"  # Ray Serve's choice of replica (ray_serve.ROUTERS)
 
     def __post_init__(self):
         self.voice_dir = self.voice_dir or _default_voice_dir()
@@ -119,6 +121,10 @@ _FLAGS = [
     ("--ray-address", "ray_address", str, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of a "
                                           "local Ray"),
     ("--replica-cpus", "replica_cpus", float, "CPUs Ray reserves per replica"),
+    ("--target-ongoing", "target_ongoing_requests", float, "autoscaling: streams per replica to aim at (the "
+                                                           "stall-free count of one GPU; 0: the slots)"),
+    ("--ray-router", "ray_router", str, "replica choice: least-ongoing (fewest streams of all) or power-of-two "
+                                        "(Serve's default)"),
 ]
 
 
@@ -161,4 +167,6 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
         ap.error("--replicas and --max-replicas must be >= 0, --replica-cpus > 0")
     if s.max_replicas and s.max_replicas < max(1, s.replicas):
         ap.error(f"--max-replicas ({s.max_replicas}) must be >= --replicas ({max(1, s.replicas)})")
+    if s.target_ongoing_requests < 0 or s.ray_router not in ("least-ongoing", "power-of-two"):
+        ap.error("--target-ongoing must be >= 0, --ray-router least-ongoing or power-of-two")
     return s
