@@ -197,8 +197,9 @@ class SpeechSession:
             return (f"speed {cfg.speed} is not available on the socket: it streams at the native tempo (1.0); "
                     "other speeds over HTTP POST /v1/audio/speech")
         if cfg.split_granularity not in (None, "none"):
-            return (f"split_granularity {cfg.split_granularity!r} is not supported: each input.done flushes one "
-                    "utterance (split_granularity 'none')")
+            return (f"split_granularity {cfg.split_granularity!r} is not available on the socket: each input.done "
+                    "flushes one utterance, spoken as its text arrives (split_granularity 'none'); long texts are "
+                    "split on HTTP POST /v1/audio/speech")
         if cfg.timestamp_type is None and cfg.timestamp_transport_strategy is None:
             return None
         if cfg.timestamp_type != "word" or cfg.timestamp_transport_strategy not in (None, "sync"):
