@@ -10,7 +10,6 @@ a full queue (503): the first chunk is awaited before the response is returned.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -46,7 +45,8 @@ API_FIELDS = {"text": "input", "speaker": "voice", "instruct": "instructions"}
 class SpeechStream:
     request_id: str
     media_type: str
-    body: AsyncIterator[bytes]  # closing it early cancels the generation
+    body: AsyncIterator[bytes] | None  # closing it early cancels the generation
+    content: bytes | None = None  # instead of body: the whole file (stream=false)
 
 
 @dataclass(slots=True)
@@ -85,6 +85,7 @@ class SpeechServing:
         instructions = (req.instructions or "").strip() or None
         proc = self.tts.processor
         try:
+            proc.check_options(instructions, req.ref_audio, req.ref_text, req.x_vector_only_mode)
             if self.model_type == "custom_voice":
                 return proc.custom_voice(text, req.voice_name, req.language, instructions, **kw)[0]
             if self.model_type == "voice_design":
@@ -102,8 +103,8 @@ class SpeechServing:
                 raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
-            # off the event loop: cloning a reference (or reading a voice file) takes a while
-            return (await asyncio.to_thread(proc.voice_clone, text, voice, req.language, **kw))[0]
+            # off the event loop, in the bounded clone pool: cloning a reference (or reading a voice file) takes a while
+            return (await self.voices.clones.run(lambda: proc.voice_clone(text, voice, req.language, **kw)))[0]
         except InputError as e:  # it names the library's argument: name this API's field instead
             field = API_FIELDS.get(e.param, e.param)
             msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)
@@ -116,8 +117,11 @@ class SpeechServing:
         Raises ApiError (400 bad request, 503 queue full + Retry-After, 500 engine failure before the first
         chunk); cancelling this coroutine (client gone) aborts."""
         arrival = time.perf_counter()
+        if not req.stream and req.stream_format == "sse":
+            raise ApiError(400, "stream=false gives one complete file: it needs stream_format \"audio\", not \"sse\"",
+                           param="stream", code="invalid_value")
         prepared = await self.prepare(req, req.input)
-        enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
+        enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed, whole=not req.stream)
         run = Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
         chunks = self.engine.generate(prepared, StreamOptions(self.settings.first_chunk_frames,
                                                               self.settings.chunk_frames),
@@ -136,6 +140,12 @@ class SpeechServing:
                 raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
                                code="engine_error") from e
             raise  # cancelled (client gone)
+        if not req.stream:  # the whole file (the encoder gives it at its finish): its header states its length
+            content = b"".join([data async for data in self._encoded(run, first, chunks, enc)])
+            if run.outcome != "completed":
+                raise ApiError(500, f"generation failed: {'; '.join(run.errors) or run.outcome}", type="server_error",
+                               code="engine_error")
+            return SpeechStream(run.request_id, enc.media_type, None, content)
         if req.stream_format == "sse":
             return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc))
         return SpeechStream(run.request_id, enc.media_type, self._encoded(run, first, chunks, enc))
