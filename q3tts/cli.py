@@ -351,6 +351,15 @@ def cmd_make_checkpoint(a) -> int:
     return 0
 
 
+def cmd_wyoming(argv: list[str]) -> int:
+    """The Wyoming protocol server (server.wyoming), for Home Assistant."""
+    try:
+        from .server.wyoming import main
+    except ImportError as e:
+        raise SystemExit(f"q3tts wyoming needs the wyoming package: pip install 'q3tts[wyoming]' ({e})") from None
+    return main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -359,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError, IsADirectoryError) as e:  # load failures, missing extras: one line
             print(f"q3tts: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["wyoming"]:
+        return cmd_wyoming(argv[1:])
     ap = argparse.ArgumentParser(prog="q3tts", description="Qwen3-TTS inference: synthesize speech, serve an API.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     say = sub.add_parser("say", help="synthesize text to a WAV file")
@@ -402,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("dir", help="the directory to write")
     mk.add_argument("--tiny", action="store_true", help="tiny dimensions (about 50 MB; noise, not speech)")
     mk.add_argument("--model-type", default="custom_voice", choices=["custom_voice", "base", "voice_design"])
+    sub.add_parser("wyoming", help="Wyoming server for Home Assistant (q3tts wyoming --help)")
     bench = sub.add_parser("bench", help="GPU benchmark on a random-weight checkpoint at the real dimensions")
     bench.add_argument("--model", default="0.6B-CustomVoice", choices=["0.6B-CustomVoice", "1.7B-CustomVoice"])
     bench.add_argument("--frames", type=int, default=125, help="frames decoded per run (125 = 10 s of audio)")
