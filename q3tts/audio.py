@@ -109,7 +109,8 @@ def _decode(src, limits: AudioLimits, what: str, name: str) -> tuple[np.ndarray,
     return (wav[:, 0] if channels == 1 else wav), sr
 
 
-def decode_bytes(data: bytes, what: str = "reference audio", limits: AudioLimits | None = None) -> tuple[np.ndarray, int]:
+def decode_bytes(data: bytes, what: str = "reference audio",
+                 limits: AudioLimits | None = None) -> tuple[np.ndarray, int]:
     """An encoded audio file in memory -> (float32 [N] or [N, C], sample rate), bounded by the limits (see _decode)."""
     head = bytes(data[:12])
     with io.BytesIO(data) as f:

@@ -89,8 +89,8 @@ def _check_device(device: str | None) -> None:
     if device and device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: this PyTorch has no CUDA GPU to use (a CPU build, or no GPU visible); "
-                             "use --device cpu, or install PyTorch's CUDA build")
+            raise ValueError(f"--device {device}: this PyTorch has no CUDA GPU to use (a CPU build, or no GPU "
+                             "visible); use --device cpu, or install PyTorch's CUDA build")
 
 
 def _load(a):
@@ -325,7 +325,8 @@ def cmd_serve(argv: list[str]) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise ValueError(f"q3tts serve needs the server's packages: pip install 'q3tts[serve]' (missing: {e.name})") from None
+        raise ValueError(f"q3tts serve needs the server's packages: pip install 'q3tts[serve]' "
+                         f"(missing: {e.name})") from None
     _check_device(settings.device)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
@@ -343,8 +344,9 @@ def cmd_serve(argv: list[str]) -> int:
 def cmd_make_checkpoint(a) -> int:
     from .randomckpt import make_tiny
     if not a.tiny:
-        raise ValueError("make-checkpoint writes --tiny checkpoints (random weights, about 50 MB, to try q3tts offline); "
-                         "real-dimension ones for benchmarks: python -m bench.make_checkpoint in a source checkout")
+        raise ValueError("make-checkpoint writes --tiny checkpoints (random weights, about 50 MB, to try q3tts "
+                         "offline); real-dimension ones for benchmarks: python -m bench.make_checkpoint in a source "
+                         "checkout")
     make_tiny(a.dir, a.model_type)
     print(f"wrote a tiny random {a.model_type} checkpoint to {a.dir} (noise, not speech): "
           f"q3tts say \"Hello\" --model {a.dir} -o hello.wav", file=sys.stderr)
