@@ -62,6 +62,10 @@ def _common(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument("--dtype", default=None, help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--non-streaming-mode", choices=["true", "false"], default=None,
                    help="text placement in the prompt (official meaning); default as the official API")
+    p.add_argument("--split", choices=["none", "sentence", "clause"], default=None,
+                   help="speak the text as segments decoded in parallel and joined in order (default: sentence when "
+                        "the text has more than one sentence); none: one request")
+    p.add_argument("--pause-ms", type=int, default=None, help="with --split: silence between two segments (ms)")
     p.add_argument("--quantization", default=None, help="int8 / int4 (weight-only) or int8dyn (int8 weights and "
                    "activations) on CPU, int8 / fp8 (weight-only) on CUDA; default none (exact; quantized output is "
                    "close, not token-exact)")
@@ -93,12 +97,21 @@ def _check_device(device: str | None) -> None:
                              "visible); use --device cpu, or install PyTorch's CUDA build")
 
 
-def _load(a):
+def _load(a, max_batch_size: int | None = 1):
     from .api import TTS
     _check_device(a.device)
-    # one utterance: CUDA graphs yes, a minute of torch.compile no
-    return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=1, compile=False,
+    # one utterance: CUDA graphs yes, a minute of torch.compile no (split: as many slots as the memory holds)
+    return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=max_batch_size, compile=False,
                                quantization=getattr(a, "quantization", None))
+
+
+def _split_kwargs(a, text: str) -> dict:
+    """--split / --pause-ms as generate kwargs; by default sentences when the text has more than one."""
+    from .inputs.split import split_text
+    split = a.split or ("sentence" if len(split_text(text, "sentence", a.language)) > 1 else "none")
+    if split == "none":
+        return {}
+    return {"split_granularity": split, "pause_ms": a.pause_ms}
 
 
 def _voice(tts, a):
@@ -114,9 +127,9 @@ def _voice(tts, a):
     return store.voice(rec)
 
 
-def _stream(tts, a, text: str):
+def _stream(tts, a, text: str, split: dict):
     """The AudioChunk stream for this model type (first chunk of one frame: low latency for --play)."""
-    kw = dict(_gen_kwargs(a), first_chunk_frames=1, chunk_frames=16)
+    kw = dict(_gen_kwargs(a), first_chunk_frames=1, chunk_frames=16, **split)
     kind = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}[tts.tts_model_type]
     if a.cmd == "design" and tts.tts_model_type != "voice_design":
         raise ValueError(f"q3tts design needs a VoiceDesign model (e.g. --model {DEFAULT_DESIGN_MODEL}); {a.model} is "
@@ -141,10 +154,11 @@ def cmd_say(a) -> int:
     text = _read_text(a)
     total_s = (a.max_new_tokens - 1) / 12.5 if a.max_new_tokens else None
     progress = Progress(label=a.cmd, total_s=total_s, enabled=False if a.quiet else None)
+    split = _split_kwargs(a, text)
     progress.stage(f"loading {a.model}…")
-    tts = _load(a)
+    tts = _load(a, None if split else 1)
     progress.stage("preparing…")
-    stream = _stream(tts, a, text)
+    stream = _stream(tts, a, text, split)
     t0 = time.perf_counter()
     progress.t0 = t0
     wav = None
@@ -153,6 +167,8 @@ def cmd_say(a) -> int:
             for chunk in stream:
                 wav.write(chunk.audio)
                 player.write(chunk.audio)
+                if split:  # segments done / all
+                    progress.label = f"{a.cmd} {stream.segments_done}/{stream.num_segments}"
                 progress.update(wav.seconds)
             progress.update(wav.seconds, force=True)
     except KeyboardInterrupt:

@@ -326,3 +326,39 @@ def test_one_line_errors(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["q3tts: error: q3tts serve needs the server's packages: pip install 'q3tts[serve]' "
                    "(missing: fastapi)"], err
+
+
+def test_say_splits_a_text_of_several_sentences(tmp_path, capsys):
+    """--text-file of three sentences: three segments (each max-new-tokens - 1 frames) with --pause-ms between
+    them by default; --split none: one request."""
+    story = tmp_path / "chapter.txt"
+    story.write_text("The first sentence of the chapter. The second one follows it!\n\nA new paragraph starts here.",
+                     encoding="utf-8")
+    out = tmp_path / "chapter.wav"
+    args = ["say", "--text-file", str(story), "--model", str(fx.checkpoint("cv06")), "-o", str(out), "--greedy",
+            "--max-new-tokens", "6"]
+    assert main([*args, "--pause-ms", "80"]) == 0 and frames_in(out) == 3 * 5 + 2  # 80 ms = one frame
+    assert main([*args, "--split", "clause"]) == 0 and frames_in(out) == 3 * 5
+    assert main([*args, "--split", "none"]) == 0 and frames_in(out) == 5
+    assert main([*args, "--split", "sentence", "--pause-ms", "-5"]) == 2
+    assert "pause_ms must be an integer" in capsys.readouterr().err
+
+
+def test_interrupted_split_say_keeps_a_valid_wav(tmp_path):
+    out = tmp_path / "long.wav"
+    p = _cli(say_args(out, "A long text. Of several sentences, all of them. Interrupted early!", frames=2000),
+             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 240
+        while _data_frames(out) < 3 * 1920:
+            assert p.poll() is None and time.time() < deadline, "no audio written"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    n = _data_frames(out)
+    assert n >= 3 * 1920 and n % 1920 == 0 and os.path.getsize(out) == 44 + 2 * n and n < 2000 * 1920
+    assert p.returncode == 130 and f"interrupted: kept {n / 24000:.2f} s of audio" in err.decode()

@@ -19,7 +19,7 @@ import torch
 from ..config import GenerationDefaults, ModelConfig
 from ..sampling import SamplingParams
 from .prompt import PromptBuilder, PromptSpec
-from .request import InputError, PreparedRequest, VoiceClonePromptItem
+from .request import MAX_FRAMES_PER_TOKEN, InputError, PreparedRequest, VoiceClonePromptItem
 from .text import TextStream
 from .voice import Voice
 
@@ -55,6 +55,7 @@ class InputProcessor:
     def __init__(self, cfg: ModelConfig, defaults: GenerationDefaults, builder: PromptBuilder, codebook_size: int):
         self.cfg, self.defaults, self.builder, self.codebook_size = cfg, defaults, builder, codebook_size
         self.gen_kwargs = set(SamplingParams.names())
+        self.max_frames_per_token = MAX_FRAMES_PER_TOKEN  # the runaway guard's default (PreparedRequest.frame_cap)
 
     # ------------------------------------------------------------------ checks
     def require(self, model_type: str, method: str) -> None:
@@ -163,6 +164,7 @@ class InputProcessor:
         return self._prepare(texts, specs, [e for e, _ in checked], [r for _, r in checked], kwargs)
 
     def _prepare(self, texts: list, specs: list[PromptSpec], embs: list, refs: list, kwargs) -> list[PreparedRequest]:
+        guard = self.frame_guard(kwargs)
         params = self.sampling_params(**kwargs)
         out = []
         for text in texts:
@@ -170,10 +172,21 @@ class InputProcessor:
         for i, (text, spec, e, r) in enumerate(zip(texts, specs, embs, refs)):
             p = dataclasses.replace(params, seed=params.seed + i)  # distinct noise per row, reproducible from one seed
             if text is None:  # streamed in: the engine lays the prompt out once enough text has come
-                out.append(PreparedRequest(None, e, r, p, TextStream(self.builder, spec)))
+                out.append(PreparedRequest(None, e, r, p, TextStream(self.builder, spec), guard))
             else:
-                out.append(PreparedRequest(self.builder.build(spec, self.builder.text_ids(text)), e, r, p))
+                ids = self.builder.text_ids(text)
+                out.append(PreparedRequest(self.builder.build(spec, ids), e, r, p, None, guard, len(ids)))
         return out
+
+    def frame_guard(self, kwargs: dict) -> float:
+        """Frames per text token of the runaway guard (takes max_frames_per_token out of kwargs): none where the
+        caller gives max_new_tokens (their cap), else kwargs' or this processor's default (0: off)."""
+        fpt = kwargs.pop("max_frames_per_token", None)
+        fpt = self.max_frames_per_token if fpt is None else fpt
+        if isinstance(fpt, bool) or not isinstance(fpt, (int, float)) or not 0 <= fpt < float("inf"):
+            raise InputError(f"max_frames_per_token must be a number >= 0 (0: no guard), got {fpt!r}",
+                             param="max_frames_per_token")
+        return 0.0 if kwargs.get("max_new_tokens") is not None else float(fpt)
 
     # ------------------------------------------------------------------ voices
     def voice_items(self, voice_clone_prompt) -> list[VoiceClonePromptItem]:

@@ -104,8 +104,6 @@ def _state(request: Request):
 async def create_speech(body: SpeechRequest, raw_request: Request):
     stream = await _state(raw_request).serving.create_speech(body)
     headers = {"X-Request-Id": stream.request_id, "Cache-Control": "no-cache", **stream.headers}
-    if stream.content is not None:  # stream=false: one complete file
-        return Response(stream.content, media_type=stream.media_type, headers=headers)
     return AudioStreamingResponse(stream.body, media_type=stream.media_type, headers=headers)
 
 

@@ -80,19 +80,29 @@ class SpeechOptions(BaseModel):
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
 
-class SpeechRequest(SpeechOptions):
+class LongFormFields(BaseModel):
+    """Long form (vLLM-Omni's names and values): the text spoken as segments decoded in parallel, joined in order."""
+
+    split_granularity: Literal["none", "sentence", "clause"] | None = Field(
+        None, description="Speak the input as segments decoded in parallel, joined in order (header X-Q3TTS-Split); "
+                          "none: one request; not given: one request, or sentences for a text over --max-text-length")
+    pause_ms: int | None = Field(None, ge=0, le=10_000, description="Silence between two segments (ms)")
+
+
+class SpeechRequest(SpeechOptions, LongFormFields):
     """OpenAI's /v1/audio/speech body plus Qwen3-TTS extensions."""
 
-    input: Text = Field(description="The text to speak (at most --max-text-length characters)")
+    input: Text = Field(description="The text to speak (at most --max-text-length characters as one request; a "
+                       "longer one, up to --max-split-text-length, is split at sentences)")
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
     stream_format: Literal["audio", "sse"] = "audio"
     word_timestamps: bool = Field(False, description="Word times (needs `q3tts serve --aligner`): the "
                                   "X-Word-Timestamps header (JSON [{word, start_ms, end_ms}]) of the whole response, "
                                   "or with stream_format sse a speech.audio.word_timestamps event after the audio")
-    stream: bool = Field(True, description="false: one complete file once made, its length in its header (WAV, "
-                         "FLAC) and Content-Length; true: bytes as they are made (a streamed WAV or FLAC states no "
-                         "length)")
+    stream: bool = Field(True, description="False: the whole audio in one answer, with its X-Finish-Reason header "
+                                           "(stop | length), Content-Length, and its length in its WAV / FLAC header "
+                                           "(a streamed WAV or FLAC cannot state it)")
 
 
 class SessionConfig(SpeechOptions):

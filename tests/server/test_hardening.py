@@ -222,8 +222,3 @@ def test_non_streamed_wav_and_flac_state_their_lengths(cv_server, fmt):
         assert streamed[4:8] == b"\xff\xff\xff\xff"  # streamed: "until the end of the stream", as before
     else:
         assert sf.info(io.BytesIO(streamed)).frames >= 1 << 62  # streamed FLAC: length unknown, as before
-
-
-def test_stream_false_with_sse_is_a_400(cv_server):
-    r = _post(cv_server, voice="vivian", stream=False, stream_format="sse")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
