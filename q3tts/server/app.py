@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from q3tts.engine.async_engine import AsyncEngine
 
+from . import logfilter
 from .metrics import Metrics
 from .middleware import GuardMiddleware, install_error_handlers
 from .routes import router
@@ -38,10 +39,12 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
         settings: limits, voice directory, API key, stream chunking (defaults: ServerSettings()).
     """
     settings = settings or ServerSettings()
+    logfilter.install()  # no API key (?api_key=) in uvicorn's request logs
     engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
                                           max_queue=settings.max_queue, **settings.memory_budget))
     metrics = Metrics(engine.stats)
-    voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes, settings.voice_alias)
+    voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes, settings.voice_alias,
+                          settings.clone_workers, settings.clone_queue)
     serving = SpeechServing(tts, engine, voices, metrics, settings)
     if getattr(tts, "aligner", None) is not None:  # word timestamps: one aligner worker beside the engine
         from q3tts.align import AlignerWorker

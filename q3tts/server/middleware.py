@@ -43,6 +43,8 @@ def _validation_error(errors: list[dict]) -> JSONResponse:
         msg = f"the request body is not valid JSON: {e.get('msg')}"
     elif not loc:
         msg = "the request body must be a JSON object"
+    elif loc[0] == "voice" and e.get("type") == "value_error":  # the name's own check (loc: voice.<union branch>)
+        param, msg = "voice", f"invalid value for 'voice': {e.get('msg')}"
     elif loc[0] == "voice":  # a union: pydantic reports each alternative
         param, msg = "voice", 'voice must be a voice name (a string) or an object {"id": "<voice id or name>"}'
     elif e.get("type") == "extra_forbidden":

@@ -10,7 +10,6 @@ a full queue (503): the first chunk is awaited before the response is returned.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
@@ -122,6 +121,7 @@ class SpeechServing:
         voice_name = self.voices.resolve(req.voice_name)  # OpenAI's names through --voice-alias / the defaults
         proc = self.tts.processor
         try:
+            proc.check_options(instructions, req.ref_audio, req.ref_text, req.x_vector_only_mode)
             if self.model_type == "custom_voice":
                 return proc.custom_voice(text, voice_name, req.language, instructions, **kw)[0]
             if self.model_type == "voice_design":
@@ -147,8 +147,8 @@ class SpeechServing:
                 raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
-            # off the event loop: cloning a reference (or reading a voice file) takes a while
-            return (await asyncio.to_thread(proc.voice_clone, text, voice, req.language, **kw))[0]
+            # off the event loop, in the bounded clone pool: cloning a reference (or reading a voice file) takes a while
+            return (await self.voices.clones.run(lambda: proc.voice_clone(text, voice, req.language, **kw)))[0]
         except InputError as e:  # it names the library's argument: name this API's field instead
             field = API_FIELDS.get(e.param, e.param)
             msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)
@@ -212,7 +212,8 @@ class SpeechServing:
             joined, num_segments = await self.generate_long(req, req.input, split, run)
             chunks = self.track(run, joined)
             headers["X-Q3TTS-Split"] = f"{num_segments} segments"
-        enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
+        # not streamed: one complete file, whose WAV / FLAC header states its length
+        enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed, whole=not req.stream)
         try:
             first = await chunks.__anext__()
         except BaseException as e:  # no response: release the encoder and the request
@@ -235,6 +236,7 @@ class SpeechServing:
                 raise ApiError(500, f"generation failed: {'; '.join(run.errors)}", type="server_error",
                                code="engine_error")
             headers["X-Finish-Reason"] = run.finish_reason or "stop"
+            headers["Content-Length"] = str(len(data))
             if pcm is not None:
                 words = await self.response_words(pcm, req)
                 headers["X-Word-Timestamps"] = json.dumps([w.model_dump() for w in words], separators=(",", ":"))

@@ -32,6 +32,8 @@ class ServerSettings:
     max_frames_per_token: float | None = None  # the runaway guard (None: q3tts.inputs.request.MAX_FRAMES_PER_TOKEN)
     max_upload_bytes: int = 10 * 1024 * 1024  # a reference clip (multipart file or decoded base64)
     max_queue: int = 256  # requests waiting for a slot; more get 503
+    clone_workers: int = 2  # threads that clone reference audio (voice uploads, inline ref_audio)
+    clone_queue: int = 16  # clones that may wait for one of them; more get 503
     max_concurrent: int | None = None  # engine slots: streams generated together (None: fitted to the memory budget)
     max_seq_len: int | None = None  # KV positions per slot: prompt + frames (12.5 per second of audio; None: 4096
     # where the budget allows)
@@ -98,6 +100,8 @@ _FLAGS = [
                                                               "least 64 frames; 0: off; default 16)"),
     ("--max-upload-bytes", "max_upload_bytes", int, "maximum size of a reference audio upload"),
     ("--max-queue", "max_queue", int, "requests that may wait for a slot; more are refused with 503"),
+    ("--clone-workers", "clone_workers", int, "threads that clone reference audio (uploads, inline ref_audio)"),
+    ("--clone-queue", "clone_queue", int, "clones that may wait for a clone thread; more are refused with 503"),
     ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots; default: as many as the "
                                                 "memory budget holds at --max-seq-len, at most 32; on a CPU 4)"),
     ("--max-seq-len", "max_seq_len", int, "KV-cache positions per stream (prompt + 12.5 frames per second; "
@@ -174,10 +178,12 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
     if s.max_frames_per_token is not None and not 0 <= s.max_frames_per_token < float("inf"):
         ap.error("--max-frames-per-token must be >= 0")
     for name in ("max_text_length", "max_split_text_length", "max_unstreamed_text_length", "max_upload_bytes",
-                 "max_queue", "max_concurrent", "max_seq_len", "first_chunk_frames", "chunk_frames",
+                 "max_queue", "clone_workers", "max_concurrent", "max_seq_len", "first_chunk_frames", "chunk_frames",
                  "ws_max_utterances", "ws_max_client_utterances"):
         if getattr(s, name) is not None and getattr(s, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if s.clone_queue < 0:
+        ap.error("--clone-queue must be >= 0")
     if not (s.ws_config_timeout > 0 and s.ws_idle_timeout > 0):
         ap.error("--ws-config-timeout and --ws-idle-timeout must be > 0 (seconds)")
     if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
