@@ -137,6 +137,8 @@ def _stream(tts, a, text: str, split: dict):
     if a.voice and tts.tts_model_type != "base":
         raise ValueError(f"--voice takes a cloned voice, which needs a Base model; {a.model} is a {kind} model"
                          + (" (pick a built-in speaker with --speaker)" if kind == "CustomVoice" else ""))
+    if tts.tts_model_type != "voice_design":  # refused, not dropped unseen (the Python API keeps upstream's drop)
+        tts.processor.check_options(instruct=a.instruct)
     if tts.tts_model_type == "custom_voice":
         return tts.generate_custom_voice_stream(text, speaker=a.speaker, language=a.language, instruct=a.instruct, **kw)
     if tts.tts_model_type == "voice_design":

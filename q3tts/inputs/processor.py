@@ -8,6 +8,8 @@ given once (broadcast) or once per text. A text of None is streamed in: the requ
 
 from __future__ import annotations
 
+import warnings
+
 import dataclasses
 import logging
 import os
@@ -122,10 +124,15 @@ class InputProcessor:
         speakers = [self.speaker(s) for s in _as_list(speaker, n, "speaker")]
         languages = [self.language(x) for x in _as_list(language, n, "language")]
         instructs = _as_list(instruct, n, "instruct")
-        for ins in instructs:  # upstream ignores an instruction on 0.6B; it is refused here, not dropped unseen
-            self.check_options(instruct=ins)
+        for ins in instructs:
             check_text(ins, "instruct")
         instructs = [ins if ins and ins.strip() else None for ins in instructs]
+        if self.cfg.tts_model_size == "0b6" and any(instructs):
+            # NOTE(drop-in): upstream drops it unseen and TTS keeps its behaviour, saying so; the server and the CLI
+            # refuse it (check_options), where no upstream code depends on it.
+            warnings.warn("instruct is ignored: a 0.6B CustomVoice model takes no instruction (style instructions "
+                          "need a 1.7B CustomVoice model)", stacklevel=3)
+            instructs = [None] * n
         specs = [self.builder.spec(lang, speaker=s, instruct=ins, non_streaming_mode=non_streaming_mode)
                  for lang, s, ins in zip(languages, speakers, instructs)]
         return self._prepare(texts, specs, [None] * n, [None] * n, kwargs)

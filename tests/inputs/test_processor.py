@@ -23,8 +23,11 @@ def test_lone_surrogates_are_refused_naming_the_argument(text):
 def test_options_the_model_cannot_use_are_refused():
     cv, base = fx.tts("cv06"), fx.tts("base06")
     with pytest.raises(InputError, match=r"instruct is not supported: this is a CustomVoice model \(size 0b6\)") as e:
-        cv.prepare_custom_voice("Hi.", "vivian", instruct="Cheerfully.")
+        cv.processor.check_options(instruct="Cheerfully.")  # the server's and the CLI's check
     assert e.value.param == "instruct" and e.value.code == "unsupported_for_model"
+    with pytest.warns(UserWarning, match="instruct is ignored"):  # the Python API: upstream's behaviour, said
+        assert cv.prepare_custom_voice("Hi.", "vivian", instruct="Cheerfully.")[0].layout == \
+            cv.prepare_custom_voice("Hi.", "vivian")[0].layout
     cv.prepare_custom_voice("Hi.", "vivian", instruct=" ")  # blank: no instruction
     fx.tts("cv17").prepare_custom_voice("Hi.", "vivian", instruct="Cheerfully.")  # 1.7B takes one
     item = base.create_voice_clone_prompt((fx_wave(), 24000), x_vector_only_mode=True)
