@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from . import invariant
 from .engine.engine import AudioChunk, Engine
 from .engine.request import StreamOptions
 from .inputs.processor import InputProcessor
@@ -30,13 +31,14 @@ from .models.loaders import Checkpoint, load_checkpoint
 class TTS:
     def __init__(self, ckpt: Checkpoint, max_batch_size: int | None = 8, max_seq_len: int | None = None,
                  max_queue: int = 256, compile: bool | None = None, gpu_memory_utilization: float | None = None,
-                 gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None):
+                 gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
+                 batch_invariant: bool | None = None):
         self.ckpt, self.cfg = ckpt, ckpt.cfg
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = dict(max_slots=max_batch_size, max_seq_len=max_seq_len, max_queue=max_queue,
                                    compile=compile, gpu_memory_utilization=gpu_memory_utilization, gpu_memory=gpu_memory,
-                                   compile_cache=compile_cache)
+                                   compile_cache=compile_cache, batch_invariant=batch_invariant)
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
         self._cloner: VoiceCloner | None = None
@@ -47,7 +49,8 @@ class TTS:
                         dtype: torch.dtype | str | None = None, max_batch_size: int | None = 8,
                         max_seq_len: int | None = None, max_queue: int = 256, compile: bool | None = None,
                         quantization: str | None = None, gpu_memory_utilization: float | None = None,
-                        gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None) -> TTS:
+                        gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
+                        batch_invariant: bool | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
@@ -70,9 +73,11 @@ class TTS:
             quantization: quantization of the talker and code predictor: None (exact), "int8" / "int4"
                 (weight-only) or "int8dyn" (int8 weights and activations: the fastest) on CPU, "int8" or "fp8" on
                 CUDA. Close to, not token-exact with, the unquantized model.
+            batch_invariant: on CUDA, a request's codes and audio bit-identical whatever requests share its steps
+                (q3tts.invariant; slower: BENCHMARKS.md). Process-wide; default $Q3TTS_BATCH_INVARIANT=1, else off.
         """
         return cls(load_checkpoint(name_or_path, device, dtype, quantization), max_batch_size, max_seq_len, max_queue,
-                   compile, gpu_memory_utilization, gpu_memory, compile_cache)
+                   compile, gpu_memory_utilization, gpu_memory, compile_cache, batch_invariant)
 
     # ------------------------------------------------------------------ info
     @property
@@ -167,7 +172,9 @@ class TTS:
         full = [c if r is None else torch.cat([r.to(c.device), c], 0) for c, r in zip(codes, ref_codes)]
         wavs = []
         with torch.inference_mode():  # a few rows per call: the workspace grows with rows x frames (~6 MB each)
-            for group in _decode_groups([c.shape[0] for c in full]):
+            # (batch-invariant mode: one request per call, as cuDNN's and cuBLAS's algorithms follow the rows)
+            lens = [c.shape[0] for c in full]
+            for group in [[i] for i in range(len(full))] if invariant.ENABLED else _decode_groups(lens):
                 wavs += self.ckpt.code2wav.decode_batch([full[i].to(self.device) for i in group])
         out = []
         for w, c, r in zip(wavs, full, ref_codes):

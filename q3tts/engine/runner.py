@@ -29,6 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .. import invariant
 from ..inputs.request import InputError
 from ..kernels import MAX_ROWS, gemv_ex, gemv_ex_applies, linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
@@ -194,6 +195,8 @@ class ModelRunner:
             compile_layers(talker)
             self._sample, self._sample_topk, self._rules = (
                 torch.compile(f, dynamic=True) for f in (sample, sample_topk, talker_logits_rules))
+            if invariant.ENABLED:  # NOTE(invariant): eager torch reduces each row alone (sorts, softmax, cumsum);
+                self._sample = sample  # Inductor compiles 1 row and n rows apart, and may reduce them differently
             # static shapes: 2 step shapes x 2 samplers per batch size up to FUSED_CP_MAX_BATCH
             self._cp_step_fused = torch.compile(self._cp_step, dynamic=False, fullgraph=True)
             # The step compiled whole has a cache of its own: per layer a k and a v tensor that alias nothing, which its
@@ -262,16 +265,18 @@ class ModelRunner:
                       params: list[SamplingParams], graphs: bool = True) -> list[int]:
         """Admit N requests into rows [lo, lo+N); returns their code 0 of frame 0.
         prefills: N x [L_i, D] prompt embeddings, trailings: N x [S_i, D]; each passed check_prompt.
-        Up to PREFILL_GRAPH_MAX_REQUESTS prompts that each have a captured prefill graph (their bucket's) replay it
-        one after another, each exactly as alone; else one talker forward prefills them all (graphs=False: always,
-        for the warm-up of its compiled variants)."""
+        On CUDA up to PREFILL_GRAPH_MAX_REQUESTS prompts (contiguous cache), any number in batch-invariant mode, are
+        prefilled one after another, each exactly as alone (its bucket's captured prefill graph where there is one);
+        else one talker forward prefills them all (graphs=False: always, outside batch-invariant mode, for the
+        warm-up of its compiled variants)."""
         N, D = len(prefills), self.cfg.hidden_size
         lens = [p.shape[0] for p in prefills]
-        buckets = [self.prefill_len(1, n) for n in lens]
-        one_by_one = graphs and N <= PREFILL_GRAPH_MAX_REQUESTS
-        replays = [self.prefill_graphs.get(b) for b in buckets] if one_by_one else [None]
-        replays = None if None in replays else replays
-        L = max(buckets) if replays else self.prefill_len(N, max(lens))
+        # NOTE(invariant): each prompt prefilled alone (its bucket's graph, else an eager forward of its own) for a few
+        # newcomers on CUDA, and for any number in batch-invariant mode: graphs and eager run the same computation
+        alone = self.device.type == "cuda" and (
+            invariant.ENABLED or (graphs and N <= PREFILL_GRAPH_MAX_REQUESTS and self.block_table is None))
+        buckets = [self.prefill_len(1, n) for n in lens] if alone else [self.prefill_len(N, max(lens))] * N
+        L = max(buckets)
         r = slice(lo, lo + N)
         fits = lambda sample, k: not sample or 1 <= k <= TOPK_CAP  # noqa: E731
         x = torch.zeros(N, L, D, device=self.device, dtype=self.dtype)  # right-padded with zeros
@@ -288,14 +293,20 @@ class ModelRunner:
         self.seen[r] = False
         self.num_generated[r] = 0
         last = torch.tensor(lens, device=self.device)
-        if replays:  # each its bucket's captured forward into the scratch cache, then copied into its row
+        if alone:
             h = torch.empty(N, D, device=self.device, dtype=self.dtype)
-            for i, (graph, b) in enumerate(zip(replays, buckets)):
-                self.prefill_in[:, :b] = x[i, :b]
-                self.prefill_last.copy_(last[i:i + 1] - 1)
-                graph.replay()
-                self.kv[:, :, lo + i, :, :b] = self.prefill_kv[:, :, 0, :, :b]
-                h[i] = self.prefill_h[0]
+            for i, b in enumerate(buckets):
+                graph = self.prefill_graphs.get(b) if self.use_graphs else None
+                if graph is not None:  # its bucket's captured forward into the scratch cache, then copied into its row
+                    self.prefill_in[:, :b] = x[i, :b]
+                    self.prefill_last.copy_(last[i:i + 1] - 1)
+                    graph.replay()
+                    self.kv[:, :, lo + i, :, :b] = self.prefill_kv[:, :, 0, :, :b]
+                    h[i] = self.prefill_h[0]
+                else:
+                    s = slice(lo + i, lo + i + 1)
+                    kv, table = (self.kv[:, :, s], None) if self.block_table is None else (self.kv, self.block_table[s])
+                    h[i] = self._prefill_forward(x[i:i + 1, :b], kv, table, last[i:i + 1] - 1)[0]
         else:
             kv = self.kv if self.block_table is not None else self.kv[:, :, r]
             table = None if self.block_table is None else self.block_table[r]
@@ -355,7 +366,7 @@ class ModelRunner:
     def _code_predictor(self, B: int, h: torch.Tensor, code0: torch.Tensor, capped: bool) -> torch.Tensor:
         """C2: h [B, D] talker hidden, code0 [B] -> codes 1..K-1 [B, K-1]."""
         cp, p, r = self.talker.code_predictor, self.params, slice(0, B)
-        whole = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None
+        whole = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None and not invariant.ENABLED
         # per layer a (k, v) pair of views (given the one [layers, 2, B, ...] view, torch.compile copied it whole for
         # every write); the step compiled whole has caches of its own
         kv = ([(k[:B], v[:B]) for k, v in self.cp_kv_whole] if whole else
