@@ -180,6 +180,7 @@ class ModelRunner:
                 torch.arange(self.max_len + KV_SPARE, device=dev)[None], self.inv_freq, self.dtype))
         # the capped sampler (topk instead of full sorts) serves rows whose top_k fits TOPK_CAP
         self.topk_ok_cpu = [True] * S
+        self.topk_ok = torch.ones(S, dtype=torch.bool, device=dev)  # on the device (batch-invariant mode: _draw)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded prompt length -> graph (capture_graphs)
         self.compiled_while_capturing = 0  # graphs Inductor produced during capture_graphs' captures (should be 0)
@@ -211,7 +212,7 @@ class ModelRunner:
     def _state_tensors(self):
         paged = [] if self.block_table is None else [self.block_table]
         return [self.position, self.num_generated, self.last_hidden, self.last_code0, self.seen, self.trailing,
-                self.trailing_len, self.seed, *self.params.values(), *paged]
+                self.trailing_len, self.seed, self.topk_ok, *self.params.values(), *paged]
 
     def move_slot(self, src: int, dst: int) -> None:
         """Compaction: the request in row src continues in row dst (its KV up to its position moves too; paged:
@@ -273,8 +274,9 @@ class ModelRunner:
         lens = [p.shape[0] for p in prefills]
         # NOTE(invariant): each prompt prefilled alone (its bucket's graph, else an eager forward of its own) for a few
         # newcomers on CUDA, and for any number in batch-invariant mode: graphs and eager run the same computation
-        alone = self.device.type == "cuda" and (
-            invariant.ENABLED or (graphs and N <= PREFILL_GRAPH_MAX_REQUESTS and self.block_table is None))
+        cuda = self.device.type == "cuda"
+        alone = (cuda and invariant.ENABLED) or ((cuda or bool(self.prefill_graphs)) and graphs
+                                                 and N <= PREFILL_GRAPH_MAX_REQUESTS and self.block_table is None)
         buckets = [self.prefill_len(1, n) for n in lens] if alone else [self.prefill_len(N, max(lens))] * N
         L = max(buckets)
         r = slice(lo, lo + N)
@@ -287,6 +289,7 @@ class ModelRunner:
             for name, t in self.params.items():
                 t[s] = getattr(prm, name)
             self.topk_ok_cpu[s] = fits(prm.do_sample, prm.top_k) and fits(prm.subtalker_dosample, prm.subtalker_top_k)
+            self.topk_ok[s] = self.topk_ok_cpu[s]
             self.seed[s] = prm.seed
             self.trailing[s, : trail.shape[0]] = trail.to(self.dtype)
             self.trailing_len[s] = trail.shape[0]
@@ -296,7 +299,7 @@ class ModelRunner:
         if alone:
             h = torch.empty(N, D, device=self.device, dtype=self.dtype)
             for i, b in enumerate(buckets):
-                graph = self.prefill_graphs.get(b) if self.use_graphs else None
+                graph = self.prefill_graphs.get(b)
                 if graph is not None:  # its bucket's captured forward into the scratch cache, then copied into its row
                     self.prefill_in[:, :b] = x[i, :b]
                     self.prefill_last.copy_(last[i:i + 1] - 1)
@@ -352,8 +355,8 @@ class ModelRunner:
         logits = self._rules(logits, self.seen[r], p["repetition_penalty"][r], self.num_generated[r],
                              t.codec_eos_token_id, t.vocab_size - 1024)
         noise = uniform_noise(self.seed[r], self.num_generated[r], 0, logits.shape[-1])
-        code0 = (self._sample_topk if capped else self._sample)(logits, p["do_sample"][r], p["temperature"][r],
-                                                                p["top_k"][r], p["top_p"][r], noise)
+        code0 = self._draw(capped, self.topk_ok[r], logits, p["do_sample"][r], p["temperature"][r], p["top_k"][r],
+                           p["top_p"][r], noise)
         if act is None:
             self.seen[r].scatter_(1, code0[:, None], True)
             self.num_generated[r] += 1
@@ -381,7 +384,8 @@ class ModelRunner:
             cos, sin, write_pos, mask = (t[:B] for t in self.cp_steps[i])
             code, x = step(x, cos, sin, kv, write_pos, mask, cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
                            p["subtalker_temperature"][r], p["subtalker_top_k"][r], p["subtalker_top_p"][r],
-                           noise_all[i], capped, self.device.type == "cuda" and (whole or i > 0), whole)
+                           noise_all[i], capped, self.device.type == "cuda" and (whole or i > 0), whole,
+                           None if whole else self.topk_ok[r])
             out.append(code)
         return torch.stack(out, dim=1)
 
@@ -406,12 +410,13 @@ class ModelRunner:
         return cos, sin, write_pos, mask
 
     def _cp_step(self, x, cos, sin, kv, write_pos, mask, head_w, emb_w, do_sample, temperature, top_k, top_p, noise,
-                 capped: bool, fused_attention: bool = False, write_kv_in_attention: bool = False):
+                 capped: bool, fused_attention: bool = False, write_kv_in_attention: bool = False,
+                 topk_ok: torch.Tensor | None = None):
         """One code-predictor step: x [B, S, D_talker] (S = 2 at step 0, then 1) -> (code [B], next input
         codec_embedding[i](code) [B, 1, D_talker]). Under torch.compile as a whole (single stream), the norms,
         residuals, head and sampler fuse across layer boundaries. fused_attention (CUDA: the one-token steps, and the
         step compiled whole) puts each layer's attention in one kernel (kernels.decode_attention), which also writes
-        the caches with write_kv_in_attention (the step compiled whole)."""
+        the caches with write_kv_in_attention (the step compiled whole). topk_ok [B]: see _draw."""
         ctx = AttnContext(write_pos, mask, fused_attention=fused_attention, write_kv_in_attention=write_kv_in_attention)
         cp = self.talker.code_predictor
         hid = cp(x, cos, sin, kv, ctx, normed=False)[:, -1]  # [B, D_cp] before the final norm
@@ -423,9 +428,21 @@ class ModelRunner:
         if capped:
             code, nxt = self._sample_topk(logits, do_sample, temperature, top_k, top_p, noise, emb=emb_w)
         else:
-            code = self._sample(logits, do_sample, temperature, top_k, top_p, noise)
+            code = self._draw(False, topk_ok, logits, do_sample, temperature, top_k, top_p, noise)
             nxt = F.embedding(code, emb_w)
         return code, nxt[:, None]
+
+    def _draw(self, capped: bool, topk_ok: torch.Tensor | None, logits, *args) -> torch.Tensor:
+        """Tokens [B] from processed logits [B, V] (args: sample's). capped: the top-k sampler for every row.
+        NOTE(invariant): otherwise, in batch-invariant mode, each row whose top-k fits (topk_ok [B]) still takes the
+        top-k sampler, as it does alone (a batch runs the full sampler when any of its rows needs it: the draws agree
+        but for rounding, and rounding must not depend on the neighbours)."""
+        if capped:
+            return self._sample_topk(logits, *args)
+        full = self._sample(logits, *args)
+        if not invariant.ENABLED or topk_ok is None:
+            return full
+        return torch.where(topk_ok, self._sample_topk(logits, *args), full)
 
     def _frame(self, B: int, n: int, capped: bool = False) -> None:
         """One whole frame for rows [0, B), attending over n cache positions. Static shapes, no host sync.
