@@ -35,7 +35,7 @@ except ImportError:  # CPU-only installs: the mode changes nothing there
     triton = None
 
 ENABLED = os.environ.get("Q3TTS_BATCH_INVARIANT", "0") == "1"
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 256  # matmul's tile: fixed for every number of rows
+BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 256  # matmul's tile: fixed for every number of rows (bench/invariance.py --probe-gemm)
 ATTN_CHUNK = 256  # attention: positions per program (4 blocks of 64)
 
 

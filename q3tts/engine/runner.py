@@ -591,6 +591,12 @@ class ModelRunner:
                 self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)] * n,
                                    [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n,
                                    [SamplingParams()] * n, graphs=n == 1)  # 2 rows: the batched forward
+        # and a prompt past the last prefill graph's length, alone: its forward launched from Python straight into its
+        # row, as each of a few (in batch-invariant mode, any number of) long newcomers runs
+        L = PREFILL_GRAPH_LENS[-1] + 1
+        if L < self.max_len and self.block_table is None and not self.eager_prefill(1, L):
+            self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)],
+                               [torch.zeros(2, D, device=self.device, dtype=self.dtype)], [SamplingParams()])
         torch.cuda.synchronize()
         for t in self._state_tensors():  # the warm-ups wrote garbage into free rows
             t.zero_()
