@@ -379,8 +379,9 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
         settings: limits, voice directory, API key, stream chunking (defaults: ServerSettings()).
     """
     settings = settings or ServerSettings()
+    invariant = {"batch_invariant": True} if settings.batch_invariant else {}
     engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
-                                          max_queue=settings.max_queue, **settings.memory_budget))
+                                          max_queue=settings.max_queue, **invariant, **settings.memory_budget))
     metrics = Metrics(engine.stats)
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)
     serving = SpeechServing(tts, engine, voices, metrics, settings)

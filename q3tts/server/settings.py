@@ -38,6 +38,7 @@ class ServerSettings:
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
     warmup: bool = True  # run one short request at startup; /ready is true after it
+    batch_invariant: bool = False  # a request's audio bit-identical whatever shares its steps (CUDA; slower)
     log_level: str = "info"
     # Ray Serve (q3tts.server.ray_serve): replicas > 0 or a ray_address serves through Ray instead of one uvicorn
     replicas: int = 0  # server replicas (one GPU each where there are GPUs); 0: no Ray
@@ -119,6 +120,10 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
     no_warmup = env.get(env_name("warmup"), "1").lower() in ("0", "false", "no")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", default=not no_warmup,
                     help=f"skip the warm-up request (/ready is true at once) [env {env_name('warmup')}=0]")
+    invariant = env.get(env_name("batch_invariant"), "0").lower() in ("1", "true", "yes")
+    ap.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=invariant,
+                    help="on CUDA, a request's codes and audio bit-identical alone and beside any other streams "
+                         f"(slower: BENCHMARKS.md) [env {env_name('batch_invariant')}=1]")
     a = ap.parse_args(argv)
     s = ServerSettings(**{f.name: getattr(a, f.name) for f in fields(ServerSettings) if hasattr(a, f.name)})
     for name in ("max_text_length", "max_upload_bytes", "max_queue", "max_concurrent", "max_seq_len",

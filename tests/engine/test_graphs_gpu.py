@@ -55,28 +55,18 @@ def real06(tmp_path_factory):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_graph_equals_eager_bf16_real_dims(real06, batch):
-    """bf16 at the real dimensions, default mode: captured and eager frames run the same computation (each of a few
-    newcomers prefilled alone in both, the same kernels in the frame), so they give the same codes, bit for bit. One
-    stream takes the one-row paths (the code predictor's step compiled whole, gemv_ex), three the batched ones. (In
-    this mode a request's codes alone and in a batch may differ: the next test's mode is the one where they do not.)"""
+    """bf16 at the real dimensions, in batch-invariant mode (q3tts.invariant), greedy and seeded requests: each
+    request's codes alone (captured frames) == in the batch (captured frames) == in the batch (eager frames), bit for
+    bit. (In the default mode bf16 frames are not bit-exact between a replay and a launch from Python, nor between
+    batch sizes: on an H100 one stream's greedy codes parted at the second frame in some runs, ceed380's code alike;
+    the fp32 tests above hold there.)"""
+    from q3tts import invariant
     tts = real06
     texts = ["Real dimensions, bf16.", "A second stream, decoded in the same batch.", "And a third one."][:batch]
     prepared = tts.prepare_custom_voice(texts, ["ryan", "vivian", "serena"][:batch], "English", do_sample=False,
                                         subtalker_dosample=False, max_new_tokens=101)
-    for i, (g, e) in enumerate(zip(codes_with(tts, prepared, True), codes_with(tts, prepared, False))):
-        same = (g == e).all(1).long()
-        assert torch.equal(g, e), f"stream {i}: identical prefix {int(same.cumprod(0).sum())}/{g.shape[0]} frames"
-
-
-def test_alone_equals_batched_equals_graph_equals_eager_bf16_batch_invariant(real06):
-    """The same three prompts in batch-invariant mode (q3tts.invariant), greedy and seeded: each request's codes alone
-    (graphs) == in the batch of three (graphs) == in the batch of three (eager frames)."""
-    from q3tts import invariant
-    tts = real06
-    texts = ["Real dimensions, bf16.", "A second stream, decoded in the same batch.", "And a third one."]
-    prepared = tts.prepare_custom_voice(texts, ["ryan", "vivian", "serena"], "English", max_new_tokens=101)
-    prepared += tts.prepare_custom_voice(texts[1], "aiden", do_sample=False, subtalker_dosample=False,
-                                         max_new_tokens=61)
+    if batch > 1:
+        prepared += tts.prepare_custom_voice(texts[1], "aiden", seed=5, max_new_tokens=61)
     try:
         graphs = Engine(tts.ckpt, max_slots=4, max_seq_len=256, use_cuda_graphs=True, batch_invariant=True)
         alone = [graphs.generate_codes([p])[0] for p in prepared]
@@ -84,9 +74,11 @@ def test_alone_equals_batched_equals_graph_equals_eager_bf16_batch_invariant(rea
         eager = Engine(tts.ckpt, max_slots=4, max_seq_len=256, use_cuda_graphs=False,
                        batch_invariant=True).generate_codes(prepared)
     finally:
-        invariant.set_enabled(False)
+        invariant.set_enabled(False)  # process-wide: the other tests' engines run the default mode
     for i, (a, b, e) in enumerate(zip(alone, batched, eager)):
-        assert torch.equal(a, b) and torch.equal(b, e), i
+        for name, x in (("batched", b), ("eager", e)):
+            same = (a == x).all(1).long() if a.shape == x.shape else torch.zeros(1, dtype=torch.long)
+            assert torch.equal(a, x), f"request {i}, {name}: identical prefix {int(same.cumprod(0).sum())} frames"
 
 
 def test_nothing_compiles_after_warm_up(real06):
