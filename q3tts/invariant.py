@@ -13,8 +13,9 @@ Where a row's bits can depend on the batch in the default engine, and what this 
   no-ops, so the span does not matter either.
 - The sum of a frame's 16 codec embeddings: `embed_sum`, each row summed in codebook order.
 - The one-stream fast paths (kernels.gemv_ex, the code predictor's step compiled whole) compute the same values in
-  another order: off in this mode. Sampling is per row already (counter-based noise; kernels.sample_top serves every
-  batch size in this mode); each request's prefill runs alone (engine.runner); the vocoder decodes each request's
+  another order: off in this mode. Sampling is per row already (counter-based noise); kernels.sample_top serves every
+  batch size in this mode, and a row whose top-k fits keeps it in a batch that runs the full sampler for another row
+  (engine.runner's _draw); each request's prefill runs alone (engine.runner); the vocoder decodes each request's
   pieces in calls of one row (engine.vocoder) and the offline decoder one request at a time (api.TTS.decode).
 
 Process-wide (kernels and the models read it; this module imports none of q3tts): `set_enabled`
@@ -31,11 +32,13 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the mode changes nothing there
+except ImportError:  # CPU-only installs: none of this module's kernels
     triton = None
 
 ENABLED = os.environ.get("Q3TTS_BATCH_INVARIANT", "0") == "1"
-BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 256  # matmul's tile: fixed for every number of rows (bench/invariance.py --probe-gemm)
+# matmul's tile, fixed for every number of rows: of those `python -m bench.invariance --probe-gemm` timed, the best
+# compromise between one row and 64 (BENCHMARKS.md)
+BLOCK_M, BLOCK_N, BLOCK_K = 32, 32, 256
 ATTN_CHUNK = 256  # attention: positions per program (4 blocks of 64)
 
 
