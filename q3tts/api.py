@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from . import invariant
+from .align import ForcedAligner, WordTime
+from .inputs.align_text import aligner_language
 from .engine.engine import AudioChunk, Engine
 from .engine.request import StreamOptions
 from .inputs.processor import InputProcessor
@@ -32,8 +34,9 @@ class TTS:
     def __init__(self, ckpt: Checkpoint, max_batch_size: int | None = 8, max_seq_len: int | None = None,
                  max_queue: int = 256, compile: bool | None = None, gpu_memory_utilization: float | None = None,
                  gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
-                 batch_invariant: bool | None = None):
+                 aligner: ForcedAligner | None = None, batch_invariant: bool | None = None):
         self.ckpt, self.cfg = ckpt, ckpt.cfg
+        self.aligner = aligner  # word timestamps (word_timestamps=True)
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = dict(max_slots=max_batch_size, max_seq_len=max_seq_len, max_queue=max_queue,
@@ -50,6 +53,8 @@ class TTS:
                         max_seq_len: int | None = None, max_queue: int = 256, compile: bool | None = None,
                         quantization: str | None = None, gpu_memory_utilization: float | None = None,
                         gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
+                        generation_config: dict | str | os.PathLike | None = None,
+                        aligner: str | os.PathLike | ForcedAligner | None = None,
                         batch_invariant: bool | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
@@ -73,11 +78,19 @@ class TTS:
             quantization: quantization of the talker and code predictor: None (exact), "int8" / "int4"
                 (weight-only) or "int8dyn" (int8 weights and activations: the fastest) on CPU, "int8" or "fp8" on
                 CUDA. Close to, not token-exact with, the unquantized model.
+            generation_config: generation defaults laid over the checkpoint's generation_config.json, as a dict or
+                the path of a JSON file of its fields (e.g. {"do_sample": False, "subtalker_dosample": False}:
+                greedy); a call's own arguments still win. Unknown fields and invalid values are a ValueError.
+            aligner: a forced aligner (e.g. "Qwen/Qwen3-ForcedAligner-0.6B", a directory, or a ForcedAligner),
+                loaded on the same device: then generate_*(..., word_timestamps=True) also returns word times.
             batch_invariant: on CUDA, a request's codes and audio bit-identical whatever requests share its steps
                 (q3tts.invariant; slower: BENCHMARKS.md). Process-wide; default $Q3TTS_BATCH_INVARIANT=1, else off.
         """
-        return cls(load_checkpoint(name_or_path, device, dtype, quantization), max_batch_size, max_seq_len, max_queue,
-                   compile, gpu_memory_utilization, gpu_memory, compile_cache, batch_invariant)
+        ckpt = load_checkpoint(name_or_path, device, dtype, quantization, generation_config)
+        if aligner is not None and not isinstance(aligner, ForcedAligner):
+            aligner = ForcedAligner.from_pretrained(aligner, device=ckpt.device)
+        return cls(ckpt, max_batch_size, max_seq_len, max_queue, compile, gpu_memory_utilization, gpu_memory,
+                   compile_cache, aligner, batch_invariant)
 
     # ------------------------------------------------------------------ info
     @property
@@ -135,12 +148,13 @@ class TTS:
         return self.engine.generate_codes(prepared)
 
     def stream(self, prepared: list[PreparedRequest], first_chunk_frames: int = 1, chunk_frames: int = 16,
-               text_stream: Iterable[str] | None = None) -> Iterator[AudioChunk]:
+               text_stream: Iterable[str] | None = None, request_ids: list[str] | None = None) -> Iterator[AudioChunk]:
         """Streaming synthesis of prepared requests: AudioChunks as frames are generated (exact stateful decoder).
         text_stream: the text of the one request prepared with text=None, read (in a thread) while audio is made."""
         start = time.perf_counter()
         eng = self.engine
-        reqs = [eng.add_request(p, StreamOptions(first_chunk_frames, chunk_frames)) for p in prepared]
+        reqs = [eng.add_request(p, StreamOptions(first_chunk_frames, chunk_frames),
+                                request_id=request_ids[i] if request_ids else None) for i, p in enumerate(prepared)]
         ids = {r.request_id for r in reqs}
         for r in reqs:
             r.arrival_time = start  # time to first audio counts prompt processing too
@@ -193,6 +207,8 @@ class TTS:
         nsm = non_streaming_mode if non_streaming_mode is not None else (False if text_stream is not None else default_nsm)
         if text_stream is not None and isinstance(text_stream, str):
             text_stream = [text_stream]
+        if kwargs.pop("word_timestamps", False):
+            return self._stream_words(prepare, text, text_stream, nsm, first_chunk_frames, chunk_frames, args, kwargs)
         return self.stream(prepare(text, *args, non_streaming_mode=nsm, **kwargs), first_chunk_frames, chunk_frames,
                            text_stream)
 
@@ -211,24 +227,28 @@ class TTS:
             instruct: optional style instruction(s).
             non_streaming_mode: True puts the whole text in the prompt; False feeds it one token per frame.
             **kwargs: do_sample, temperature, top_k, top_p, repetition_penalty, subtalker_dosample,
-                subtalker_temperature, subtalker_top_k, subtalker_top_p, max_new_tokens, seed.
+                subtalker_temperature, subtalker_top_k, subtalker_top_p, max_new_tokens, seed; word_timestamps
+                (needs from_pretrained(..., aligner=)).
         Returns:
-            (list of float32 waveforms, 24000)
+            (list of float32 waveforms, 24000); with word_timestamps=True (waveforms, 24000, per waveform a list
+            of WordTime(word, start_s, end_s)).
         """
-        return self._synthesize(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs))
+        return self._timed(kwargs, text, language, lambda: self._synthesize(
+            self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs)))
 
     def generate_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
                               **kwargs) -> tuple[list[np.ndarray], int]:
         """VoiceDesign: a voice described in words (instruct); other arguments as generate_custom_voice."""
-        return self._synthesize(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs))
+        return self._timed(kwargs, text, language, lambda: self._synthesize(
+            self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs)))
 
     def generate_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
                              voice_clone_prompt=None, non_streaming_mode: bool = False,
                              **kwargs) -> tuple[list[np.ndarray], int]:
         """Base models: clone a voice from reference audio or from prompt items (x-vector only, or ICL with
         reference codes + transcript); other arguments as generate_custom_voice."""
-        return self._synthesize(self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
-                                                         voice_clone_prompt, non_streaming_mode, **kwargs))
+        return self._timed(kwargs, text, language, lambda: self._synthesize(self.prepare_voice_clone(
+            text, language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt, non_streaming_mode, **kwargs)))
 
     # ------------------------------------------------------------------ streaming variants
     def generate_custom_voice_stream(self, text=None, speaker=None, language=None, instruct=None,
@@ -243,6 +263,8 @@ class TTS:
             chunk_frames: the largest chunk; chunks double from the first one up to it.
             text_stream: instead of text, any iterable of str pieces (an LLM's tokens), read as it yields:
                 speech starts after the first words and equals that of the whole text.
+            word_timestamps: the last chunk of each utterance carries its words' times (AudioChunk.word_timestamps,
+                seconds from the utterance's start), aligned once its audio is complete.
         """
         return self._stream(self.prepare_custom_voice, text, text_stream, non_streaming_mode, True, first_chunk_frames,
                             chunk_frames, (speaker, language, instruct), kwargs)
@@ -264,6 +286,52 @@ class TTS:
         return self._stream(self.prepare_voice_clone, text, text_stream, non_streaming_mode, False,
                             first_chunk_frames, chunk_frames,
                             (language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt), kwargs)
+
+    # ------------------------------------------------------------------ word timestamps
+    def _alignable(self, text, language) -> tuple[list[str] | None, list[str]]:
+        """Per utterance (text, aligner language), checked before any synthesis: an aligner is loaded and can split
+        each text's words (no language: "Auto"; text None: a streamed text, its language only)."""
+        if self.aligner is None:
+            raise ValueError("word_timestamps=True needs a forced aligner: TTS.from_pretrained(..., "
+                             "aligner='Qwen/Qwen3-ForcedAligner-0.6B') (or a local directory)")
+        texts = text if isinstance(text, list) else [text]
+        langs = language if isinstance(language, list) else [language] * len(texts)
+        langs = [aligner_language(lang) for lang in langs]
+        for t, lang in zip(texts, langs):
+            if t is None or (isinstance(t, str) and t.strip()):  # (bad text is the processor's to refuse)
+                self.aligner.words(t if t is not None else "a", lang)
+        return texts, langs
+
+    def _timed(self, kwargs: dict, text, language, synthesize):
+        """synthesize() -> (wavs, sr); with kwargs' word_timestamps, (wavs, sr, [WordTime] per wav)."""
+        if not kwargs.pop("word_timestamps", False):
+            return synthesize()
+        texts, langs = self._alignable(text, language)
+        wavs, sr = synthesize()
+        words = self.aligner.align(wavs, [sr] * len(wavs), texts, langs[:len(wavs)], rows_alone=True)
+        return wavs, sr, words
+
+    def _stream_words(self, prepare, text, text_stream, nsm, first_chunk_frames, chunk_frames, args, kwargs):
+        """A *_stream with word_timestamps: each utterance's audio is kept and aligned when its last chunk comes;
+        that chunk carries the words."""
+        texts, langs = self._alignable(text, args[_LANGUAGE_ARG[prepare.__name__]])
+        pieces: list[str] = []
+        if text_stream is not None:  # the text is known once the stream has been read
+            text_stream = _recorded(text_stream, pieces)
+        prepared = prepare(text, *args, non_streaming_mode=nsm, **kwargs)
+        ids = [f"words-{id(self)}-{id(p)}" for p in prepared]
+        audio: dict[str, list[np.ndarray]] = {r: [] for r in ids}
+        for chunk in self.stream(prepared, first_chunk_frames, chunk_frames, text_stream, request_ids=ids):
+            audio[chunk.request_id].append(chunk.audio)
+            if chunk.is_last:
+                i = ids.index(chunk.request_id)
+                t = "".join(pieces) if text_stream is not None else texts[i]
+                wav = np.concatenate(audio.pop(chunk.request_id))
+                words: list[WordTime] = []
+                if t.strip() and wav.size >= 640 and self.aligner.words(t, langs[min(i, len(langs) - 1)]):
+                    words = self.aligner.align(wav, chunk.sample_rate, t, langs[min(i, len(langs) - 1)])
+                chunk.word_timestamps = words
+            yield chunk
 
     # ------------------------------------------------------------------ voices
     def voice_cloner(self) -> VoiceCloner:
@@ -307,6 +375,16 @@ def _decode_groups(lengths: list[int], max_frames: int = 1024, chunk: int = 325)
         else:
             g.append(i)
     return groups
+
+
+# where each prepare_* takes its language among the positional arguments a *_stream passes on
+_LANGUAGE_ARG = {"prepare_custom_voice": 1, "prepare_voice_design": 1, "prepare_voice_clone": 0}
+
+
+def _recorded(pieces: Iterable[str], seen: list[str]) -> Iterator[str]:
+    for p in pieces:
+        seen.append(p)
+        yield p
 
 
 def _feed(text, pieces: Iterable[str], failed: list) -> None:
