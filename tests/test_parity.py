@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from q3tts.inputs.request import InputError
 from tests.golden import fixtures as fx
 
 CASES = fx.all_cases()
@@ -17,6 +18,11 @@ def _prepare(variant, case):
     method = case["method"].replace("generate_", "prepare_")
     if "prompt" in case:
         kw["voice_clone_prompt"] = fx.case_prompt_items(variant, case)
+    if tts.cfg.tts_model_size == "0b6" and kw.get("instruct"):
+        # upstream drops an instruction on 0.6B CustomVoice unseen; ours refuses it, and without it is upstream's
+        with pytest.raises(InputError, match="instruct is not supported: this is a CustomVoice model"):
+            getattr(tts, method)(**kw, **fx.manifest(variant)["greedy"])
+        kw.pop("instruct")
     return tts, getattr(tts, method)(**kw, **fx.manifest(variant)["greedy"])
 
 
