@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from . import invariant
 from .align import ForcedAligner, WordTime
 from .inputs.align_text import aligner_language
 from . import longform
@@ -35,14 +36,14 @@ class TTS:
     def __init__(self, ckpt: Checkpoint, max_batch_size: int | None = 8, max_seq_len: int | None = None,
                  max_queue: int = 256, compile: bool | None = None, gpu_memory_utilization: float | None = None,
                  gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
-                 aligner: ForcedAligner | None = None):
+                 aligner: ForcedAligner | None = None, batch_invariant: bool | None = None):
         self.ckpt, self.cfg = ckpt, ckpt.cfg
         self.aligner = aligner  # word timestamps (word_timestamps=True)
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = {"max_slots": max_batch_size, "max_seq_len": max_seq_len, "max_queue": max_queue,
                                    "compile": compile, "gpu_memory_utilization": gpu_memory_utilization, "gpu_memory": gpu_memory,
-                                   "compile_cache": compile_cache}
+                                   "compile_cache": compile_cache, "batch_invariant": batch_invariant}
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
         self._cloner: VoiceCloner | None = None
@@ -55,7 +56,8 @@ class TTS:
                         quantization: str | None = None, gpu_memory_utilization: float | None = None,
                         gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
                         generation_config: dict | str | os.PathLike | None = None,
-                        aligner: str | os.PathLike | ForcedAligner | None = None) -> TTS:
+                        aligner: str | os.PathLike | ForcedAligner | None = None,
+                        batch_invariant: bool | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
@@ -83,12 +85,14 @@ class TTS:
                 greedy); a call's own arguments still win. Unknown fields and invalid values are a ValueError.
             aligner: a forced aligner (e.g. "Qwen/Qwen3-ForcedAligner-0.6B", a directory, or a ForcedAligner),
                 loaded on the same device: then generate_*(..., word_timestamps=True) also returns word times.
+            batch_invariant: on CUDA, a request's codes and audio bit-identical whatever requests share its steps
+                (q3tts.invariant; slower: BENCHMARKS.md). Process-wide; default $Q3TTS_BATCH_INVARIANT=1, else off.
         """
         ckpt = load_checkpoint(name_or_path, device, dtype, quantization, generation_config)
         if aligner is not None and not isinstance(aligner, ForcedAligner):
             aligner = ForcedAligner.from_pretrained(aligner, device=ckpt.device)
         return cls(ckpt, max_batch_size, max_seq_len, max_queue, compile, gpu_memory_utilization, gpu_memory,
-                   compile_cache, aligner)
+                   compile_cache, aligner, batch_invariant)
 
     # ------------------------------------------------------------------ info
     @property
@@ -184,7 +188,9 @@ class TTS:
         full = [c if r is None else torch.cat([r.to(c.device), c], 0) for c, r in zip(codes, ref_codes)]
         wavs = []
         with torch.inference_mode():  # a few rows per call: the workspace grows with rows x frames (~6 MB each)
-            for group in _decode_groups([c.shape[0] for c in full]):
+            # (batch-invariant mode: one request per call, as cuDNN's and cuBLAS's algorithms follow the rows)
+            lens = [c.shape[0] for c in full]
+            for group in [[i] for i in range(len(full))] if invariant.ENABLED else _decode_groups(lens):
                 wavs += self.ckpt.code2wav.decode_batch([full[i].to(self.device) for i in group])
         out = []
         for w, c, r in zip(wavs, full, ref_codes):

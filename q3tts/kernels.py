@@ -22,6 +22,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from . import invariant
+
 try:
     import triton
     import triton.language as tl
@@ -135,6 +137,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if isinstance(w, torch.nn.Module):
         assert bias is None, "a quantized linear carries its own bias"
         return w(x)
+    if invariant.matmul_applies(x, w):  # batch-invariant mode: one kernel for every number of rows
+        return invariant.matmul(x, w, bias)
     if (ENABLED and bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
             and x.numel() <= MAX_ROWS * x.shape[-1] and w.shape[0] % 32 == 0 and w.shape[1] % 512 == 0
             and w.is_contiguous()):
@@ -233,7 +237,7 @@ if triton is not None:
 
 def gemv_ex_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether gemv_ex serves x [..., K] (one row in all) with these weights (bf16 [N, K], contiguous)."""
-    return (ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1]
+    return (ENABLED and not invariant.ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and x.numel() == x.shape[-1]
             and all(isinstance(w, torch.Tensor) and w.dtype == x.dtype and w.is_contiguous()
                     and w.shape[0] % (2 * GEMV_EX_LAUNCH["block_n"]) == 0 and w.shape[1] % 512 == 0 for w in weights))
 
@@ -513,11 +517,11 @@ if triton is not None:
 
 
 def sample_top_applies(logits: torch.Tensor, cap: int) -> bool:
-    """Whether sample_top serves these logits [B, V] (CUDA, fp32 / bf16 / fp16, B <= TOP_KERNEL_MAX_ROWS) with this
-    cap (a power of two)."""
+    """Whether sample_top serves these logits [B, V] (CUDA, fp32 / bf16 / fp16, B <= TOP_KERNEL_MAX_ROWS, or any B in
+    batch-invariant mode: one path for every batch) with this cap (a power of two)."""
     B, V = logits.shape
     return (ENABLED and logits.is_cuda and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and B <= TOP_KERNEL_MAX_ROWS and V % TOP_RANK_ROWS == 0 and V % TOP_RANK_COLS == 0
+            and (B <= TOP_KERNEL_MAX_ROWS or invariant.ENABLED) and V % TOP_RANK_ROWS == 0 and V % TOP_RANK_COLS == 0
             and cap & (cap - 1) == 0 and cap <= V)
 
 
@@ -620,3 +624,4 @@ def snake_join(x: torch.Tensor, tail: torch.Tensor | None = None, pad: int = 0, 
         parts.append(x.new_zeros(B, pad, C))
     j = torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
     return torch.stack([j[:, ctx:], j[:, ctx - 1: ctx - 1 + N]], -1) if pairs else j
+

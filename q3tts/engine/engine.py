@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import invariant
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
 from ..models.talker import embed_prompt
@@ -69,13 +70,16 @@ class Engine:
     def __init__(self, ckpt: Checkpoint, max_slots: int | None = 8, max_seq_len: int | None = 4096,
                  max_queue: int = 256, use_cuda_graphs: bool | None = None, compile: bool | None = None,
                  gpu_memory_utilization: float | None = None, gpu_memory: float | None = None,
-                 kv_block_size: int | None = None, compile_cache: str | bool | None = None):
+                 kv_block_size: int | None = None, compile_cache: str | bool | None = None,
+                 batch_invariant: bool | None = None):
         """max_slots / max_seq_len None: fitted to the memory budget (q3tts.engine.memory.size_engine): a fraction
         of the GPU (gpu_memory_utilization, default 0.9; on a CPU of the host memory available, default 0.5) or
         gpu_memory GB. kv_block_size (e.g. 64): a paged KV cache, whose blocks follow the positions streams use (as
         many as the budget holds) instead of max_seq_len positions per slot from the start. compile_cache: where
         torch.compile's caches live (q3tts.engine.compile_cache: default a per-user directory that survives
-        restarts; False: torch's)."""
+        restarts; False: torch's). batch_invariant: q3tts.invariant's switch, set for the process (None: as it is)."""
+        if batch_invariant is not None:
+            invariant.set_enabled(batch_invariant)
         t0, counts = time.perf_counter(), compile_counts()
         self.ckpt = ckpt
         max_slots, max_seq_len, num_blocks = size_engine(ckpt, max_slots, max_seq_len, gpu_memory_utilization,

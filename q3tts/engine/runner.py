@@ -29,6 +29,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .. import invariant
 from ..inputs.request import InputError
 from ..kernels import MAX_ROWS, gemv_ex, gemv_ex_applies, linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
@@ -179,6 +180,7 @@ class ModelRunner:
                 torch.arange(self.max_len + KV_SPARE, device=dev)[None], self.inv_freq, self.dtype))
         # the capped sampler (topk instead of full sorts) serves rows whose top_k fits TOPK_CAP
         self.topk_ok_cpu = [True] * S
+        self.topk_ok = torch.ones(S, dtype=torch.bool, device=dev)  # on the device (batch-invariant mode: _draw)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded prompt length -> graph (capture_graphs)
         self.compiled_while_capturing = 0  # graphs Inductor produced during capture_graphs' captures (should be 0)
@@ -194,6 +196,8 @@ class ModelRunner:
             compile_layers(talker)
             self._sample, self._sample_topk, self._rules = (
                 torch.compile(f, dynamic=True) for f in (sample, sample_topk, talker_logits_rules))
+            if invariant.ENABLED:  # NOTE(invariant): eager torch reduces each row alone (sorts, softmax, cumsum);
+                self._sample = sample  # Inductor compiles 1 row and n rows apart, and may reduce them differently
             # static shapes: 2 step shapes x 2 samplers per batch size up to FUSED_CP_MAX_BATCH
             self._cp_step_fused = torch.compile(self._cp_step, dynamic=False, fullgraph=True)
             # The step compiled whole has a cache of its own: per layer a k and a v tensor that alias nothing, which its
@@ -208,7 +212,7 @@ class ModelRunner:
     def _state_tensors(self):
         paged = [] if self.block_table is None else [self.block_table]
         return [self.position, self.num_generated, self.last_hidden, self.last_code0, self.seen, self.trailing,
-                self.trailing_len, self.seed, *self.params.values(), *paged]
+                self.trailing_len, self.seed, self.topk_ok, *self.params.values(), *paged]
 
     def move_slot(self, src: int, dst: int) -> None:
         """Compaction: the request in row src continues in row dst (its KV up to its position moves too; paged:
@@ -262,16 +266,19 @@ class ModelRunner:
                       params: list[SamplingParams], graphs: bool = True) -> list[int]:
         """Admit N requests into rows [lo, lo+N); returns their code 0 of frame 0.
         prefills: N x [L_i, D] prompt embeddings, trailings: N x [S_i, D]; each passed check_prompt.
-        Up to PREFILL_GRAPH_MAX_REQUESTS prompts that each have a captured prefill graph (their bucket's) replay it
-        one after another, each exactly as alone; else one talker forward prefills them all (graphs=False: always,
-        for the warm-up of its compiled variants)."""
+        On CUDA up to PREFILL_GRAPH_MAX_REQUESTS prompts (contiguous cache), any number in batch-invariant mode, are
+        prefilled one after another, each exactly as alone (its bucket's captured prefill graph where there is one);
+        else one talker forward prefills them all (graphs=False: always, outside batch-invariant mode, for the
+        warm-up of its compiled variants)."""
         N, D = len(prefills), self.cfg.hidden_size
         lens = [p.shape[0] for p in prefills]
-        buckets = [self.prefill_len(1, n) for n in lens]
-        one_by_one = graphs and N <= PREFILL_GRAPH_MAX_REQUESTS
-        replays = [self.prefill_graphs.get(b) for b in buckets] if one_by_one else [None]
-        replays = None if None in replays else replays
-        L = max(buckets) if replays else self.prefill_len(N, max(lens))
+        # NOTE(invariant): each prompt prefilled alone (its bucket's graph, else an eager forward of its own) for a few
+        # newcomers on CUDA, and for any number in batch-invariant mode: graphs and eager run the same computation
+        cuda = self.device.type == "cuda"
+        alone = (cuda and invariant.ENABLED) or ((cuda or bool(self.prefill_graphs)) and graphs
+                                                 and N <= PREFILL_GRAPH_MAX_REQUESTS and self.block_table is None)
+        buckets = [self.prefill_len(1, n) for n in lens] if alone else [self.prefill_len(N, max(lens))] * N
+        L = max(buckets)
         r = slice(lo, lo + N)
         fits = lambda sample, k: not sample or 1 <= k <= TOPK_CAP  # noqa: E731
         x = torch.zeros(N, L, D, device=self.device, dtype=self.dtype)  # right-padded with zeros
@@ -282,20 +289,27 @@ class ModelRunner:
             for name, t in self.params.items():
                 t[s] = getattr(prm, name)
             self.topk_ok_cpu[s] = fits(prm.do_sample, prm.top_k) and fits(prm.subtalker_dosample, prm.subtalker_top_k)
+            self.topk_ok[s] = self.topk_ok_cpu[s]
             self.seed[s] = prm.seed
             self.trailing[s, : trail.shape[0]] = trail.to(self.dtype)
             self.trailing_len[s] = trail.shape[0]
         self.seen[r] = False
         self.num_generated[r] = 0
         last = torch.tensor(lens, device=self.device)
-        if replays:  # each its bucket's captured forward into the scratch cache, then copied into its row
+        if alone:
             h = torch.empty(N, D, device=self.device, dtype=self.dtype)
-            for i, (graph, b) in enumerate(zip(replays, buckets)):
-                self.prefill_in[:, :b] = x[i, :b]
-                self.prefill_last.copy_(last[i:i + 1] - 1)
-                graph.replay()
-                self.kv[:, :, lo + i, :, :b] = self.prefill_kv[:, :, 0, :, :b]
-                h[i] = self.prefill_h[0]
+            for i, b in enumerate(buckets):
+                graph = self.prefill_graphs.get(b)
+                if graph is not None:  # its bucket's captured forward into the scratch cache, then copied into its row
+                    self.prefill_in[:, :b] = x[i, :b]
+                    self.prefill_last.copy_(last[i:i + 1] - 1)
+                    graph.replay()
+                    self.kv[:, :, lo + i, :, :b] = self.prefill_kv[:, :, 0, :, :b]
+                    h[i] = self.prefill_h[0]
+                else:
+                    s = slice(lo + i, lo + i + 1)
+                    kv, table = (self.kv[:, :, s], None) if self.block_table is None else (self.kv, self.block_table[s])
+                    h[i] = self._prefill_forward(x[i:i + 1, :b], kv, table, last[i:i + 1] - 1)[0]
         else:
             kv = self.kv if self.block_table is not None else self.kv[:, :, r]
             table = None if self.block_table is None else self.block_table[r]
@@ -341,8 +355,8 @@ class ModelRunner:
         logits = self._rules(logits, self.seen[r], p["repetition_penalty"][r], self.num_generated[r],
                              t.codec_eos_token_id, t.vocab_size - 1024)
         noise = uniform_noise(self.seed[r], self.num_generated[r], 0, logits.shape[-1])
-        code0 = (self._sample_topk if capped else self._sample)(logits, p["do_sample"][r], p["temperature"][r],
-                                                                p["top_k"][r], p["top_p"][r], noise)
+        code0 = self._draw(capped, self.topk_ok[r], logits, p["do_sample"][r], p["temperature"][r], p["top_k"][r],
+                           p["top_p"][r], noise)
         if act is None:
             self.seen[r].scatter_(1, code0[:, None], True)
             self.num_generated[r] += 1
@@ -355,7 +369,7 @@ class ModelRunner:
     def _code_predictor(self, B: int, h: torch.Tensor, code0: torch.Tensor, capped: bool) -> torch.Tensor:
         """C2: h [B, D] talker hidden, code0 [B] -> codes 1..K-1 [B, K-1]."""
         cp, p, r = self.talker.code_predictor, self.params, slice(0, B)
-        whole = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None
+        whole = B <= FUSED_CP_MAX_BATCH and self._cp_step_fused is not None and not invariant.ENABLED
         # per layer a (k, v) pair of views (given the one [layers, 2, B, ...] view, torch.compile copied it whole for
         # every write); the step compiled whole has caches of its own
         kv = ([(k[:B], v[:B]) for k, v in self.cp_kv_whole] if whole else
@@ -370,7 +384,8 @@ class ModelRunner:
             cos, sin, write_pos, mask = (t[:B] for t in self.cp_steps[i])
             code, x = step(x, cos, sin, kv, write_pos, mask, cp.lm_head[i].weight, emb, p["subtalker_dosample"][r],
                            p["subtalker_temperature"][r], p["subtalker_top_k"][r], p["subtalker_top_p"][r],
-                           noise_all[i], capped, self.device.type == "cuda" and (whole or i > 0), whole)
+                           noise_all[i], capped, self.device.type == "cuda" and (whole or i > 0), whole,
+                           None if whole else self.topk_ok[r])
             out.append(code)
         return torch.stack(out, dim=1)
 
@@ -395,12 +410,13 @@ class ModelRunner:
         return cos, sin, write_pos, mask
 
     def _cp_step(self, x, cos, sin, kv, write_pos, mask, head_w, emb_w, do_sample, temperature, top_k, top_p, noise,
-                 capped: bool, fused_attention: bool = False, write_kv_in_attention: bool = False):
+                 capped: bool, fused_attention: bool = False, write_kv_in_attention: bool = False,
+                 topk_ok: torch.Tensor | None = None):
         """One code-predictor step: x [B, S, D_talker] (S = 2 at step 0, then 1) -> (code [B], next input
         codec_embedding[i](code) [B, 1, D_talker]). Under torch.compile as a whole (single stream), the norms,
         residuals, head and sampler fuse across layer boundaries. fused_attention (CUDA: the one-token steps, and the
         step compiled whole) puts each layer's attention in one kernel (kernels.decode_attention), which also writes
-        the caches with write_kv_in_attention (the step compiled whole)."""
+        the caches with write_kv_in_attention (the step compiled whole). topk_ok [B]: see _draw."""
         ctx = AttnContext(write_pos, mask, fused_attention=fused_attention, write_kv_in_attention=write_kv_in_attention)
         cp = self.talker.code_predictor
         hid = cp(x, cos, sin, kv, ctx, normed=False)[:, -1]  # [B, D_cp] before the final norm
@@ -412,9 +428,21 @@ class ModelRunner:
         if capped:
             code, nxt = self._sample_topk(logits, do_sample, temperature, top_k, top_p, noise, emb=emb_w)
         else:
-            code = self._sample(logits, do_sample, temperature, top_k, top_p, noise)
+            code = self._draw(False, topk_ok, logits, do_sample, temperature, top_k, top_p, noise)
             nxt = F.embedding(code, emb_w)
         return code, nxt[:, None]
+
+    def _draw(self, capped: bool, topk_ok: torch.Tensor | None, logits, *args) -> torch.Tensor:
+        """Tokens [B] from processed logits [B, V] (args: sample's). capped: the top-k sampler for every row.
+        NOTE(invariant): otherwise, in batch-invariant mode, each row whose top-k fits (topk_ok [B]) still takes the
+        top-k sampler, as it does alone (a batch runs the full sampler when any of its rows needs it: the draws agree
+        but for rounding, and rounding must not depend on the neighbours)."""
+        if capped:
+            return self._sample_topk(logits, *args)
+        full = self._sample(logits, *args)
+        if not invariant.ENABLED or topk_ok is None:
+            return full
+        return torch.where(topk_ok, self._sample_topk(logits, *args), full)
 
     def _frame(self, B: int, n: int, capped: bool = False) -> None:
         """One whole frame for rows [0, B), attending over n cache positions. Static shapes, no host sync.
@@ -563,6 +591,12 @@ class ModelRunner:
                 self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)] * n,
                                    [torch.zeros(2, D, device=self.device, dtype=self.dtype)] * n,
                                    [SamplingParams()] * n, graphs=n == 1)  # 2 rows: the batched forward
+        # and a prompt past the last prefill graph's length, alone: its forward launched from Python straight into its
+        # row, as each of a few (in batch-invariant mode, any number of) long newcomers runs
+        L = PREFILL_GRAPH_LENS[-1] + 1
+        if L < self.max_len and self.block_table is None and not self.eager_prefill(1, L):
+            self.prefill_batch(0, [torch.zeros(L, D, device=self.device, dtype=self.dtype)],
+                               [torch.zeros(2, D, device=self.device, dtype=self.dtype)], [SamplingParams()])
         torch.cuda.synchronize()
         for t in self._state_tensors():  # the warm-ups wrote garbage into free rows
             t.zero_()

@@ -20,6 +20,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from .. import invariant
 from ..models.codec import Code2Wav, Code2WavState
 from .runner import gc_paused
 
@@ -105,7 +106,9 @@ class StreamingVocoder:
                 if j < len(cut):
                     groups[cut[j]].append(i)
             for size, group in groups.items():
-                step = self.call_rows[size]
+                # NOTE(invariant): batch-invariant mode decodes each request's piece in a call of its own (cuDNN and
+                # cuBLAS choose their algorithms, and with them the sums' order, by the number of rows)
+                step = 1 if invariant.ENABLED else self.call_rows[size]
                 for items in (group[a: a + step] for a in range(0, len(group), step)):
                     codes = torch.stack([work[i][1][starts[i]: starts[i] + size].T for i in items])  # [n, K, size]
                     wav = self._call([work[i][0] for i in items], codes)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import invariant
 from ..config import DecoderLayerConfig
 from ..kernels import decode_attention, decode_attention_applies, gemv_ex, gemv_ex_applies, linear
 
@@ -25,6 +26,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 statistics, as upstream; the weight multiplies in the input dtype
+        if invariant.active(x) and self.weight.dtype == x.dtype:  # one program per row (see q3tts.invariant)
+            return invariant.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -103,6 +106,9 @@ class Attention(nn.Module):
             keys, values = k_cache[:, :, :n], v_cache[:, :, :n]  # [B, Hkv, n, Dh] views
         else:
             keys, values = _paged_write_read(k_cache, v_cache, ctx, k.transpose(1, 2), v.view(B, S, Hkv, Dh), n)
+        if invariant.attention_applies(q, keys, ctx.mask):  # a decode step, batch-invariant mode
+            out = invariant.attention(q, keys, values, ctx.mask)  # [B, H, S, Dh]
+            return self._project_out(out.transpose(1, 2).reshape(B, S, H * Dh), residual)
         # GQA without repeating K/V: the G query heads of a KV head become extra query rows
         G = H // Hkv
         qg = q.reshape(B, Hkv, G * S, Dh)

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import invariant
 from ..config import TalkerConfig
+from ..kernels import linear
 from .layers import DecoderLayer, RMSNorm, run_layers
 
 # What a prompt position holds besides a token id (q3tts.inputs.prompt.PromptLayout): the embedding contract
@@ -70,7 +72,9 @@ class CodePredictor(nn.Module):
     def forward(self, x, cos, sin, kv, ctx, normed: bool = True):
         """x: [B, S, D_talker] (talker hidden or codec embeddings) -> hidden [B, S, D_cp], final-normed unless not
         normed (the caller then applies model.norm, e.g. inside the head's kernel)."""
-        x = self.small_to_mtp_projection(x)
+        p = self.small_to_mtp_projection
+        # a plain Linear through kernels.linear: F.linear, unless the batch-invariant mode's kernel serves it
+        x = linear(x, p.weight, p.bias) if type(p) is nn.Linear else p(x)
         return run_layers(self.model.layers, self.model.norm if normed else None, x, cos, sin, kv, ctx)
 
 
@@ -99,6 +103,8 @@ class Talker(nn.Module):
         This is both the next talker input during decoding and an ICL reference frame in the prompt.
         Summed over a stacked dim, like upstream, so the rounding is the same.
         """
+        if self.codec_table is not None and invariant.active(self.codec_table):  # each row summed in codebook order
+            return invariant.embed_sum(codes, self.codec_offsets, self.codec_table)
         if self.codec_table is not None:  # one lookup: the same [..., K, D] rows, summed the same way
             return F.embedding(codes + self.codec_offsets, self.codec_table).sum(-2)
         embs = [self.model.codec_embedding(codes[..., 0])]

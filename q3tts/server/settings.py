@@ -53,6 +53,7 @@ class ServerSettings:
     ws_max_utterances: int = 8  # utterances of one session in flight (speaking or queued); more get queue_full
     ws_max_client_utterances: int = 32  # the same over all sessions of one client address
     voice_alias: tuple[str, ...] = ()  # "NAME=VOICE": OpenAI voice names (Pipecat's) -> this model's voices
+    batch_invariant: bool = False  # a request's audio bit-identical whatever shares its steps (CUDA; slower)
     log_level: str = "info"
     aligner: str | None = None  # forced aligner for word_timestamps (hub id or directory); None: refused with a 400
     # Ray Serve (q3tts.server.ray_serve): replicas > 0 or a ray_address serves through Ray instead of one uvicorn
@@ -169,6 +170,10 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
                     help="map a voice name clients send (OpenAI's: alloy, ash, ...) to one of this model's voices; "
                          "repeatable; defaults in docs/integrations.md [env "
                          f"{env_name('voice_alias')}=alloy=vivian,echo=ryan]")
+    invariant = env.get(env_name("batch_invariant"), "0").lower() in ("1", "true", "yes")
+    ap.add_argument("--batch-invariant", dest="batch_invariant", action="store_true", default=invariant,
+                    help="on CUDA, a request's codes and audio bit-identical alone and beside any other streams "
+                         f"(slower: BENCHMARKS.md) [env {env_name('batch_invariant')}=1]")
     a = ap.parse_args(argv)
     a.voice_alias = tuple(a.voice_alias if a.voice_alias is not None else alias_env)
     for alias in a.voice_alias:

@@ -55,19 +55,30 @@ def real06(tmp_path_factory):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_graph_equals_eager_bf16_real_dims(real06, batch):
-    """bf16 at the real dimensions, one stream (the code predictor's step compiled whole) and a batch of three (its
-    steps through the shared compiled layer; both take the fused attention): the captured frames give the eager
-    frames' codes. Both run the same kernels; the bound leaves room for a reduction whose order differs between a
-    replay and a launch (one stream: 100 of 100 frames identical in the seventh session)."""
+    """bf16 at the real dimensions, in batch-invariant mode (q3tts.invariant), greedy and seeded requests: each
+    request's codes alone (captured frames) == in the batch (captured frames) == in the batch (eager frames), bit for
+    bit. (In the default mode bf16 frames are not bit-exact between a replay and a launch from Python, nor between
+    batch sizes: on an H100 one stream's greedy codes parted at the second frame in some runs, ceed380's code alike;
+    the fp32 tests above hold there.)"""
+    from q3tts import invariant
     tts = real06
     texts = ["Real dimensions, bf16.", "A second stream, decoded in the same batch.", "And a third one."][:batch]
     prepared = tts.prepare_custom_voice(texts, ["ryan", "vivian", "serena"][:batch], "English", do_sample=False,
                                         subtalker_dosample=False, max_new_tokens=101)
-    for i, (g, e) in enumerate(zip(codes_with(tts, prepared, True), codes_with(tts, prepared, False))):
-        same = (g == e).all(1).long()
-        prefix = int(same.cumprod(0).sum())
-        print(f"bf16 graph vs eager, batch {batch}, stream {i}: identical prefix {prefix}/{g.shape[0]} frames")
-        assert prefix >= 50
+    if batch > 1:
+        prepared += tts.prepare_custom_voice(texts[1], "aiden", seed=5, max_new_tokens=61)
+    try:
+        graphs = Engine(tts.ckpt, max_slots=4, max_seq_len=256, use_cuda_graphs=True, batch_invariant=True)
+        alone = [graphs.generate_codes([p])[0] for p in prepared]
+        batched = graphs.generate_codes(prepared)
+        eager = Engine(tts.ckpt, max_slots=4, max_seq_len=256, use_cuda_graphs=False,
+                       batch_invariant=True).generate_codes(prepared)
+    finally:
+        invariant.set_enabled(False)  # process-wide: the other tests' engines run the default mode
+    for i, (a, b, e) in enumerate(zip(alone, batched, eager)):
+        for name, x in (("batched", b), ("eager", e)):
+            same = (a == x).all(1).long() if a.shape == x.shape else torch.zeros(1, dtype=torch.long)
+            assert torch.equal(a, x), f"request {i}, {name}: identical prefix {int(same.cumprod(0).sum())} frames"
 
 
 def test_nothing_compiles_after_warm_up(real06):

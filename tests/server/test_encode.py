@@ -104,3 +104,5 @@ def test_settings_flags_and_env():
     assert s.model_id == "m"
     with pytest.raises(SystemExit):
         parse_args(["--max-queue", "0"], environ={})
+    assert not s.batch_invariant and parse_args(["--batch-invariant"], environ={}).batch_invariant
+    assert parse_args([], environ={"Q3TTS_BATCH_INVARIANT": "1"}).batch_invariant

@@ -1,0 +1,251 @@
+"""Batch invariance on a GPU: is a request's output the same alone as beside others? Prints a table last.
+
+    python -m bench.invariance --models 0.6B-CustomVoice,1.7B-CustomVoice --frames 40
+
+Checks, bf16, random weights at the real dimensions (bench.make_checkpoint: no early EOS, so lengths are exact):
+- kernels (q3tts.invariant): each row of matmul / rms_norm / attention / embed_sum computed in a batch == alone
+  (attention also over a longer span than the row's own); their distance from an fp32 / eager reference;
+- the vocoder's decode_step, default mode: a row decoded alone vs among 16 (whether cuDNN/cuBLAS follow the batch);
+- the engine in batch-invariant mode: 16 requests of mixed lengths, speakers and sampling parameters, codes alone ==
+  in a batch of 3 == of 16 == admitted staggered; eager (no graphs) == graphs for 3; streamed PCM alone == in a
+  batch of 3 (the streaming vocoder); offline PCM (TTS.decode) alone == decoded together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+ROWS: list[tuple[str, str, str]] = []  # (scope, check, result)
+
+
+def row(scope: str, check: str, result: str) -> None:
+    ROWS.append((scope, check, result))
+    print(f"{scope:>18} | {check:<48} | {result}", flush=True)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def check_kernels() -> None:
+    from q3tts import invariant
+    from q3tts.models.layers import _attend
+    invariant.set_enabled(True)
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    for N, K in ((4096, 1024), (1024, 2048), (3072, 1024), (6144, 2048)):
+        x = torch.randn(200, K, device=dev, dtype=dt)
+        w = torch.randn(N, K, device=dev, dtype=dt) * 0.03
+        full = invariant.matmul(x, w)
+        ok = all(same(invariant.matmul(x[a:a + m], w), full[a:a + m])
+                 for m in (1, 2, 3, 16, 17, 64, 100) for a in (0, 5, 37))
+        ref = x.float() @ w.float().T
+        err = ((full.float() - ref).abs() / (ref.abs() + 1e-2)).max().item()
+        row("kernel", f"matmul {N}x{K}: rows alone == in 200", f"{ok} (max rel err vs fp32 {err:.1e})")
+    x = torch.randn(300, 1024, device=dev, dtype=dt) * 3
+    nw = torch.randn(1024, device=dev, dtype=dt)
+    full = invariant.rms_norm(x, nw, 1e-6)
+    ok = all(same(invariant.rms_norm(x[a:a + m], nw, 1e-6), full[a:a + m]) for m in (1, 3, 64) for a in (0, 7))
+    ref = nw.float() * torch.nn.functional.rms_norm(x.float(), (1024,), eps=1e-6)
+    row("kernel", "rms_norm: rows alone == in 300", f"{ok} (max abs err {(full.float() - ref).abs().max().item():.1e})")
+    B, H, Hkv, Dh, L = 8, 16, 8, 128, 1024
+    for S in (1, 2):
+        q = torch.randn(B, H, S, Dh, device=dev, dtype=dt)
+        kc = torch.randn(B, Hkv, L, Dh, device=dev, dtype=dt)
+        vc = torch.randn(B, Hkv, L, Dh, device=dev, dtype=dt)
+        pos = torch.tensor([5, 63, 64, 200, 255, 256, 700, 1000], device=dev)[:, None] + torch.arange(S, device=dev)
+        pos = pos.clamp(max=L - 1)
+        n = L
+        mask = torch.arange(n, device=dev)[None, None, None, :] <= pos[:, None, :, None]  # [B, 1, S, n]
+        full = invariant.attention(q, kc[:, :, :n], vc[:, :, :n], mask)
+        ok = True
+        for b in range(B):
+            nb = max(64, 1 << int(pos[b].max().item()).bit_length())
+            one = invariant.attention(q[b:b + 1], kc[b:b + 1, :, :nb], vc[b:b + 1, :, :nb], mask[b:b + 1, ..., :nb])
+            ok &= same(one, full[b:b + 1])
+        G = H // Hkv
+        qg = q.reshape(B, Hkv, G * S, Dh)
+        m = mask.expand(B, 1, S, n).repeat(1, 1, G, 1)
+        ref = _attend(qg, kc, vc, m, Dh).view(B, H, S, Dh)
+        err = (full.float() - ref.float()).abs().max().item()
+        row("kernel", f"attention S={S}: row alone (own span) == in 8 (span {n})",
+            f"{ok} (max abs diff vs eager {err:.1e})")
+    table = torch.randn(16 * 2048, 1024, device=dev, dtype=dt)
+    off = torch.arange(16, device=dev) * 2048
+    codes = torch.randint(0, 2048, (64, 16), device=dev)
+    full = invariant.embed_sum(codes, off, table)
+    ok = all(same(invariant.embed_sum(codes[a:a + 1], off, table), full[a:a + 1]) for a in range(64))
+    ref = table[codes + off].float().sum(1)
+    row("kernel", "embed_sum: rows alone == in 64", f"{ok} (max abs err {(full.float() - ref).abs().max().item():.1e})")
+    invariant.set_enabled(False)
+
+
+def check_vocoder(tts) -> None:
+    """Default mode: does a row's decode depend on the rows beside it?"""
+    c2w = tts.ckpt.code2wav
+    dev, dt = tts.device, next(c2w.parameters()).dtype
+    K = c2w.cfg.num_quantizers
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.inference_mode():
+        state = c2w.init_state(16, dev, dt)
+        _, state = c2w.decode_step(torch.randint(0, 2048, (16, K, 8), generator=g).to(dev), state)
+        for t in (1, 4, 16):
+            codes = torch.randint(0, 2048, (16, K, t), generator=g).to(dev)
+            wav16, _ = c2w.decode_step(codes, state.select_rows(torch.arange(16, device=dev)))
+            n_same = sum(same(c2w.decode_step(codes[i:i + 1], state.select_rows(torch.tensor([i], device=dev)))[0],
+                              wav16[i:i + 1]) for i in range(16))
+            row("vocoder default", f"decode_step {t} frames: row alone == in 16", f"{n_same}/16 rows identical")
+
+
+def probe_gemm() -> None:
+    """q3tts.invariant.matmul's time per tile configuration (BLOCK_M, BLOCK_N, BLOCK_K), the 0.6B's shapes at 1, 16
+    and 64 rows, in a CUDA graph, weights cycled through more than L2 holds (as a frame reads them); cuBLAS beside."""
+    from q3tts import invariant
+    invariant.set_enabled(True)
+    dev, dt = "cuda", torch.bfloat16
+    shapes = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (3072, 1024), (2048, 1024))
+    configs = ((16, 32, 256), (32, 32, 256), (64, 32, 128), (16, 64, 256), (16, 16, 256), (64, 64, 64))
+    saved = invariant.BLOCK_M, invariant.BLOCK_N, invariant.BLOCK_K
+    for M in (1, 16, 64):
+        for N, K in shapes:
+            ws = [torch.randn(N, K, device=dev, dtype=dt) for _ in range(max(2, (96 << 20) // (N * K * 2)))]
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            res = []
+            for cfg in (None, *configs):
+                if cfg is None:
+                    fn = lambda w: torch.nn.functional.linear(x, w)  # noqa: E731
+                else:
+                    invariant.BLOCK_M, invariant.BLOCK_N, invariant.BLOCK_K = cfg
+                    fn = lambda w: invariant.matmul(x, w)  # noqa: E731
+                for w in ws:
+                    fn(w)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    for w in ws * 4:
+                        fn(w)
+                g.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(10):
+                    g.replay()
+                end.record()
+                torch.cuda.synchronize()
+                us = start.elapsed_time(end) * 1000 / (40 * len(ws))
+                res.append(f"{'cublas' if cfg is None else 'x'.join(map(str, cfg))} {us:.1f}")
+            row("gemm us", f"M={M} {N}x{K}", ", ".join(res))
+    invariant.BLOCK_M, invariant.BLOCK_N, invariant.BLOCK_K = saved
+    invariant.set_enabled(False)
+
+
+def requests(tts, n: int, frames: int):
+    words = ("Every request should sound the same whether it runs alone or beside sixty three others on a busy "
+             "server, with any seed, speaker and sampling parameters.").split()
+    speakers = tts.get_supported_speakers()
+    ps = []
+    for i in range(n):
+        kw = dict(max_new_tokens=frames + 1 + 3 * (i % 5), seed=100 + i)
+        kind = i % 4
+        if kind == 0:
+            kw.update(do_sample=False, subtalker_dosample=False)
+        elif kind == 1:
+            kw.update(temperature=0.8, top_k=30, subtalker_temperature=1.1)
+        elif kind == 2:
+            kw.update(top_k=0, top_p=0.8, repetition_penalty=1.3)  # the uncapped sampler
+        else:
+            kw.update(subtalker_top_k=5, top_p=0.9, non_streaming_mode=False)  # streamed-text layout
+        text = " ".join(words[: 3 + (7 * i) % len(words)])
+        ps += tts.prepare_custom_voice(text, speakers[i % len(speakers)], "English", **kw)
+    return ps
+
+
+def staggered(eng, ps, gap: int) -> list[torch.Tensor]:
+    reqs, pending, steps = [], list(ps), 0
+    while pending or any(not r.status.finished for r in reqs):
+        if pending and steps % gap == 0:
+            reqs.append(eng.add_request(pending.pop(0)))
+        if eng.has_work():
+            eng.step()
+        steps += 1
+    return [torch.stack(r.frames).cpu() for r in reqs]
+
+
+def streamed(tts, ps) -> list[bytes]:
+    audio: dict[str, list] = {}
+    for ch in tts.stream(ps, first_chunk_frames=1, chunk_frames=4):
+        audio.setdefault(ch.request_id, []).append(ch.audio)
+    keys = sorted(audio, key=lambda k: int(k.rsplit("-", 1)[-1]))
+    import numpy as np
+    return [np.concatenate(audio[k]).tobytes() for k in keys]
+
+
+def count(a: list[torch.Tensor], b: list[torch.Tensor]) -> str:
+    n = sum(same(x, y) for x, y in zip(a, b))
+    firsts = [int((x != y).any(1).nonzero()[0]) if x.shape == y.shape and not same(x, y) else None
+              for x, y in zip(a, b)]
+    bad = [f for f in firsts if f is not None]
+    return f"{n}/{len(a)} identical" + (f" (first differing frame of each: {bad})" if bad else "")
+
+
+def check_engine(model: str, frames: int, n: int) -> None:
+    from bench.make_checkpoint import make
+    from q3tts import TTS
+    from q3tts.engine.engine import Engine
+    path = tempfile.mkdtemp() + "/ck"
+    make(model, path)
+    t0 = time.perf_counter()
+    tts = TTS.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_batch_size=n, max_seq_len=512,
+                              batch_invariant=True)
+    eng = tts.engine
+    row(model, "engine built (s)", f"{time.perf_counter() - t0:.1f}")
+    ps = requests(tts, n, frames)
+    alone = [eng.generate_codes([p])[0] for p in ps]
+    row(model, "codes: alone == batch of 3", count(alone[:3], eng.generate_codes(ps[:3])))
+    row(model, f"codes: alone == batch of {n}", count(alone, eng.generate_codes(ps)))
+    row(model, f"codes: alone == {n} staggered (one every 3 frames)", count(alone, staggered(eng, ps, 3)))
+    row(model, "codes: alone == batch of 4 reversed", count(alone[:4][::-1], eng.generate_codes(ps[:4][::-1])))
+    wav_alone = [tts.decode([c])[0].tobytes() for c in alone[:8]]
+    wav_all = [w.tobytes() for w in tts.decode(alone[:8])]
+    row(model, "offline PCM: decoded alone == 8 together", f"{sum(a == b for a, b in zip(wav_alone, wav_all))}/8")
+    s_alone = [streamed(tts, [p])[0] for p in ps[:3]]
+    s_batch = streamed(tts, ps[:3])
+    row(model, "streamed PCM: alone == batch of 3", f"{sum(a == b for a, b in zip(s_alone, s_batch))}/3 identical")
+    eager = Engine(tts.ckpt, max_slots=4, max_seq_len=512, use_cuda_graphs=False, batch_invariant=True)
+    row(model, "codes: graphs alone == eager batch of 3", count(alone[:3], eager.generate_codes(ps[:3])))
+    del eager, eng, tts
+    torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="0.6B-CustomVoice")
+    ap.add_argument("--frames", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--probe-gemm", action="store_true", help="only time matmul's tile configurations")
+    a = ap.parse_args(argv)
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if a.probe_gemm:
+        probe_gemm()
+        return
+    if not a.skip_kernels:
+        check_kernels()
+    for i, model in enumerate(a.models.split(",")):
+        if i == 0:
+            from bench.make_checkpoint import make
+            from q3tts import TTS
+            path = tempfile.mkdtemp() + "/ck"
+            make(model, path)
+            check_vocoder(TTS.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_batch_size=1))
+        check_engine(model, a.frames, a.batch)
+    print("\n== batch invariance ==")
+    for r in ROWS:
+        print(" | ".join(r))
+
+
+if __name__ == "__main__":
+    main()
