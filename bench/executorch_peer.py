@@ -258,15 +258,15 @@ class Ours:
                                            seed=0)
         self.tts.generate_codes(pr)  # compiles and leaves row 0 with real state
         self.r = self.tts.engine.runner
-        self.pos0 = int(self.r.position[0])
+        self.pos0 = int(self.r.slots.position[0])
 
     def caller(self, what: str, n: int):
         r = self.r
-        capped = r.topk_ok_cpu[0]  # the sampler the engine's decode_frame would pick for this request (top-k capped)
+        capped = r.slots.topk_ok_cpu[0]  # the sampler the engine's decode_frame would pick for this request (top-k capped)
 
         def call():
             with torch.inference_mode():
-                r.position[0] = min(self.pos0, n - 1)  # a fixed position inside the span: no growth between calls
+                r.slots.position[0] = min(self.pos0, n - 1)  # a fixed position inside the span: no growth between calls
                 if what == "talker":
                     r._frame_talker(1, n, capped)
                 elif what == "cp":

@@ -30,8 +30,7 @@ import torch
 
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
-from ..models.talker import embed_prompt
-from .compile_cache import compile_counts, describe_counts
+from .compile import compile_counts, describe_counts
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
@@ -73,7 +72,7 @@ class Engine:
         of the GPU (gpu_memory_utilization, default 0.9; on a CPU of the host memory available, default 0.5) or
         gpu_memory GB. kv_block_size (e.g. 64): a paged KV cache, whose blocks follow the positions streams use (as
         many as the budget holds) instead of max_seq_len positions per slot from the start. compile_cache: where
-        torch.compile's caches live (q3tts.engine.compile_cache: default a per-user directory that survives
+        torch.compile's caches live (q3tts.engine.compile: default a per-user directory that survives
         restarts; False: torch's)."""
         t0, counts = time.perf_counter(), compile_counts()
         self.ckpt = ckpt
@@ -167,9 +166,7 @@ class Engine:
                              "engine's max_seq_len; send shorter utterances")
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             elif ids:
-                with torch.inference_mode():
-                    emb = self.ckpt.talker.embed_text(torch.tensor(ids))  # ids on the host: see embed_text
-                self.runner.append_trailing(req.slot, req.text_fed, emb)
+                self.runner.append_text(req.slot, req.text_fed, ids)
                 req.text_fed += len(ids)
         return failed
 
@@ -210,7 +207,7 @@ class Engine:
 
     def _admit(self, sched: SchedulerOutput) -> list[int]:
         """Close up the rows (compaction), release cancelled streams, then embed the newcomers' prompts and prefill
-        them in one batched talker forward -> their code 0 of frame 0."""
+        them in one batched talker forward (the runner's) -> their code 0 of frame 0."""
         for src, dst in sched.moves:
             self.runner.move_slot(src, dst)
         if sched.blocks:
@@ -222,13 +219,9 @@ class Engine:
         now = time.perf_counter()
         self.counters.admitted += len(sched.prefill)
         self.counters.admission_wait_s += sum(now - r.arrival_time for r in sched.prefill)
-        with torch.inference_mode():
-            embeds = [embed_prompt(self.ckpt.talker, r.prepared.layout, r.prepared.speaker_embedding,
-                                   r.prepared.ref_codes) for r in sched.prefill]
         lo = len(sched.decode)
         assert [r.slot for r in sched.prefill] == list(range(lo, lo + len(sched.prefill))), "newcomers: rows [B, B+N)"
-        codes0 = self.runner.prefill_batch(lo, [e[0] for e in embeds], [e[1] for e in embeds],
-                                           [r.prepared.params for r in sched.prefill])
+        codes0 = self.runner.admit(lo, [r.prepared for r in sched.prefill])
         streaming = [r for r in sched.prefill if r.stream is not None]
         for req, row in zip(streaming, self.vocoder.open([r.prepared.ref_codes for r in streaming])):
             req.vocoder_row = row

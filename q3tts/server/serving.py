@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from q3tts.engine.async_engine import AsyncEngine
-from q3tts.engine.compile_cache import compile_counts, describe_counts
+from q3tts.engine.compile import compile_counts, describe_counts
 from q3tts.engine.engine import AudioChunk
 from q3tts.engine.request import StreamOptions
 from q3tts.engine.scheduler import QueueFullError

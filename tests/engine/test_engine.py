@@ -1,6 +1,7 @@
 """Engine equivalences on CPU fp32: batched == alone (sampling too, batched prefill too), streamed == offline,
 cancellation, a failing request in a batch."""
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -78,9 +79,9 @@ def test_prefill_batch_equals_single_prefills(variant):
     for i, ((pre, trail), p) in enumerate(zip(embeds, ps)):
         single = Engine(tts.ckpt, max_slots=1, max_seq_len=256).runner
         assert single.prefill_batch(0, [pre], [trail], [p.params]) == [codes0[i]]
-        assert torch.equal(single.last_hidden[0], batched.last_hidden[i])
+        assert torch.equal(single.slots.last_hidden[0], batched.slots.last_hidden[i])
         L = pre.shape[0]
-        assert batched.position_cpu[i] == L and int(batched.position[i]) == L
+        assert batched.slots.position_cpu[i] == L and int(batched.slots.position[i]) == L
         assert torch.equal(single.kv[:, :, 0, :, :L], batched.kv[:, :, i, :, :L])
 
 
@@ -124,13 +125,14 @@ def test_a_few_admitted_together_replay_their_prefill_graphs_each_as_alone(monke
         single = with_prefill_replays(Engine(tts.ckpt, max_slots=1, max_seq_len=256).runner, monkeypatch)
         assert single.prefill_batch(0, pre[i:i + 1], trail[i:i + 1], params[i:i + 1]) == [codes0[i]]
         L, S = pre[i].shape[0], trail[i].shape[0]
-        assert torch.equal(single.last_hidden[0], runner.last_hidden[1 + i])
+        rs, ss = runner.slots, single.slots
+        assert torch.equal(ss.last_hidden[0], rs.last_hidden[1 + i])
         assert torch.equal(single.kv[:, :, 0, :, :L], runner.kv[:, :, 1 + i, :, :L])
-        assert runner.position_cpu[1 + i] == L and int(runner.position[1 + i]) == L
-        assert torch.equal(single.trailing[0, :S], runner.trailing[1 + i, :S]) and int(runner.trailing_len[1 + i]) == S
-        for name, t in runner.params.items():
-            assert t[1 + i] == single.params[name][0], name
-        assert runner.seed[1 + i] == single.seed[0] and runner.topk_ok_cpu[1 + i] == single.topk_ok_cpu[0]
+        assert rs.position_cpu[1 + i] == L and int(rs.position[1 + i]) == L
+        assert torch.equal(ss.trailing[0, :S], rs.trailing[1 + i, :S]) and int(rs.trailing_len[1 + i]) == S
+        for f in dataclasses.fields(rs.sampling):
+            assert getattr(rs.sampling, f.name)[1 + i] == getattr(ss.sampling, f.name)[0], f.name
+        assert rs.seed[1 + i] == ss.seed[0] and rs.topk_ok_cpu[1 + i] == ss.topk_ok_cpu[0]
     # one more than PREFILL_GRAPH_MAX_REQUESTS, or graphs=False: one batched forward, no replay
     five = (pre + pre[:1], trail + trail[:1], params + params[:1])
     for args, kw in ((five, {}), ((pre, trail, params), {"graphs": False})):
@@ -138,7 +140,7 @@ def test_a_few_admitted_together_replay_their_prefill_graphs_each_as_alone(monke
             g.replays = 0
         runner.prefill_batch(0, *args, **kw)
         assert not any(g.replays for g in runner.prefill_graphs.values())
-        assert runner.last_code0[:4].tolist() == codes0  # (CPU: the batched forward is bit-identical too)
+        assert runner.slots.last_code0[:4].tolist() == codes0  # (CPU: the batched forward is bit-identical too)
 
 
 def test_a_too_long_request_is_refused_and_the_others_run_as_alone():
@@ -297,7 +299,6 @@ def test_code_predictor_steps_reuse_the_layers_compiled_for_the_talker():
     compiles the layer twice (1 position, 2 positions). With its own layout of constant inputs (one broadcast RoPE
     table and mask, not inference tensors, a cache of exactly 16 positions) the code predictor's steps compiled
     their own variant too. Random weights: only the compiled variants are counted."""
-    import dataclasses
 
     from q3tts.engine.runner import ModelRunner
     from q3tts.models.layers import DecoderLayer
