@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
+from .engine.async_engine import AsyncEngine
 from .engine.engine import AudioChunk, Engine
 from .engine.request import StreamOptions
 from .inputs.processor import InputProcessor
@@ -39,6 +41,7 @@ class TTS:
                                    compile_cache=compile_cache)
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
+        self._driver: AsyncEngine | None = None
         self._cloner: VoiceCloner | None = None
         self._lock = threading.Lock()
 
@@ -125,40 +128,25 @@ class TTS:
         return self.processor.voice_clone(text, clone if voice_clone_prompt is None else voice_clone_prompt, language,
                                           non_streaming_mode, **kwargs)
 
+    @property
+    def driver(self) -> AsyncEngine:
+        """The one loop that steps the engine (q3tts.engine.AsyncEngine), shared with the server."""
+        driver = AsyncEngine.of(self.engine)
+        if driver is not self._driver:  # its thread holds the engine: it ends when this TTS is collected
+            self._driver = driver
+            weakref.finalize(self, driver.stop)
+        return driver
+
     def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
         """Run the talker + code predictor for prepared requests -> codes [T_i, 16] each."""
-        return self.engine.generate_codes(prepared)
+        return self.driver.generate_codes(prepared)
 
     def stream(self, prepared: list[PreparedRequest], first_chunk_frames: int = 1, chunk_frames: int = 16,
                text_stream: Iterable[str] | None = None) -> Iterator[AudioChunk]:
         """Streaming synthesis of prepared requests: AudioChunks as frames are generated (exact stateful decoder).
         text_stream: the text of the one request prepared with text=None, read (in a thread) while audio is made."""
-        start = time.perf_counter()
-        eng = self.engine
-        reqs = [eng.add_request(p, StreamOptions(first_chunk_frames, chunk_frames)) for p in prepared]
-        ids = {r.request_id for r in reqs}
-        for r in reqs:
-            r.arrival_time = start  # time to first audio counts prompt processing too
-        failed: list[BaseException] = []
-        if text_stream is not None:
-            threading.Thread(target=_feed, args=(prepared[0].text, text_stream, failed), daemon=True).start()
-        try:
-            while not all(r.stream_done for r in reqs):
-                if failed and not prepared[0].text.error:  # the text source raised: so do we (an empty text
-                    raise failed[0]  # is the engine's to fail, below)
-                if not eng.wait_for_work():  # waiting for text
-                    continue
-                for chunk in eng.step():
-                    if chunk.request_id in ids:
-                        if chunk.error:
-                            raise ValueError(chunk.error)
-                        yield chunk
-        finally:
-            for r in reqs:
-                if not r.status.finished:
-                    eng.abort(r.request_id)
-            if any(not r.status.finished for r in reqs):
-                eng.step()
+        start = time.perf_counter()  # time to first audio counts prompt processing too
+        return self.driver.stream(prepared, StreamOptions(first_chunk_frames, chunk_frames), start, text_stream)
 
     def decode(self, codes: list[torch.Tensor], ref_codes: list[torch.Tensor | None] | None = None) -> list[np.ndarray]:
         """Codes [T, 16] per request -> waveforms (float32, 24 kHz), as upstream: ICL reference codes are decoded
@@ -301,12 +289,3 @@ def _decode_groups(lengths: list[int], max_frames: int = 1024, chunk: int = 325)
             g.append(i)
     return groups
 
-
-def _feed(text, pieces: Iterable[str], failed: list) -> None:
-    """Read the text source into the request (a thread: the source may block, as an LLM does)."""
-    try:
-        for piece in pieces:
-            text.append(piece)
-        text.close()
-    except BaseException as e:
-        failed.append(e)

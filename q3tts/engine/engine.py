@@ -23,6 +23,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,16 +98,26 @@ class Engine:
         self._held: list[EngineRequest] = []  # the requests of the step in progress
         self.failed_ids: list[str] = []  # the requests a step that raised held (it finished them with an error)
         self.counters = EngineCounters()
+        self.owner = None  # the AsyncEngine whose thread steps it (q3tts.engine.async_engine): the only one that may
 
     # ------------------------------------------------------------------ requests in
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
     def add_request(self, prepared: PreparedRequest, stream: StreamOptions | None = None,
-                    request_id: str | None = None) -> EngineRequest:
-        """Queue a prepared request. stream=None: offline, codes only. ValueError if it cannot fit the cache."""
-        req = EngineRequest(request_id=request_id or f"req-{next(self._ids)}", prepared=prepared, stream=stream)
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    before_queue: Callable[[EngineRequest], None] | None = None) -> EngineRequest:
+        """Queue a prepared request. stream=None: offline, codes only. ValueError if it cannot fit the cache.
+        arrival_time: when the caller got it (default now); before_queue(req) runs before a step can see it."""
+        req = EngineRequest(request_id=request_id or self.new_request_id(), prepared=prepared, stream=stream)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         if prepared.layout is not None:
             self._set_prompt(req, prepared.layout)
         else:
             prepared.text.on_change = self._on_text
+        if before_queue is not None:
+            before_queue(req)
         with self._lock:
             self.scheduler.add(req)
         self.wake.set()
@@ -259,18 +270,3 @@ class Engine:
                 self._release_vocoder(r)
                 r.stream_done = True
         return chunks
-
-    # ------------------------------------------------------------------ offline
-    def run_to_completion(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
-        chunks = []
-        while any(not r.status.finished for r in reqs):
-            if self.wait_for_work():  # else only streamed text can move it on
-                chunks += self.step()
-        return chunks
-
-    def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
-        """Offline: codes [T_i, K] (CPU) for each prepared request (queued beyond max_slots as needed)."""
-        reqs = [self.add_request(p) for p in prepared]
-        self.run_to_completion(reqs)
-        K = self.runner.K
-        return [torch.stack(r.frames).cpu() if r.frames else torch.zeros(0, K, dtype=torch.long) for r in reqs]

@@ -379,7 +379,7 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
         settings: limits, voice directory, API key, stream chunking (defaults: ServerSettings()).
     """
     settings = settings or ServerSettings()
-    engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
+    engine = AsyncEngine.of(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
                                           max_queue=settings.max_queue, **settings.memory_budget))
     metrics = Metrics(engine.stats)
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from q3tts.engine.compile import default_compile_cache, describe_counts, use_compile_cache
+from q3tts.engine.compile import (
+    default_compile_cache,
+    describe_counts,
+    use_compile_cache,
+)
 from q3tts.server.settings import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,6 +11,7 @@ import torch
 from q3tts.engine.engine import Engine
 from q3tts.engine.request import RequestStatus, StreamOptions
 from q3tts.models.talker import embed_prompt
+from tests.engine.steps import generate_codes, run_to_completion
 from tests.golden import fixtures as fx
 
 
@@ -28,7 +29,7 @@ def prepared_mix(tts, n_frames=12):
 
 def run_alone(tts, p, max_seq_len=256):
     eng = Engine(tts.ckpt, max_slots=1, max_seq_len=max_seq_len)
-    return eng.generate_codes([p])[0]
+    return generate_codes(eng, [p])[0]
 
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=10)
@@ -63,7 +64,7 @@ def test_batched_prefill_equals_alone(variant):
     handles = [eng.add_request(p) for p in ps]
     eng.step()  # one step admits all of them: one batched prefill
     assert sorted(h.slot for h in handles) == list(range(len(ps)))
-    eng.run_to_completion(handles)
+    run_to_completion(eng, handles)
     for h, a in zip(handles, alone):
         assert torch.equal(torch.stack(h.frames), a), h.request_id
 
@@ -155,7 +156,7 @@ def test_a_too_long_request_is_refused_and_the_others_run_as_alone():
     handles += [eng.add_request(p) for p in ok[1:]]
     eng.step()
     assert sorted(h.slot for h in handles) == [0, 1, 2] and eng.scheduler.queue_depth == 0
-    eng.run_to_completion(handles)
+    run_to_completion(eng, handles)
     for h, a in zip(handles, alone):
         assert h.status.reason == "length" and torch.equal(torch.stack(h.frames), a), h.request_id
     assert eng.scheduler.num_running == 0 and len(eng.scheduler.free_slots) == 4
@@ -175,7 +176,7 @@ def test_batched_equals_alone_with_staggered_arrivals_and_a_cancel():
     eng.step()
     eng.step()
     eng.abort("victim")
-    eng.run_to_completion(handles + [victim])
+    run_to_completion(eng, handles + [victim])
     assert victim.status == RequestStatus.FINISHED_ABORTED and victim.num_frames < 12
     for h, a in zip(handles, alone):
         got = torch.stack(h.frames)
@@ -186,7 +187,7 @@ def test_batched_equals_alone_with_staggered_arrivals_and_a_cancel():
 def stream_alone(tts, p, opts):
     eng = Engine(tts.ckpt, max_slots=1, max_seq_len=256)
     req = eng.add_request(p, opts)
-    chunks = eng.run_to_completion([req])
+    chunks = run_to_completion(eng, [req])
     return torch.stack(req.frames), np.concatenate([c.audio for c in chunks])
 
 
@@ -205,7 +206,7 @@ def test_voice_clone_mix_streamed_staggered_with_a_cancel():
     chunks += eng.step()
     eng.abort("victim")
     handles.append(eng.add_request(ps[2], opts))  # x-vector: takes the victim's slot and vocoder row, fresh
-    chunks += eng.run_to_completion(handles + [victim])
+    chunks += run_to_completion(eng, handles + [victim])
     audio = {h.request_id: [] for h in handles}
     for c in chunks:
         audio.get(c.request_id, []).append(c.audio)
@@ -280,14 +281,14 @@ def test_attending_to_the_end_of_the_cache_compiles_nothing_new():
     import torch._dynamo.utils
     tts = fx.tts("cv06")
     eng = Engine(tts.ckpt, max_slots=1, max_seq_len=128, compile=True)
-    warm = eng.generate_codes(tts.prepare_custom_voice("Hi.", "ryan", **dict(GREEDY, max_new_tokens=80)))[0]
+    warm = generate_codes(eng, tts.prepare_custom_voice("Hi.", "ryan", **dict(GREEDY, max_new_tokens=80)))[0]
     assert warm.shape[0] > 64, "the first request's frames must attend to the end of the cache too"
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     long = tts.prepare_custom_voice("A sentence long enough to pass sixty-four prompt positions, so the prefill "
                                     "attends to the end of this small cache. " * 3, "ryan", **GREEDY)
     L = len(long[0].layout)
     assert eng.runner.kv_span(L) == eng.runner.max_len and not eng.runner.eager_prefill(1, L), L
-    codes = eng.generate_codes(long)[0]
+    codes = generate_codes(eng, long)[0]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
     assert torch.equal(codes, run_alone(tts, long[0], max_seq_len=128))
 
