@@ -19,9 +19,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from .engine.async_engine import AsyncEngine
-from .engine.engine import AudioChunk, Engine
-from .engine.request import StreamOptions
+from .engine import AsyncEngine, AudioChunk, Engine, StreamOptions
 from .inputs.processor import InputProcessor
 from .inputs.prompt import PromptBuilder, TextTokenizer
 from .inputs.request import PreparedRequest, VoiceClonePromptItem

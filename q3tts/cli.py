@@ -167,13 +167,15 @@ def cmd_clone(a) -> int:
 
 def cmd_bench(a) -> int:
     """Random-weight checkpoint at the real dimensions -> our benchmark (+ the peers) -> one JSON."""
+    import importlib.util
     import subprocess
     import tempfile
-    try:
-        from bench.make_checkpoint import make
-    except ImportError:
-        raise ValueError("q3tts bench runs from a source checkout (it needs the repository's bench/ folder)")
+
     import torch
+
+    from .randomckpt import make_checkpoint
+    if importlib.util.find_spec("bench") is None:
+        raise ValueError("q3tts bench runs from a source checkout (it runs the repository's bench/ folder)")
     if not torch.cuda.is_available():
         raise ValueError("q3tts bench needs a CUDA GPU")
     steps = 3 if a.peers else 2
@@ -181,7 +183,7 @@ def cmd_bench(a) -> int:
     tmp = tempfile.mkdtemp(prefix="q3tts-bench-")
     ckpt = os.path.join(tmp, a.model)
     progress.stage(f"[1/{steps}] making a random {a.model} checkpoint…")
-    make(a.model, ckpt)
+    make_checkpoint(a.model, ckpt)
     progress.close()
     gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
     out = a.out or f"bench/results/{gpu}-{time.strftime('%Y-%m-%d')}-{a.model}.json"

@@ -23,9 +23,9 @@ def is_module(name: str) -> bool:
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
-def imports(path: Path) -> set[str]:
+def imports(path: Path, typing: bool = False) -> set[str]:
     """Every q3tts module a file imports, at the top or inside a function (lazy imports count too; imports for
-    type checkers only do not)."""
+    type checkers only with `typing`)."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = set()
@@ -33,7 +33,7 @@ def imports(path: Path) -> set[str]:
     typing_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If) and ast.unparse(t.test) == "TYPE_CHECKING"
                    for n in ast.walk(t)}  # `if TYPE_CHECKING:` imports never run
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in typing_only and not typing:
             continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("q3tts")}
@@ -50,9 +50,9 @@ def imports(path: Path) -> set[str]:
     return out - {mod}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(typing: bool = False) -> dict[str, set[str]]:
     files = {module_name(p): p for p in PKG.rglob("*.py")}
-    g = {m: {i for i in imports(p) if i in files} for m, p in files.items()}
+    g = {m: {i for i in imports(p, typing) if i in files} for m, p in files.items()}
     g["q3tts"] = set()  # the package root re-exports TTS & co. lazily (module __getattr__): no import-time edge
     return g
 
@@ -73,8 +73,18 @@ def test_no_import_goes_up_a_layer():
     assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
 
 
+def test_the_api_and_the_server_use_the_engine_through_its_face():
+    """q3tts.api and q3tts.server.* import the engine wing as `q3tts.engine` (its __init__'s exports), no module
+    inside it."""
+    bad = [f"{mod} -> {dep}" for mod, deps in graph(typing=True).items()
+           if mod == "q3tts.api" or mod.startswith("q3tts.server")
+           for dep in deps if dep.startswith("q3tts.engine.")]
+    assert not bad, "imports past q3tts.engine's face:\n" + "\n".join(sorted(bad))
+
+
 def test_no_circle_of_files():
-    g = graph()
+    """Type-only imports (`if TYPE_CHECKING:`) count too: a circle of them is still a circle of files."""
+    g = graph(typing=True)
     state: dict[str, int] = {}
     cycles = []
 
@@ -97,8 +107,10 @@ def test_the_layering_check_sees_lazy_and_relative_imports(tmp_path):
     # the checker itself: a lazy relative import inside a function is found and resolved
     f = PKG / "engine" / "runner.py"
     assert "q3tts.models.talker" in imports(f) and "q3tts.inputs.request" in imports(f)
-    assert "q3tts.inputs.request" in imports(PKG / "inputs" / "voice.py")
     assert "q3tts.kernels" in imports(PKG / "sampling.py")  # `from . import kernels`: a package
+    f = PKG / "engine" / "request.py"  # its one q3tts import is for type checkers
+    assert "q3tts.inputs.request" in imports(f, typing=True) and "q3tts.inputs.request" not in imports(f)
+    assert "q3tts.inputs.request" in imports(PKG / "inputs" / "voice.py")
 
 
 def test_scheduler_and_protocol_import_no_torch():

@@ -28,7 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from q3tts.engine.async_engine import AsyncEngine
+from q3tts.engine import AsyncEngine
 
 from .metrics import Metrics
 from .protocol import (

@@ -20,11 +20,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from q3tts.engine.async_engine import AsyncEngine
-from q3tts.engine.compile import compile_counts, describe_counts
-from q3tts.engine.engine import AudioChunk
-from q3tts.engine.request import StreamOptions
-from q3tts.engine.scheduler import QueueFullError
+from q3tts.engine import AsyncEngine, AudioChunk, QueueFullError, StreamOptions, compile_counts, describe_counts
 from q3tts.inputs.request import InputError, PreparedRequest, VoiceClonePromptItem
 
 from .encode import AudioEncoder

@@ -29,9 +29,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from q3tts.audio import to_s16
-from q3tts.engine.async_engine import RequestHandle
-from q3tts.engine.request import StreamOptions
-from q3tts.engine.scheduler import QueueFullError
+from q3tts.engine import QueueFullError, RequestHandle, StreamOptions
 from q3tts.inputs.request import InputError
 from q3tts.inputs.text import TextStream
 

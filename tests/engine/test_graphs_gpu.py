@@ -48,7 +48,7 @@ def test_mixed_sampling_parameters_inside_the_graph():
 @pytest.fixture(scope="module")
 def real06(tmp_path_factory):
     """TTS of a random 0.6B-CustomVoice checkpoint at the real dimensions, bf16."""
-    from bench.make_checkpoint import make
+    from q3tts.randomckpt import make_checkpoint as make
     path = tmp_path_factory.mktemp("real06") / "ck"
     make("0.6B-CustomVoice", path)
     return TTS.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
