@@ -65,6 +65,7 @@ def replay_ms(g, n=50):
 def set_inductor(spec: str) -> dict:
     """'a.b=True,c=3' -> torch._inductor.config.a.b = True, .c = 3 (values parsed as Python literals)."""
     import ast
+
     import torch._inductor.config as cfg
     out = {}
     for item in filter(None, spec.split(",")):

@@ -61,6 +61,7 @@ class PhaseProfile:
 
     def __init__(self):
         import torch
+
         from q3tts.engine import runner, vocoder
         self.calls: list[tuple[str, float]] = []
 

@@ -35,7 +35,8 @@ class TTS:
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = dict(max_slots=max_batch_size, max_seq_len=max_seq_len, max_queue=max_queue,
-                                   compile=compile, gpu_memory_utilization=gpu_memory_utilization, gpu_memory=gpu_memory,
+                                   compile=compile, gpu_memory_utilization=gpu_memory_utilization,
+                                   gpu_memory=gpu_memory,
                                    compile_cache=compile_cache)
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
@@ -63,7 +64,7 @@ class TTS:
                 of the host memory available after loading (default 0.5).
             gpu_memory: the memory budget in GB instead (a GPU shared with other work).
             compile: torch.compile the decoder layers and samplers before capturing CUDA graphs (default: on
-                for CUDA; then 1.7x faster frames; Q3TTS_COMPILE=0 disables). What it compiles is kept in
+                for CUDA: faster frames; Q3TTS_COMPILE=0 disables). What it compiles is kept in
                 compile_cache.
             compile_cache: directory of torch.compile's caches, so the next process reuses what this one compiled
                 (default: $Q3TTS_COMPILE_CACHE, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/q3tts/compile/torch-<v>;
@@ -103,7 +104,8 @@ class TTS:
                 self.engine_options.update(options)
                 self._engine = Engine(self.ckpt, **self.engine_options)
             elif any(v is not None and self.engine_options.get(k) != v for k, v in options.items()):
-                raise ValueError(f"the engine exists already with {self.engine_options}; cannot rebuild it with {options}")
+                raise ValueError(f"the engine exists already with {self.engine_options}; "
+                                 f"cannot rebuild it with {options}")
             return self._engine
 
     # ------------------------------------------------------------------ prepared requests
@@ -116,7 +118,8 @@ class TTS:
         return self.processor.voice_design(text, instruct, language, non_streaming_mode, **kwargs)
 
     def prepare_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
-                            voice_clone_prompt=None, non_streaming_mode: bool = False, **kwargs) -> list[PreparedRequest]:
+                            voice_clone_prompt=None, non_streaming_mode: bool = False,
+                            **kwargs) -> list[PreparedRequest]:
         audio_kw = {k: kwargs.pop(k) for k in ("append_silence", "allow_urls", "allow_paths", "limits") if k in kwargs}
 
         def clone():  # the processor calls it once the model type and language have passed
@@ -169,7 +172,8 @@ class TTS:
         is given: it reads one text token per frame, so speech starts after the first words)."""
         if (text is None) == (text_stream is None):
             raise ValueError("give the text (text=) or an iterable of text pieces (text_stream=), not both")
-        nsm = non_streaming_mode if non_streaming_mode is not None else (False if text_stream is not None else default_nsm)
+        nsm = (non_streaming_mode if non_streaming_mode is not None
+               else False if text_stream is not None else default_nsm)
         if text_stream is not None and isinstance(text_stream, str):
             text_stream = [text_stream]
         return self.stream(prepare(text, *args, non_streaming_mode=nsm, **kwargs), first_chunk_frames, chunk_frames,
@@ -194,7 +198,8 @@ class TTS:
         Returns:
             (list of float32 waveforms, 24000)
         """
-        return self._synthesize(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs))
+        return self._synthesize(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode,
+                                                          **kwargs))
 
     def generate_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
                               **kwargs) -> tuple[list[np.ndarray], int]:

@@ -21,8 +21,9 @@ _EXPORTS = {
     "compile_counts": "compile", "describe_counts": "compile",
     "DEFAULT_MAX_SLOTS": "memory",
 }
-__all__ = ["DEFAULT_MAX_SLOTS", "AsyncEngine", "AudioChunk", "BlockingHandle", "Engine", "EngineCounters", "EngineStats",
-           "QueueFullError", "RequestHandle", "RequestStatus", "StreamOptions", "compile_counts", "describe_counts"]
+__all__ = ["DEFAULT_MAX_SLOTS", "AsyncEngine", "AudioChunk", "BlockingHandle", "Engine", "EngineCounters",
+           "EngineStats", "QueueFullError", "RequestHandle", "RequestStatus", "StreamOptions", "compile_counts",
+           "describe_counts"]
 
 if TYPE_CHECKING:
     from .async_engine import AsyncEngine, BlockingHandle, EngineStats, RequestHandle

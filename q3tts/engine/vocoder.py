@@ -9,7 +9,7 @@ in a few batched calls:
     call (more take several calls), which bounds the workspace whatever the number of streams;
   - on CUDA each (rows bucket, piece size) call is one CUDA graph with the gather and the scatter inside,
     replayed with padding rows that all point at a scratch row. One replay instead of several hundred
-    small launches per call (the eager vocoder was launch-bound: ~10 ms per call on an H200, bench/probe.py).
+    small launches per call (the eager vocoder is launch-bound, bench/probe.py).
 ICL reference codes warm a request's row once at admission and are never decoded again (C5/C6).
 """
 

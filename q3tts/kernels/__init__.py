@@ -3,11 +3,9 @@ batch <= 16); for one stream, a decoder layer pass in a few launches (gemv_ex: G
 SiLU gate and the residual adds; decode_attention: one token's attention from q|k|v to the output); the sampling
 noise of a frame in one launch (frame_noise_cuda) and top-k sampling in two (sample_top).
 
-Why: one decode frame runs 103 decoder layers at one row each, and cuBLAS picks poor kernels for such
-shapes. Measured on an H200 in a CUDA graph, one row, bf16, weights read from HBM as in a frame
-(bench/probe_gemv.py --cold): o_proj 2048->1024 12.8 us with cuBLAS vs 3.5 us here, down 3072->1024
-7.4 vs 4.4, gate_up 1024->6144 6.1 vs 5.0, qkv 1024->4096 5.3 vs 4.0, lm_head 1024->2048 4.7 vs 3.0. The kernels stream the weight once with fp32 accumulation; the result can
-differ from cuBLAS's in the last bf16 bit (different summation order), as cuBLAS's own kernels differ
+Why: one decode frame runs 103 decoder layers at one row each, and cuBLAS picks poor kernels for such shapes
+(BENCHMARKS.md: the skinny GEMMs against cuBLAS). The kernels stream the weight once with fp32 accumulation; the result
+can differ from cuBLAS's in the last bf16 bit (different summation order), as cuBLAS's own kernels differ
 between batch sizes.
 
 `linear` dispatches: these kernels on CUDA in bf16/fp16 for <= MAX_ROWS rows and divisible sizes;
@@ -20,8 +18,14 @@ top-k), vocoder (SnakeBeta joins); common holds what they share.
 from .attention import ATTN_FUSED_MAX_SPAN, decode_attention, decode_attention_applies
 from .common import ENABLED, MAX_ROWS, pdl, triton
 from .gemm import GEMV_EX_LAUNCH, gemv_ex, gemv_ex_applies, linear, quant_linear
-from .sampling import (TOP_KERNEL_MAX_ROWS, TOP_RANK_COLS, TOP_RANK_ROWS, frame_noise_cuda, sample_top,
-                       sample_top_applies)
+from .sampling import (
+                       TOP_KERNEL_MAX_ROWS,
+                       TOP_RANK_COLS,
+                       TOP_RANK_ROWS,
+                       frame_noise_cuda,
+                       sample_top,
+                       sample_top_applies,
+)
 from .vocoder import snake_beta, snake_join
 
 __all__ = ["ATTN_FUSED_MAX_SPAN", "ENABLED", "GEMV_EX_LAUNCH", "MAX_ROWS", "TOP_KERNEL_MAX_ROWS", "TOP_RANK_COLS",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 try:
@@ -22,8 +21,8 @@ if triton is not None:
 # norm/RoPE kernels, two cuBLAS batched GEMMs and the softmax. It rounds where the eager module rounds (each bf16
 # op's result, the scores before and after the scale, the probabilities), so it gives the eager layer's values up
 # to fp32 summation order (which can move a result by one bf16 step).
-ATTN_FUSED_MAX_SPAN = 64  # one block of positions per program (a 256-position span looped in one program per KV head
-# took 30 us on an H100, the batched GEMMs ~11: they spread over many SMs)
+ATTN_FUSED_MAX_SPAN = 64  # one block of positions per program (a long span looped in one program per KV head is
+# slower than the batched GEMMs, which spread over many SMs)
 
 if triton is not None:
 

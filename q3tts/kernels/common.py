@@ -21,9 +21,9 @@ ENABLED = triton is not None and os.environ.get("Q3TTS_SKINNY_GEMM", "1") != "0"
 @functools.cache
 def pdl() -> bool:
     """Programmatic dependent launch (Hopper and later): a kernel is scheduled while the one before it finishes, and
-    loads what does not depend on it (its weights) before waiting for it (griddepcontrol). Measured on an H100, one
-    stream: the whole-frame graph 3.80 -> 3.47 ms (Inductor's kernels do not take part: engine.runner.compile_layers
-    says why). Q3TTS_PDL=0 turns it off. Asked at the first launch (CUDA is up by then)."""
+    loads what does not depend on it (its weights) before waiting for it (griddepcontrol): a shorter frame graph
+    (BENCHMARKS.md). Inductor's kernels do not take part (engine.compile.compile_layers says why). Q3TTS_PDL=0 turns
+    it off. Asked at the first launch (CUDA is up by then)."""
     return (ENABLED and os.environ.get("Q3TTS_PDL", "1") != "0" and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
 

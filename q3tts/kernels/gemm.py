@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -134,9 +133,8 @@ def quant_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch
 # layer pass's ~9 launches. Rounded where the eager module rounds, as the attention kernel below.
 #
 # GEMV_EX_LAUNCH, read at each call: block_n output rows per program, the weight streamed in blocks of up to
-# max_block_k columns. The fastest of `python -m bench.probe --sections kernels --gemv ...` (the frame's graphs under
-# each launch, one process, H100). One-stream frame, 0.6B: 3.44 ms; 3.51 with 2 rows per program; 3.67 with 2 rows and
-# blocks of 1024 (the launch before). 1.7B: 4.20 ms; 4.29 with 2 rows per program
+# max_block_k columns: the fastest of `python -m bench.probe --sections kernels --gemv ...` (the frame's graphs under
+# each launch; BENCHMARKS.md)
 GEMV_EX_LAUNCH = {"block_n": 4, "max_block_k": 4096, "num_warps": 4}
 
 if triton is not None:

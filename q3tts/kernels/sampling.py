@@ -3,7 +3,6 @@ q3tts.sampling."""
 
 from __future__ import annotations
 
-
 import torch
 
 try:
@@ -48,15 +47,14 @@ def frame_noise_cuda(seed: torch.Tensor, step: torch.Tensor, vocab: int, first_s
 
 # ------------------------------------------------------------------------------------------- top-k sampling
 # q3tts.sampling.sample_topk in two launches instead of Inductor's ~7 (the ranking, scatters, gathers, two softmaxes,
-# cumsum, argmax: ~17 us of a code-predictor step's ~160 on an H100, 15 steps per frame): each token's rank among
+# cumsum, argmax), 15 steps per frame: each token's rank among
 # its row (how many go before it: larger, or equal at a lower index, a stable descending sort's order) counted over
 # the row by programs of TOP_RANK_ROWS tokens, the top TOPK_CAP written to their rank's slot; then one program per
 # row warps and draws from those.
 TOP_RANK_ROWS = 16  # tokens per ranking program: 128 programs for 2048 logits, each 16 x 2048 comparisons
 TOP_RANK_COLS = 512
 # V^2 comparisons per row: cheaper than torch.topk and the warps' ~7 kernels for a decode step's few rows, dearer for
-# many (H100, 0.6B, frame graphs: batch 16 5.36-5.38 ms with it, 5.74 in an earlier session without; batch 64 7.36
-# with it, 6.70 without)
+# many (BENCHMARKS.md)
 TOP_KERNEL_MAX_ROWS = 16
 
 if triton is not None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import torch
 
 try:
@@ -13,6 +12,7 @@ except ImportError:  # CPU-only installs: F.linear everywhere
     triton = None
 
 from .common import ENABLED
+
 
 # ------------------------------------------------------------------------------------------- the vocoder's joins
 # Before each causal convolution of Code2Wav (time-major [B, N, C]) its input is joined to the carried tail, and
