@@ -119,6 +119,7 @@ class AsyncEngine:
                 None if stream is not None else lambda r: self._offline.__setitem__(rid, r)))
         except BaseException:
             self._sinks.pop(rid, None)
+            self._offline.pop(rid, None)
             raise
         return req
 
