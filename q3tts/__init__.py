@@ -1,11 +1,14 @@
 """q3tts: a fast, correct inference engine for the Qwen3-TTS family."""
 
 __version__ = "0.1.0"
-__all__ = ["TTS", "PreparedRequest", "VoiceClonePromptItem", "__version__"]
+__all__ = ["TTS", "PreparedRequest", "VoiceClonePromptItem", "ForcedAligner", "WordTime", "__version__"]
 
 
 def __getattr__(name: str):  # lazy: torch-free modules (config, the server's protocol, the scheduler) stay torch-free
     if name not in __all__:
         raise AttributeError(f"module 'q3tts' has no attribute {name!r}")
+    if name in ("ForcedAligner", "WordTime"):
+        from . import align
+        return getattr(align, name)
     from . import api, inputs
     return getattr(api, name, None) or getattr(inputs.request, name)

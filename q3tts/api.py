@@ -19,7 +19,9 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from .align import ForcedAligner, WordTime
 from .engine import AsyncEngine, AudioChunk, Engine, StreamOptions
+from .inputs.align_text import aligner_language
 from .inputs.processor import InputProcessor
 from .inputs.prompt import PromptBuilder, TextTokenizer
 from .inputs.request import PreparedRequest, VoiceClonePromptItem
@@ -30,8 +32,10 @@ from .models.loaders import Checkpoint, load_checkpoint
 class TTS:
     def __init__(self, ckpt: Checkpoint, max_batch_size: int | None = 8, max_seq_len: int | None = None,
                  max_queue: int = 256, compile: bool | None = None, gpu_memory_utilization: float | None = None,
-                 gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None):
+                 gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
+                 aligner: ForcedAligner | None = None):
         self.ckpt, self.cfg = ckpt, ckpt.cfg
+        self.aligner = aligner  # word timestamps (word_timestamps=True)
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = dict(max_slots=max_batch_size, max_seq_len=max_seq_len, max_queue=max_queue,
@@ -49,7 +53,9 @@ class TTS:
                         dtype: torch.dtype | str | None = None, max_batch_size: int | None = 8,
                         max_seq_len: int | None = None, max_queue: int = 256, compile: bool | None = None,
                         quantization: str | None = None, gpu_memory_utilization: float | None = None,
-                        gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None) -> TTS:
+                        gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
+                        generation_config: dict | str | os.PathLike | None = None,
+                        aligner: str | os.PathLike | ForcedAligner | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
@@ -72,9 +78,17 @@ class TTS:
             quantization: quantization of the talker and code predictor: None (exact), "int8" / "int4"
                 (weight-only) or "int8dyn" (int8 weights and activations: the fastest) on CPU, "int8" or "fp8" on
                 CUDA. Close to, not token-exact with, the unquantized model.
+            generation_config: generation defaults laid over the checkpoint's generation_config.json, as a dict or
+                the path of a JSON file of its fields (e.g. {"do_sample": False, "subtalker_dosample": False}:
+                greedy); a call's own arguments still win. Unknown fields and invalid values are a ValueError.
+            aligner: a forced aligner (e.g. "Qwen/Qwen3-ForcedAligner-0.6B", a directory, or a ForcedAligner),
+                loaded on the same device: then generate_*(..., word_timestamps=True) also returns word times.
         """
-        return cls(load_checkpoint(name_or_path, device, dtype, quantization), max_batch_size, max_seq_len, max_queue,
-                   compile, gpu_memory_utilization, gpu_memory, compile_cache)
+        ckpt = load_checkpoint(name_or_path, device, dtype, quantization, generation_config)
+        if aligner is not None and not isinstance(aligner, ForcedAligner):
+            aligner = ForcedAligner.from_pretrained(aligner, device=ckpt.device)
+        return cls(ckpt, max_batch_size, max_seq_len, max_queue, compile, gpu_memory_utilization, gpu_memory,
+                   compile_cache, aligner)
 
     # ------------------------------------------------------------------ info
     @property
@@ -143,11 +157,12 @@ class TTS:
         return self.driver.generate_codes(prepared)
 
     def stream(self, prepared: list[PreparedRequest], first_chunk_frames: int = 1, chunk_frames: int = 16,
-               text_stream: Iterable[str] | None = None) -> Iterator[AudioChunk]:
+               text_stream: Iterable[str] | None = None, request_ids: list[str] | None = None) -> Iterator[AudioChunk]:
         """Streaming synthesis of prepared requests: AudioChunks as frames are generated (exact stateful decoder).
         text_stream: the text of the one request prepared with text=None, read (in a thread) while audio is made."""
         start = time.perf_counter()  # time to first audio counts prompt processing too
-        return self.driver.stream(prepared, StreamOptions(first_chunk_frames, chunk_frames), start, text_stream)
+        return self.driver.stream(prepared, StreamOptions(first_chunk_frames, chunk_frames), start, text_stream,
+                                  request_ids)
 
     def decode(self, codes: list[torch.Tensor], ref_codes: list[torch.Tensor | None] | None = None) -> list[np.ndarray]:
         """Codes [T, 16] per request -> waveforms (float32, 24 kHz), as upstream: ICL reference codes are decoded
@@ -176,6 +191,8 @@ class TTS:
                else False if text_stream is not None else default_nsm)
         if text_stream is not None and isinstance(text_stream, str):
             text_stream = [text_stream]
+        if kwargs.pop("word_timestamps", False):
+            return self._stream_words(prepare, text, text_stream, nsm, first_chunk_frames, chunk_frames, args, kwargs)
         return self.stream(prepare(text, *args, non_streaming_mode=nsm, **kwargs), first_chunk_frames, chunk_frames,
                            text_stream)
 
@@ -194,25 +211,28 @@ class TTS:
             instruct: optional style instruction(s).
             non_streaming_mode: True puts the whole text in the prompt; False feeds it one token per frame.
             **kwargs: do_sample, temperature, top_k, top_p, repetition_penalty, subtalker_dosample,
-                subtalker_temperature, subtalker_top_k, subtalker_top_p, max_new_tokens, seed.
+                subtalker_temperature, subtalker_top_k, subtalker_top_p, max_new_tokens, seed; word_timestamps
+                (needs from_pretrained(..., aligner=)).
         Returns:
-            (list of float32 waveforms, 24000)
+            (list of float32 waveforms, 24000); with word_timestamps=True (waveforms, 24000, per waveform a list
+            of WordTime(word, start_s, end_s)).
         """
-        return self._synthesize(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode,
-                                                          **kwargs))
+        return self._timed(kwargs, text, language, lambda: self._synthesize(
+            self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs)))
 
     def generate_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
                               **kwargs) -> tuple[list[np.ndarray], int]:
         """VoiceDesign: a voice described in words (instruct); other arguments as generate_custom_voice."""
-        return self._synthesize(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs))
+        return self._timed(kwargs, text, language, lambda: self._synthesize(
+            self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs)))
 
     def generate_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
                              voice_clone_prompt=None, non_streaming_mode: bool = False,
                              **kwargs) -> tuple[list[np.ndarray], int]:
         """Base models: clone a voice from reference audio or from prompt items (x-vector only, or ICL with
         reference codes + transcript); other arguments as generate_custom_voice."""
-        return self._synthesize(self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
-                                                         voice_clone_prompt, non_streaming_mode, **kwargs))
+        return self._timed(kwargs, text, language, lambda: self._synthesize(self.prepare_voice_clone(
+            text, language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt, non_streaming_mode, **kwargs)))
 
     # ------------------------------------------------------------------ streaming variants
     def generate_custom_voice_stream(self, text=None, speaker=None, language=None, instruct=None,
@@ -227,6 +247,8 @@ class TTS:
             chunk_frames: the largest chunk; chunks double from the first one up to it.
             text_stream: instead of text, any iterable of str pieces (an LLM's tokens), read as it yields:
                 speech starts after the first words and equals that of the whole text.
+            word_timestamps: the last chunk of each utterance carries its words' times (AudioChunk.word_timestamps,
+                seconds from the utterance's start), aligned once its audio is complete.
         """
         return self._stream(self.prepare_custom_voice, text, text_stream, non_streaming_mode, True, first_chunk_frames,
                             chunk_frames, (speaker, language, instruct), kwargs)
@@ -248,6 +270,52 @@ class TTS:
         return self._stream(self.prepare_voice_clone, text, text_stream, non_streaming_mode, False,
                             first_chunk_frames, chunk_frames,
                             (language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt), kwargs)
+
+    # ------------------------------------------------------------------ word timestamps
+    def _alignable(self, text, language) -> tuple[list[str] | None, list[str]]:
+        """Per utterance (text, aligner language), checked before any synthesis: an aligner is loaded and can split
+        each text's words (no language: "Auto"; text None: a streamed text, its language only)."""
+        if self.aligner is None:
+            raise ValueError("word_timestamps=True needs a forced aligner: TTS.from_pretrained(..., "
+                             "aligner='Qwen/Qwen3-ForcedAligner-0.6B') (or a local directory)")
+        texts = text if isinstance(text, list) else [text]
+        langs = language if isinstance(language, list) else [language] * len(texts)
+        langs = [aligner_language(lang) for lang in langs]
+        for t, lang in zip(texts, langs):
+            if t is None or (isinstance(t, str) and t.strip()):  # (bad text is the processor's to refuse)
+                self.aligner.words(t if t is not None else "a", lang)
+        return texts, langs
+
+    def _timed(self, kwargs: dict, text, language, synthesize):
+        """synthesize() -> (wavs, sr); with kwargs' word_timestamps, (wavs, sr, [WordTime] per wav)."""
+        if not kwargs.pop("word_timestamps", False):
+            return synthesize()
+        texts, langs = self._alignable(text, language)
+        wavs, sr = synthesize()
+        words = self.aligner.align(wavs, [sr] * len(wavs), texts, langs[:len(wavs)], rows_alone=True)
+        return wavs, sr, words
+
+    def _stream_words(self, prepare, text, text_stream, nsm, first_chunk_frames, chunk_frames, args, kwargs):
+        """A *_stream with word_timestamps: each utterance's audio is kept and aligned when its last chunk comes;
+        that chunk carries the words."""
+        texts, langs = self._alignable(text, args[_LANGUAGE_ARG[prepare.__name__]])
+        pieces: list[str] = []
+        if text_stream is not None:  # the text is known once the stream has been read
+            text_stream = _recorded(text_stream, pieces)
+        prepared = prepare(text, *args, non_streaming_mode=nsm, **kwargs)
+        ids = [f"words-{id(self)}-{id(p)}" for p in prepared]
+        audio: dict[str, list[np.ndarray]] = {r: [] for r in ids}
+        for chunk in self.stream(prepared, first_chunk_frames, chunk_frames, text_stream, request_ids=ids):
+            audio[chunk.request_id].append(chunk.audio)
+            if chunk.is_last:
+                i = ids.index(chunk.request_id)
+                t = "".join(pieces) if text_stream is not None else texts[i]
+                wav = np.concatenate(audio.pop(chunk.request_id))
+                words: list[WordTime] = []
+                if t.strip() and wav.size >= 640 and self.aligner.words(t, langs[min(i, len(langs) - 1)]):
+                    words = self.aligner.align(wav, chunk.sample_rate, t, langs[min(i, len(langs) - 1)])
+                chunk.word_timestamps = words
+            yield chunk
 
     # ------------------------------------------------------------------ voices
     def voice_cloner(self) -> VoiceCloner:
@@ -291,4 +359,14 @@ def _decode_groups(lengths: list[int], max_frames: int = 1024, chunk: int = 325)
         else:
             g.append(i)
     return groups
+
+
+# where each prepare_* takes its language among the positional arguments a *_stream passes on
+_LANGUAGE_ARG = {"prepare_custom_voice": 1, "prepare_voice_design": 1, "prepare_voice_clone": 0}
+
+
+def _recorded(pieces: Iterable[str], seen: list[str]) -> Iterator[str]:
+    for p in pieces:
+        seen.append(p)
+        yield p
 

@@ -318,10 +318,21 @@ def cmd_serve(argv: list[str]) -> int:
     return main(settings)
 
 
+def cmd_wyoming(argv: list[str]) -> int:
+    """The Wyoming protocol server (server.wyoming), for Home Assistant."""
+    try:
+        from .server.wyoming import main
+    except ImportError as e:
+        raise SystemExit(f"q3tts wyoming needs the wyoming package: pip install 'q3tts[wyoming]' ({e})") from None
+    return main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return cmd_serve(argv[1:])
+    if argv[:1] == ["wyoming"]:
+        return cmd_wyoming(argv[1:])
     ap = argparse.ArgumentParser(prog="q3tts", description="Qwen3-TTS inference: synthesize speech, serve an API.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     say = sub.add_parser("say", help="synthesize text to a WAV file")
@@ -362,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     voices.add_argument("--x-vector-only", action="store_true", help="add: speaker embedding only")
     voices.add_argument("--json", action="store_true", help="list: print the voices as JSON")
     sub.add_parser("serve", help="OpenAI-compatible speech server (q3tts serve --help)")
+    sub.add_parser("wyoming", help="Wyoming server for Home Assistant (q3tts wyoming --help)")
     bench = sub.add_parser("bench", help="GPU benchmark on a random-weight checkpoint at the real dimensions")
     bench.add_argument("--model", default="0.6B-CustomVoice", choices=["0.6B-CustomVoice", "1.7B-CustomVoice"])
     bench.add_argument("--frames", type=int, default=125, help="frames decoded per run (125 = 10 s of audio)")

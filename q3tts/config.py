@@ -118,6 +118,20 @@ class GenerationDefaults:
     subtalker_top_p: float = 1.0
     max_new_tokens: int = 2048
 
+    def validate(self) -> None:
+        """ValueError naming the first field outside its accepted range."""
+        for name in ("temperature", "subtalker_temperature", "repetition_penalty"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("top_p", "subtalker_top_p"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("top_k", "subtalker_top_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
 
 @dataclass(slots=True)
 class ModelConfig:
@@ -182,8 +196,54 @@ def parse_speech_tokenizer_config(d: dict[str, Any]) -> SpeechTokenizerConfig:
                                     "encoder": d.get("encoder_config") or {}})
 
 
-def parse_generation_defaults(d: dict[str, Any]) -> GenerationDefaults:
-    return GenerationDefaults(**dataclass_kwargs(GenerationDefaults, d))
+def parse_generation_defaults(d: dict[str, Any], overrides: dict[str, Any] | str | Path | None = None
+                              ) -> GenerationDefaults:
+    """generation_config.json's fields (others ignored, as transformers writes more), then `overrides` laid over them:
+    a server's or a user's defaults for clients that send no sampling fields (see generation_overrides)."""
+    g = GenerationDefaults(**{**dataclass_kwargs(GenerationDefaults, d), **generation_overrides(overrides)})
+    try:
+        g.validate()  # the overrides are valid: a value out of range is the checkpoint's own
+    except ValueError as e:
+        raise ValueError(f"generation_config.json: {e}") from None
+    return g
+
+
+def generation_overrides(src: dict[str, Any] | str | Path | None) -> dict[str, Any]:
+    """Generation defaults to lay over a checkpoint's: a dict, or the path of a JSON object, of
+    generation_config.json's fields (e.g. {"do_sample": false, "subtalker_dosample": false} for greedy).
+    An unknown field, a value of the wrong type or out of range is a ValueError naming it and what is accepted."""
+    if src is None:
+        return {}
+    where = "generation config overrides"
+    if not isinstance(src, dict):
+        where = f"generation config {src}"
+        try:
+            src = read_json(src)
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read it ({e.strerror or e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(src, dict):
+            raise ValueError(f"{where}: must be a JSON object of generation_config.json's fields, "
+                             f"got {type(src).__name__}")
+    fields_ = GenerationDefaults.__dataclass_fields__
+    unknown = sorted(str(k) for k in src if k not in fields_)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(fields_)}")
+    for name, value in src.items():
+        kind = fields_[name].type  # "bool" | "int" | "float" (annotations are strings here)
+        ok = isinstance(value, bool) if kind == "bool" else (
+            not isinstance(value, bool) and isinstance(value, int if kind == "int" else (int, float)))
+        if not ok:
+            raise ValueError(f"{where}: {name} must be a JSON {_JSON_KINDS[kind]}, got {value!r}")
+    try:
+        GenerationDefaults(**src).validate()  # the given fields' ranges (the defaults are valid)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return dict(src)
+
+
+_JSON_KINDS = {"bool": "boolean (true / false)", "int": "integer", "float": "number"}
 
 
 def read_json(path: str | Path) -> dict[str, Any]:

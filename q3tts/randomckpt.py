@@ -137,6 +137,55 @@ def write_checkpoint(
     return digests
 
 
+# --------------------------------------------------------------------------- forced aligner (Qwen3-ASR layout)
+# The aligner's special tokens at the ids third-party ports of Qwen/Qwen3-ForcedAligner-0.6B use (its own
+# tokenizer files are not in our reference set): they extend the Qwen2 BPE of the TTS checkpoints.
+ALIGNER_SPECIAL_IDS = {"<|audio_start|>": 151669, "<|audio_end|>": 151670, "<|audio_pad|>": 151676,
+                       "<timestamp>": 151705}
+
+
+def aligner_tokenizer_config(tts_tokenizer_config: dict) -> dict:
+    """tokenizer_config.json for an aligner checkpoint: the TTS tokenizer's entries up to <|audio_end|>, reserved
+    fillers, then <|audio_pad|> and <timestamp> at the ids of ALIGNER_SPECIAL_IDS."""
+    added = {k: v for k, v in tts_tokenizer_config["added_tokens_decoder"].items() if int(k) <= 151670}
+    by_id = {i: t for t, i in ALIGNER_SPECIAL_IDS.items()}
+    for i in range(151671, max(by_id) + 1):
+        content = by_id.get(i, f"<|asr_reserved_{i}|>")
+        added[str(i)] = {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
+                         "single_word": False, "special": True}
+    cfg = dict(tts_tokenizer_config, added_tokens_decoder=added)
+    cfg["additional_special_tokens"] = [t for t in cfg["additional_special_tokens"] if not t.startswith("<tts")]
+    cfg["additional_special_tokens"].append("<timestamp>")
+    return cfg
+
+
+def write_aligner_checkpoint(out_dir: str | Path, config: dict, shapes: dict, tokenizer_dir: str | Path,
+                             preprocessor_config: dict, seed: int = 0, tweaks: dict | None = None,
+                             dtype: torch.dtype | None = None) -> str:
+    """A forced-aligner directory (config.json, preprocessor_config.json, tokenizer files, model.safetensors with
+    `thinker.*` keys); returns the weights' digest.
+
+    tweaks: `timestamp_embed_scale` scales the <timestamp> row of the token embedding; small, the hidden state at a
+    timestamp slot comes mostly from what it attends to (audio, words, position), so the random model's classes vary
+    along the text instead of repeating one class.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = build_state_dict(shapes, seed)
+    if "timestamp_embed_scale" in (tweaks or {}):
+        sd["thinker.model.embed_tokens.weight"][config["timestamp_token_id"]] *= tweaks["timestamp_embed_scale"]
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor_config, indent=2))
+    for f in ("vocab.json", "merges.txt"):
+        shutil.copyfile(Path(tokenizer_dir) / f, out / f)
+    tok = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (out / "tokenizer_config.json").write_text(json.dumps(aligner_tokenizer_config(tok), indent=2, ensure_ascii=False))
+    return digest(sd)
+
+
 # ---------------------------------------------------------------------------------- real dimensions
 REFERENCE = Path(__file__).resolve().parent / "reference"  # the real configs, shapes and tokenizer files
 MODELS = ("0.6B-CustomVoice", "1.7B-CustomVoice")

@@ -28,19 +28,6 @@ class SamplingParams(GenerationDefaults):
 
     seed: int = 0
 
-    def validate(self) -> None:
-        for name in ("temperature", "subtalker_temperature", "repetition_penalty"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("top_p", "subtalker_top_p"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        for name in ("top_k", "subtalker_top_k"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in fields(cls)]

@@ -24,9 +24,11 @@ REQUIRED_FILES = ("config.json", "generation_config.json", "vocab.json", "merges
 ALLOW_PATTERNS = ["*.json", "*.txt", "*.safetensors", "speech_tokenizer/*"]
 
 
-def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
+def resolve_model_dir(name_or_path: str | os.PathLike, required: tuple[str, ...] = REQUIRED_FILES,
+                      weights: tuple[str, ...] = ("model", "speech_tokenizer/model")) -> Path:
     """A local directory as is; otherwise a hub repo id fetched with huggingface_hub (honours HF_HOME,
-    HF_HUB_OFFLINE and the usual cache). Checks that every file the engine reads is present."""
+    HF_HUB_OFFLINE and the usual cache). Checks that every file the engine reads is present (`required`, and the
+    safetensors of each stem in `weights`: the defaults are a TTS checkpoint's)."""
     p = Path(name_or_path).expanduser()
     if not p.is_dir():
         if p.exists() or str(name_or_path).startswith((".", "/", "~")):
@@ -39,10 +41,10 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
                 f"could not find model {str(name_or_path)!r}: it is not a local directory and the Hugging Face "
                 f"hub download failed ({type(e).__name__}: {e}). Pass a local directory in the official layout "
                 f"(config.json, model.safetensors, speech_tokenizer/, tokenizer files).") from e
-    missing = [f for f in REQUIRED_FILES if not (p / f).exists()]
-    for weights in ("model", "speech_tokenizer/model"):
-        if not (p / f"{weights}.safetensors").exists() and not (p / f"{weights}.safetensors.index.json").exists():
-            missing.append(f"{weights}.safetensors")
+    missing = [f for f in required if not (p / f).exists()]
+    for stem in weights:
+        if not (p / f"{stem}.safetensors").exists() and not (p / f"{stem}.safetensors.index.json").exists():
+            missing.append(f"{stem}.safetensors")
     if missing:
         raise FileNotFoundError(f"{p}: incomplete checkpoint, missing: {', '.join(missing)}")
     return p

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "q3tts"
-LAYERS = ["config", ("weights", "audio", "sampling", "kernels", "randomckpt"), "models", "inputs", "engine", "api",
+LAYERS = ["config", ("weights", "audio", "sampling", "kernels", "randomckpt"), "models", "inputs", "engine",
+          ("api", "align"),
           "server", ("cli", "cli_media")]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in ((layer,) if isinstance(layer, str) else layer)}
 

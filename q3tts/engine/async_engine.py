@@ -133,12 +133,13 @@ class AsyncEngine:
         return RequestHandle(self, req.request_id, q)
 
     def submit_blocking(self, prepared: PreparedRequest, stream: StreamOptions | None = None,
-                        arrival_time: float | None = None, q: queue.Queue | None = None) -> BlockingHandle:
+                        arrival_time: float | None = None, q: queue.Queue | None = None,
+                        request_id: str | None = None) -> BlockingHandle:
         """As submit, for a caller outside asyncio (the Python API): its outputs go to q (default a new queue; several
         requests may share one). stream=None queues an offline request (codes only), whose handle.wait() returns it
         once finished."""
         q = queue.Queue() if q is None else q
-        req = self._add(prepared, stream, None, arrival_time, q.put)
+        req = self._add(prepared, stream, request_id, arrival_time, q.put)
         return BlockingHandle(self, req, q)
 
     def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
@@ -149,15 +150,16 @@ class AsyncEngine:
         return [torch.stack(r.frames).cpu() if r.frames else torch.zeros(0, K, dtype=torch.long) for r in reqs]
 
     def stream(self, prepared: list[PreparedRequest], stream: StreamOptions, arrival_time: float | None = None,
-               text_stream: Iterable[str] | None = None) -> Iterator[AudioChunk]:
+               text_stream: Iterable[str] | None = None, request_ids: list[str] | None = None) -> Iterator[AudioChunk]:
         """Blocking: the chunks of prepared requests as they come (interleaved); text_stream: the text of the one
         request prepared with text=None, read in a thread. A chunk with an error raises ValueError, a failing text
         source its own error; leaving early cancels the requests, which are finished when this returns."""
         merged: queue.Queue = queue.Queue()
         handles = []
         try:
-            for p in prepared:
-                handles.append(self.submit_blocking(p, stream, arrival_time, merged))
+            for i, p in enumerate(prepared):
+                handles.append(self.submit_blocking(p, stream, arrival_time, merged,
+                                                    request_ids[i] if request_ids else None))
             feed = TextFeed(prepared[0].text, handles[0].cancel) if text_stream is not None else None
             if feed is not None:
                 threading.Thread(target=feed.run, args=(text_stream,), daemon=True).start()

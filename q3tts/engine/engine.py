@@ -52,6 +52,7 @@ class AudioChunk:
     finish_reason: str | None  # on the last chunk: "stop" (EOS), "length", "abort" or "error"
     elapsed_s: float  # since the request arrived
     error: str | None = None
+    word_timestamps: list | None = None  # on an utterance's last chunk when asked for (api): [WordTime]
 
 
 @dataclass(slots=True)

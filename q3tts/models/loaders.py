@@ -17,6 +17,7 @@ from ..config import (
     GenerationDefaults,
     ModelConfig,
     SpeechTokenizerConfig,
+    generation_overrides,
     parse_generation_defaults,
     parse_model_config,
     parse_speech_tokenizer_config,
@@ -41,7 +42,7 @@ class Checkpoint:
     model_dir: Path
     cfg: ModelConfig
     speech_cfg: SpeechTokenizerConfig
-    defaults: GenerationDefaults  # generation_config.json
+    defaults: GenerationDefaults  # generation_config.json, with the loader's overrides laid over it
     talker: Talker  # talker + code predictor, on `device` in `dtype`
     code2wav: Code2Wav  # the 12 Hz decoder, same device and dtype
     tts_pad_embed: torch.Tensor  # [D] embedded tts_pad text token: the talker's text input once the text is used up
@@ -55,12 +56,15 @@ class Checkpoint:
 
 
 def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device | None = None,
-                    dtype: torch.dtype | str | None = None, quantization: str | None = None) -> Checkpoint:
+                    dtype: torch.dtype | str | None = None, quantization: str | None = None,
+                    generation_config: dict | str | os.PathLike | None = None) -> Checkpoint:
     """Configs, talker and Code2Wav of a local directory or hub id (device: CUDA when available; dtype: bf16
-    on CUDA, fp32 on CPU; quantization: see q3tts.models.quant). The cloning encoders are loaded separately,
-    on first use."""
+    on CUDA, fp32 on CPU; quantization: see q3tts.models.quant; generation_config: defaults laid over the
+    checkpoint's generation_config.json, see q3tts.config.generation_overrides). The cloning encoders are loaded
+    separately, on first use."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     quantization = check_quantization(quantization, device)  # a bad value fails before the weights are read
+    overrides = generation_overrides(generation_config)  # so does a bad generation config
     d = resolve_model_dir(name_or_path)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -96,8 +100,8 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
     code2wav = code2wav.to(device=device, dtype=vocoder_dtype(device, dtype, quantization)).eval()
     with torch.inference_mode():
         pad = talker.embed_text(torch.tensor([cfg.tts_pad_token_id]))[0]
-    return Checkpoint(d, cfg, speech_cfg, parse_generation_defaults(read_json(d / "generation_config.json")),
-                      talker, code2wav, pad, device, dtype)
+    defaults = parse_generation_defaults(read_json(d / "generation_config.json"), overrides)
+    return Checkpoint(d, cfg, speech_cfg, defaults, talker, code2wav, pad, device, dtype)
 
 
 def vocoder_dtype(device: torch.device, dtype: torch.dtype, quantization: str | None) -> torch.dtype:

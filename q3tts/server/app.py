@@ -102,7 +102,7 @@ def _state(request: Request):
 @with_cancellation
 async def create_speech(body: SpeechRequest, raw_request: Request):
     stream = await _state(raw_request).serving.create_speech(body)
-    headers = {"X-Request-Id": stream.request_id, "Cache-Control": "no-cache"}
+    headers = {"X-Request-Id": stream.request_id, "Cache-Control": "no-cache", **stream.headers}
     return AudioStreamingResponse(stream.body, media_type=stream.media_type, headers=headers)
 
 
@@ -384,6 +384,9 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
     metrics = Metrics(engine.stats)
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)
     serving = SpeechServing(tts, engine, voices, metrics, settings)
+    if getattr(tts, "aligner", None) is not None:  # word timestamps: one aligner worker beside the engine
+        from q3tts.align import AlignerWorker
+        serving.aligner = AlignerWorker(tts.aligner)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -397,6 +400,8 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
             if warm is not None and not warm.done():
                 warm.cancel()
             engine.shutdown()
+            if serving.aligner is not None:
+                serving.aligner.close()
 
     app = FastAPI(title="q3tts", description="OpenAI-compatible speech server for Qwen3-TTS", lifespan=lifespan)
     st = app.state
@@ -413,7 +418,8 @@ def load_model(settings: ServerSettings):
     """The q3tts.TTS a server with these settings serves (one per process / Ray Serve replica)."""
     from q3tts.api import TTS
     return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
-                               quantization=settings.quantization, compile_cache=settings.compile_cache)
+                               quantization=settings.quantization, compile_cache=settings.compile_cache,
+                               generation_config=settings.generation_config, aligner=settings.aligner)
 
 
 def main(settings: ServerSettings) -> int:

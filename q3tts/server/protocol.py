@@ -75,6 +75,9 @@ class SpeechRequest(SpeechOptions):
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
     stream_format: Literal["audio", "sse"] = "audio"
+    word_timestamps: bool = Field(False, description="Word times (needs `q3tts serve --aligner`): the "
+                                  "X-Word-Timestamps header (JSON [{word, start_ms, end_ms}]) of the whole response, "
+                                  "or with stream_format sse a speech.audio.word_timestamps event after the audio")
 
 
 class SessionConfig(SpeechOptions):
@@ -151,6 +154,19 @@ class SpeechAudioDone(BaseModel):
     usage: Usage
     finish_reason: str | None = None  # extension: "stop" (EOS), "length", "error"
     audio_seconds: float = 0.0  # extension: duration of the audio sent (after speed)
+
+
+class WordTiming(BaseModel):
+    word: str
+    start_ms: int  # from the start of the response's audio
+    end_ms: int
+
+
+class SpeechWordTimestamps(BaseModel):
+    """SSE event after the audio deltas of a request with word_timestamps (extension)."""
+
+    type: Literal["speech.audio.word_timestamps"] = "speech.audio.word_timestamps"
+    words: list[WordTiming]
 
 
 class ErrorInfo(BaseModel):

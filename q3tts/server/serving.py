@@ -20,12 +20,24 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from q3tts.engine import AsyncEngine, AudioChunk, QueueFullError, StreamOptions, compile_counts, describe_counts
+from q3tts.inputs.align_text import WordTime, aligner_language
 from q3tts.inputs.request import InputError, PreparedRequest, VoiceClonePromptItem
 
 from .encode import AudioEncoder
 from .metrics import Metrics
-from .protocol import ApiError, SpeechAudioDelta, SpeechAudioDone, SpeechOptions, SpeechRequest, Usage
+from .protocol import (
+    ApiError,
+    SpeechAudioDelta,
+    SpeechAudioDone,
+    SpeechOptions,
+    SpeechRequest,
+    SpeechWordTimestamps,
+    Usage,
+    WordTiming,
+)
 from .settings import ServerSettings
 from .voices import VoiceService
 
@@ -43,6 +55,7 @@ class SpeechStream:
     request_id: str
     media_type: str
     body: AsyncIterator[bytes]  # closing it early cancels the generation
+    headers: dict[str, str] = field(default_factory=dict)  # extra response headers (X-Word-Timestamps)
 
 
 @dataclass(slots=True)
@@ -66,6 +79,7 @@ class SpeechServing:
         self.model_type = tts.cfg.tts_model_type
         self.ready = False
         self.warmup_error: str | None = None
+        self.aligner = None  # q3tts.align.AlignerWorker when served with --aligner (create_app sets it)
 
     # ------------------------------------------------------------------ request -> PreparedRequest
     async def prepare(self, req: SpeechOptions, text: str | None) -> PreparedRequest:
@@ -112,6 +126,8 @@ class SpeechServing:
         Raises ApiError (400 bad request, 503 queue full + Retry-After, 500 engine failure before the first
         chunk); cancelling this coroutine (client gone) aborts."""
         arrival = time.perf_counter()
+        if req.word_timestamps:
+            self.check_words(req.input, req.language)
         prepared = await self.prepare(req, req.input)
         enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
         run = Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
@@ -133,11 +149,13 @@ class SpeechServing:
                                code="engine_error") from e
             raise  # cancelled (client gone)
         if req.stream_format == "sse":
-            return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc))
+            return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc, req))
+        if req.word_timestamps:  # a header: the whole response is made before it starts
+            return await self._with_words_header(run, first, chunks, enc, req)
         return SpeechStream(run.request_id, enc.media_type, self._encoded(run, first, chunks, enc))
 
     async def _encoded(self, run: Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
-                       enc: AudioEncoder) -> AsyncIterator[bytes]:
+                       enc: AudioEncoder, pcm: list[np.ndarray] | None = None) -> AsyncIterator[bytes]:
         """Encoded bytes as chunks arrive, then the encoder's tail; books the run when it ends either way."""
         try:
             chunk = first
@@ -145,6 +163,8 @@ class SpeechServing:
                 if chunk.num_frames and run.first_audio is None:
                     run.first_audio = time.perf_counter()
                 run.frames += chunk.num_frames
+                if pcm is not None:  # the synthesized audio, kept for the aligner
+                    pcm.append(chunk.audio)
                 data = enc.encode(chunk.audio)
                 if data:
                     yield data
@@ -167,18 +187,66 @@ class SpeechServing:
             await chunks.aclose()  # a no-op after the last chunk; else aborts the request and frees its slot
             self.book(run)
 
-    async def _sse(self, run, first, chunks, enc) -> AsyncIterator[bytes]:
-        gen = self._encoded(run, first, chunks, enc)
+    async def _sse(self, run, first, chunks, enc, req: SpeechRequest) -> AsyncIterator[bytes]:
+        pcm: list[np.ndarray] | None = [] if req.word_timestamps else None
+        gen = self._encoded(run, first, chunks, enc, pcm)
         try:
             async for data in gen:
                 yield _sse_event(SpeechAudioDelta(audio=base64.b64encode(data).decode()))
         finally:
             await gen.aclose()
+        if pcm is not None and run.outcome == "completed":
+            words = await self.response_words(pcm, req)
+            yield _sse_event(SpeechWordTimestamps(words=words))
         if run.outcome != "cancelled":
             out = run.frames
             yield _sse_event(SpeechAudioDone(usage=Usage(input_tokens=run.input_tokens, output_tokens=out,
                                                          total_tokens=run.input_tokens + out),
                                              finish_reason=run.finish_reason, audio_seconds=round(enc.seconds_out, 4)))
+
+    # ------------------------------------------------------------------ word timestamps
+    def check_words(self, text: str | None, language: str | None) -> None:
+        """A 400 before any work when word timestamps cannot be made: no aligner, or a language it cannot split
+        (text None: a streamed text, its language only)."""
+        if self.aligner is None:
+            raise ApiError(400, "word_timestamps needs a forced aligner: start the server with "
+                           "`q3tts serve --aligner Qwen/Qwen3-ForcedAligner-0.6B` (or a local directory)",
+                           param="word_timestamps", code="aligner_not_loaded")
+        try:
+            self.aligner.aligner.words(text if text and text.strip() else "a", aligner_language(language))
+        except ValueError as e:
+            raise ApiError(400, f"word_timestamps: {e}", param="language", code="unsupported_language") from None
+
+    async def utterance_words(self, audio: np.ndarray, sample_rate: int, text: str,
+                              language: str | None) -> list[WordTime]:
+        """The words of one utterance's complete audio (float32 PCM as the engine made it), in seconds from its
+        start; [] when the text has no word. Batched with other callers' on the aligner's thread (never on the
+        event loop or the engine's). For the WebSocket session: LiveKit's `audio.done.timestamp_info.
+        word_alignment` is livekit_alignment(words), vLLM-Omni's trailing `audio.chunk` carries words_ms(words)."""
+        if not text or not text.strip() or audio.size < 2 * 160 * sample_rate // 16000:
+            return []
+        return await self.aligner.align(audio, sample_rate, text, aligner_language(language))
+
+    async def response_words(self, pcm: list[np.ndarray], req: SpeechRequest) -> list[WordTiming]:
+        """The response's words in ms; its speed (WSOLA tempo) scales the synthesized audio's times."""
+        audio = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
+        words = await self.utterance_words(audio, self.tts.sample_rate, req.input, req.language)
+        return words_ms(words, req.speed)
+
+    async def _with_words_header(self, run, first, chunks, enc, req: SpeechRequest) -> SpeechStream:
+        pcm: list[np.ndarray] = []
+        body = [data async for data in self._encoded(run, first, chunks, enc, pcm)]
+        if run.outcome != "completed":
+            raise ApiError(500, f"generation failed: {'; '.join(run.errors) or run.finish_reason}",
+                           type="server_error", code="engine_error")
+        words = await self.response_words(pcm, req)
+        header = json.dumps([w.model_dump() for w in words], separators=(",", ":"))  # ASCII: \u escapes
+
+        async def replay() -> AsyncIterator[bytes]:
+            for data in body:
+                yield data
+
+        return SpeechStream(run.request_id, enc.media_type, replay(), {"X-Word-Timestamps": header})
 
     def book(self, run: Run) -> None:
         m = self.metrics
@@ -217,6 +285,18 @@ class SpeechServing:
         self.ready = True
         self.metrics.ready.set(1)
         log.info("warm-up done in %.2f s (%s): ready", time.perf_counter() - t0, describe_counts(counts))
+
+
+def words_ms(words: list[WordTime], speed: float = 1.0) -> list[WordTiming]:
+    """vLLM-Omni's form: [{word, start_ms, end_ms}] (times divided by the tempo factor)."""
+    return [WordTiming(word=w.word, start_ms=round(w.start_s * 1000 / speed), end_ms=round(w.end_s * 1000 / speed))
+            for w in words]
+
+
+def livekit_alignment(words: list[WordTime]) -> dict:
+    """LiveKit's `timestamp_info.word_alignment`: parallel lists, seconds from the utterance's start."""
+    return {"words": [w.word for w in words], "word_start_times_seconds": [w.start_s for w in words],
+            "word_end_times_seconds": [w.end_s for w in words]}
 
 
 def _sse_event(event) -> bytes:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..config import generation_overrides
+
 
 def _default_voice_dir() -> str:
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
@@ -34,11 +36,13 @@ class ServerSettings:
     kv_block_size: int = 0  # > 0: paged KV cache with blocks of this many positions (memory follows use); 0: per slot
     compile_cache: str | None = None  # torch.compile's cache directory ("off": torch's /tmp default; None:
     # ~/.cache/q3tts/compile/torch-<version>, or TORCHINDUCTOR_CACHE_DIR where the user set it)
+    generation_config: str | None = None  # a JSON file of generation_config.json's fields laid over the model's
     api_key: str | None = None  # when set, all but /health, /ready and / need "Authorization: Bearer <key>"
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
     chunk_frames: int = 16  # the largest chunk (chunks double from the first one up to it)
     warmup: bool = True  # run one short request at startup; /ready is true after it
     log_level: str = "info"
+    aligner: str | None = None  # forced aligner for word_timestamps (hub id or directory); None: refused with a 400
     # Ray Serve (q3tts.server.ray_serve): replicas > 0 or a ray_address serves through Ray instead of one uvicorn
     replicas: int = 0  # server replicas (one GPU each where there are GPUs); 0: no Ray
     max_replicas: int = 0  # > replicas: autoscale on queue length between replicas and this
@@ -89,11 +93,16 @@ _FLAGS = [
     ("--compile-cache", "compile_cache", str, "directory that keeps what torch.compile compiled, so a restart "
                                               "reuses it ('off': torch's default under /tmp; default "
                                               "~/.cache/q3tts/compile/torch-<version>, or $TORCHINDUCTOR_CACHE_DIR)"),
+    ("--generation-config", "generation_config", str, "a JSON file of generation_config.json's fields (e.g. "
+                                                      '{"do_sample": false}) laid over the model\'s: the defaults '
+                                                      "of requests that send no sampling fields"),
     ("--api-key", "api_key", str, "require this Bearer token on every route but /health, /ready and the web "
                                   "page (WebSockets: also ?api_key=)"),
     ("--first-chunk-frames", "first_chunk_frames", int, "frames (80 ms) in the first streamed chunk"),
     ("--chunk-frames", "chunk_frames", int, "largest streamed chunk (chunks double up to it)"),
     ("--log-level", "log_level", str, "debug, info, warning, error"),
+    ("--aligner", "aligner", str, "forced aligner for word timestamps (e.g. Qwen/Qwen3-ForcedAligner-0.6B or a "
+                                  "directory), loaded beside the model; without it word_timestamps is refused"),
     ("--replicas", "replicas", int, "serve N replicas on Ray Serve (pip install 'q3tts[ray]'); 0: one process"),
     ("--max-replicas", "max_replicas", int, "autoscale on queue length up to this many replicas (Ray Serve)"),
     ("--ray-address", "ray_address", str, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of a "
@@ -131,6 +140,10 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
         ap.error("--kv-block-size must be 0 or a power of two up to 64")
     if s.gpu_memory is not None and not s.gpu_memory > 0:
         ap.error("--gpu-memory must be > 0 (GB)")
+    try:
+        generation_overrides(s.generation_config)  # refused here, before the model loads
+    except ValueError as e:
+        ap.error(str(e))
     if s.replicas < 0 or s.max_replicas < 0 or not s.replica_cpus > 0:
         ap.error("--replicas and --max-replicas must be >= 0, --replica-cpus > 0")
     if s.max_replicas and s.max_replicas < max(1, s.replicas):

@@ -1,0 +1,137 @@
+"""The forced aligner's cost: one utterance at a time, and 64 utterances at once (as 64 finishing streams would ask).
+
+    python -m bench.aligner --size real --out bench/results/aligner-h100.json          # H100: real dimensions
+    python -m bench.aligner --size tiny --utterances 4 --seconds 2 --repeats 2         # CPU smoke run
+
+A random-weight checkpoint in the official layout (q3tts/randomckpt.py) at the real dimensions of
+Qwen/Qwen3-ForcedAligner-0.6B (as third-party ports state them: its config.json is not in our reference set; weight
+values do not change speed), or the tiny one of the golden fixtures. The utterances are synthetic audio (tones and
+noise at 24 kHz, as the engine outputs) with a transcript of 3 words a second. Figures per configuration: median
+wall time of `align` over --repeats runs after a warm-up, for one utterance and for a batch of --utterances (each
+row alone, as the server's AlignerWorker runs them), and milliseconds of aligner time per second of audio.
+With --tts DIR (a TTS checkpoint, e.g. from bench/make_checkpoint.py), the same call also times synthesizing the
+batch with the engine, so the aligner's share of synthesis time is measured on the same device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from q3tts.align import ForcedAligner
+from q3tts.randomckpt import write_aligner_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "q3tts" / "reference" / "tokenizer"
+WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars watch quietly from far above "
+         "and every listener hears each word clearly").split()
+
+
+def real_config() -> dict:
+    """Qwen3-ForcedAligner-0.6B's dimensions as third-party ports give them (unverified against its config.json)."""
+    audio = dict(num_mel_bins=128, encoder_layers=24, encoder_attention_heads=16, encoder_ffn_dim=4096, d_model=1024,
+                 max_source_positions=1500, n_window=50, n_window_infer=800, conv_chunksize=500,
+                 downsample_hidden_size=480, output_dim=1024, activation_function="gelu")
+    text = dict(vocab_size=152064, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, hidden_act="silu", rms_norm_eps=1e-6,
+                rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+                rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20], "interleaved": True})
+    return dict(model_type="qwen3_asr", timestamp_token_id=151705, timestamp_segment_time=80,
+                thinker_config=dict(audio_config=audio, text_config=text, audio_token_id=151676,
+                                    audio_start_token_id=151669, classify_num=5000))
+
+
+def tiny_config() -> dict:
+    fx = json.loads((ROOT / "tests" / "golden" / "fixtures" / "aligner" / "aligner.json").read_text())
+    return fx["config"]
+
+
+def make_checkpoint(size: str, out: Path, dtype: torch.dtype) -> Path:
+    from q3tts.models.aligner import Thinker, parse_aligner_config
+    cfg = real_config() if size == "real" else tiny_config()
+    with torch.device("meta"):  # names and shapes from our module (the golden test loads the official layout)
+        thinker = Thinker(parse_aligner_config(cfg))
+    shapes = {f"thinker.{k}": (list(v.shape), "float32") for k, v in thinker.state_dict().items()}
+    write_aligner_checkpoint(out, cfg, shapes, TOKENIZER, {"feature_extractor_type": "WhisperFeatureExtractor"},
+                             seed=0, dtype=dtype)
+    return out
+
+
+def utterance(seconds: float, sr: int, seed: int) -> tuple[np.ndarray, str]:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    wav = sum(0.1 * np.sin(2 * np.pi * f * t) for f in rng.uniform(100, 3000, 4)) + 0.02 * rng.standard_normal(t.size)
+    words = [WORDS[(seed + i) % len(WORDS)] for i in range(max(1, int(3 * seconds)))]
+    return wav.astype(np.float32), " ".join(words).capitalize() + "."
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """Median seconds of fn() over repeats, after one warm-up call."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=("real", "tiny"), default="real")
+    ap.add_argument("--checkpoint", default=None, help="an aligner directory (default: a random one of --size)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--utterances", type=int, default=64, help="the batch: utterances aligned at once")
+    ap.add_argument("--seconds", type=float, default=5.0, help="audio per utterance")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tts", default=None, help="also time synthesizing the batch with this TTS checkpoint")
+    ap.add_argument("--out", default=None, help="write the JSON result here too")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ckpt = Path(a.checkpoint) if a.checkpoint else make_checkpoint(
+        a.size, Path(tempfile.mkdtemp(prefix="q3tts-aligner-bench-")), dtype)
+    aligner = ForcedAligner.from_pretrained(ckpt, device=device, dtype=dtype)
+    sr = 24000
+    items = [utterance(a.seconds, sr, i) for i in range(a.utterances)]
+    wavs, texts = [w for w, _ in items], [t for _, t in items]
+
+    one = timed(lambda: aligner.align(wavs[0], sr, texts[0], "English"), a.repeats, device)
+    batch = timed(lambda: aligner.align(wavs, sr, texts, "English", rows_alone=True), a.repeats, device)
+    audio_s = a.seconds * a.utterances
+    result = dict(bench="aligner", size=a.size if not a.checkpoint else str(ckpt), device=str(device),
+                  device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  dtype=str(dtype).removeprefix("torch."), seconds_per_utterance=a.seconds,
+                  words_per_utterance=len(texts[0].split()), utterances=a.utterances, repeats=a.repeats,
+                  one_utterance_ms=round(one * 1000, 2), batch_ms=round(batch * 1000, 2),
+                  batch_ms_per_utterance=round(batch * 1000 / a.utterances, 3),
+                  aligner_ms_per_audio_second=round(batch * 1000 / audio_s, 3))
+    if a.tts:
+        from q3tts import TTS
+        tts = TTS.from_pretrained(a.tts, device=device, max_batch_size=a.utterances)
+        speaker = (tts.get_supported_speakers() or [None])[0]
+        frames = int(a.seconds * 12.5) + 1
+        kw = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=frames)
+        synth = timed(lambda: tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), **kw), 1, device)
+        result.update(synthesis_ms=round(synth * 1000, 1), aligner_share_of_synthesis=round(batch / synth, 4))
+    line = json.dumps(result)
+    print(line)
+    if a.out:
+        Path(a.out).write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

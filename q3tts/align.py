@@ -1,0 +1,263 @@
+"""Word timestamps: the Qwen3 forced aligner (Qwen/Qwen3-ForcedAligner-0.6B) without qwen-asr.
+
+    aligner = ForcedAligner.from_pretrained("Qwen/Qwen3-ForcedAligner-0.6B")     # or a local directory
+    words = aligner.align(wav, 24000, "Hello world.", "English")   # [WordTime("Hello", 0.12, 0.48), ...]
+
+The same words and times as qwen-asr 0.0.6's `Qwen3ForcedAligner.align` (tests/golden/make_golden_aligner.py), for
+one utterance or a batch (lists in, lists out). fp32 on a CPU, bf16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .audio import resample, to_mono
+from .config import read_json
+from .inputs.align_text import WordTime, prompt_text, split_words, word_times
+from .inputs.prompt import TextTokenizer
+from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, load_thinker, parse_aligner_config
+from .models.audio_encoder import SAMPLE_RATE, log_mel, mel_filters, tokens_after_cnn, valid_frames
+from .weights import resolve_model_dir
+
+__all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
+
+
+@dataclass(slots=True)
+class _Item:
+    words: list[str]
+    wav: np.ndarray  # mono float32 at 16 kHz, in [-1, 1]
+
+
+class ForcedAligner:
+    """Audio + its transcript -> the time of every word."""
+
+    def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path):
+        self.thinker, self.tokenizer, self.cfg, self.model_dir = thinker, tokenizer, cfg, model_dir
+        p = next(thinker.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self._filters = torch.from_numpy(mel_filters(cfg.audio.num_mel_bins)).to(self.device, torch.float32)
+        self._ids = {t: tokenizer.token_id(t) for t in ("<|audio_start|>", "<|audio_end|>", "<timestamp>")}
+        if self._ids["<timestamp>"] != cfg.timestamp_token_id:
+            raise ValueError(f"{model_dir}: the tokenizer's <timestamp> is id {self._ids['<timestamp>']}, "
+                             f"config.json says {cfg.timestamp_token_id}")
+        self._lock = threading.Lock()  # one pass at a time (the worker's thread and direct callers)
+        # the last class ends here: longer audio has words the head cannot place
+        self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
+                        dtype: torch.dtype | str | None = None) -> "ForcedAligner":
+        """Load a forced-aligner checkpoint (hub id or local directory in the official layout).
+
+        Args:
+            name_or_path: e.g. "Qwen/Qwen3-ForcedAligner-0.6B", or a directory with config.json, model.safetensors
+                and the tokenizer files.
+            device: default CUDA when available, else CPU.
+            dtype: default bf16 on CUDA, fp32 on CPU.
+        """
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
+        cfg = parse_aligner_config(read_json(d / "config.json"))
+        return cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d)
+
+    @property
+    def supported_languages(self) -> list[str] | None:
+        """Lower-cased languages of config.json's support_languages (None: any language is split on spaces)."""
+        return sorted({x.lower() for x in self.cfg.support_languages}) or None
+
+    # ------------------------------------------------------------------ inputs
+    def words(self, text: Any, language: Any, what: str = "") -> list[str]:
+        """The words of text that align() times (ValueError naming the problem for bad text or language)."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{what}text must be a non-empty string, got {text!r}"[:200])
+        if not isinstance(language, str) or not language.strip():
+            raise ValueError(f"{what}language must be a language name such as 'English' or 'Chinese', "
+                             f"got {language!r}"[:200])
+        langs = self.supported_languages
+        if langs is not None and language.lower() not in langs + ["auto"]:
+            raise ValueError(f"{what}language {language!r} is not supported by this aligner; accepted: Auto, "
+                             + ", ".join(x.capitalize() for x in langs))
+        return split_words(text, language)
+
+    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int) -> _Item:
+        what = f"item {i}: " if i >= 0 else ""
+        words = self.words(text, language, what)
+        if isinstance(audio, torch.Tensor):
+            audio = audio.detach().float().cpu().numpy()
+        wav = np.asarray(audio)
+        if wav.dtype.kind != "f" or wav.ndim not in (1, 2) or wav.size == 0:
+            raise ValueError(f"{what}audio must be a non-empty float waveform [samples] (or 2-D with a channel axis), "
+                             f"got dtype {wav.dtype} shape {wav.shape}")
+        try:
+            sr = int(sample_rate)
+        except (TypeError, ValueError):
+            raise ValueError(f"{what}sample_rate must be an integer, got {sample_rate!r}") from None
+        if not 8000 <= sr <= 192000:
+            raise ValueError(f"{what}sample_rate {sr} is outside 8000..192000 Hz")
+        wav = to_mono(wav.astype(np.float32))
+        if not np.isfinite(wav).all():
+            raise ValueError(f"{what}audio has NaN or infinite samples")
+        if wav.shape[0] / sr > self.max_seconds:
+            raise ValueError(f"{what}audio of {wav.shape[0] / sr:.1f} s is longer than this aligner's "
+                             f"{self.max_seconds:g} s ({self.cfg.classify_num} timestamp classes); align it in parts")
+        wav = resample(wav, sr, SAMPLE_RATE)
+        peak = float(np.max(np.abs(wav))) if wav.size else 0.0
+        if peak > 1.0:  # as the official: int-scaled or clipping input is brought back into [-1, 1]
+            wav = wav / peak
+        wav = np.clip(wav, -1.0, 1.0).astype(np.float32)
+        if wav.shape[0] < 2 * 160:  # shorter than two mel frames: the reflect-padded STFT is undefined
+            raise ValueError(f"{what}audio of {wav.shape[0] / SAMPLE_RATE * 1000:.0f} ms is too short to align")
+        return _Item(words, wav)
+
+    # ------------------------------------------------------------------ the pass
+    @torch.inference_mode()
+    def align(self, audio: Any, sample_rate: int | list[int], text: str | list[str],
+              language: str | list[str], rows_alone: bool = False) -> list[WordTime] | list[list[WordTime]]:
+        """Word timestamps of one utterance, or of a batch.
+
+        Args:
+            audio: a waveform (numpy array or torch tensor, float, mono [samples] or 2-D with a channel axis), or a
+                list of them for a batch.
+            sample_rate: its rate in Hz (resampled to 16 kHz), or one per item.
+            text: the transcript, or one per item.
+            language: e.g. "English", "Chinese"; one for all items or one per item. Chinese (and any CJK ideograph)
+                is aligned per character, Japanese per nagisa word (extra `q3tts[aligner-ja-ko]`), other languages
+                per space-delimited word; "Auto" (a q3tts addition) splits as the other languages do.
+            rows_alone: a batch row's features computed as if it were aligned alone (no padding from longer rows),
+                so its words do not depend on its batch; False (default): padded as the official batch.
+
+        Returns:
+            A list of WordTime (word, start_s, end_s); for a batch, one such list per item.
+        """
+        batch = isinstance(audio, (list, tuple))
+        if not batch:
+            return self._run([self._item(audio, sample_rate, text, language, -1)])[0]
+        n = len(audio)
+        if n == 0:
+            raise ValueError("audio is an empty list")
+        per = {}
+        for name, v in (("sample_rate", sample_rate), ("text", text), ("language", language)):
+            per[name] = list(v) if isinstance(v, (list, tuple)) else [v] * n
+            if len(per[name]) != n:
+                raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
+        items = [self._item(a, sr, t, lang, i) for i, (a, sr, t, lang) in
+                 enumerate(zip(audio, per["sample_rate"], per["text"], per["language"]))]
+        return self._run(items, rows_alone)
+
+    def _features(self, items: list[_Item], rows_alone: bool) -> list[torch.Tensor]:
+        """Per row its log-mel [mel, F_i] in the model dtype. NOTE(aligner): the official batch zero-pads the
+        waveforms to the longest before the mel, so a shorter row's last frames (and its log floor) see the padding
+        and its features depend on its batch; rows_alone computes each row as a batch of one instead."""
+        if rows_alone and len(items) > 1:
+            return [f for it in items for f in self._features([it], False)]
+        L = max(it.wav.shape[0] for it in items)
+        wavs = torch.zeros(len(items), L)
+        for i, it in enumerate(items):
+            wavs[i, :it.wav.shape[0]] = torch.from_numpy(it.wav)
+        mel = log_mel(wavs.to(self.device), self._filters)  # [B, mel, L // 160] fp32
+        return [mel[i, :, :valid_frames(it.wav.shape[0], L)].to(self.dtype) for i, it in enumerate(items)]
+
+    def _run(self, items: list[_Item], rows_alone: bool = False) -> list[list[WordTime]]:
+        with self._lock:
+            return self._forward(items, rows_alone)
+
+    def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
+        """One forward for the batch."""
+        feats = self._features(items, rows_alone)
+        audio = self.thinker.audio_tower(feats)  # per row [N_i, D]
+        rows = []
+        for it, f in zip(items, feats):
+            words_ids = self.tokenizer.encode(prompt_text(it.words).split("<|audio_end|>", 1)[1])
+            rows.append([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f.shape[1])
+                        + [self._ids["<|audio_end|>"]] + words_ids)
+        S = max(map(len, rows))
+        ids = torch.zeros(len(rows), S, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+        ids = ids.to(self.device)
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)
+        logits = self.thinker(ids, lengths, audio)  # [B, S, classify_num]
+        classes = logits.argmax(-1).cpu()
+        out = []
+        seg = np.float32(self.cfg.timestamp_segment_time)
+        for i, it in enumerate(items):
+            slots = classes[i][ids[i].cpu() == self.cfg.timestamp_token_id].numpy()
+            # ms as the official computes them: int class x float32 segment time
+            out.append(word_times(it.words, [float(np.float32(c) * seg) for c in slots]))
+        return out
+
+
+class AlignerWorker:
+    """One ForcedAligner shared by many callers (the server's streams, a TTS facade): each `submit` is checked at
+    once (a bad item fails alone, before any work), queued, and a background thread aligns everything waiting as
+    one batch (up to max_batch rows, each row as if alone: rows_alone). On CUDA the thread runs on its own stream,
+    so synthesis steps queued meanwhile are not ordered behind the aligner's kernels.
+
+        worker = AlignerWorker(aligner)
+        words = await worker.align(wav, 24000, "Hello world.", "English")      # or worker.submit(...).result()
+    """
+
+    def __init__(self, aligner: ForcedAligner, max_batch: int = 16):
+        self.aligner, self.max_batch = aligner, max_batch
+        self._queue: list[tuple[_Item, Future]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._stream = torch.cuda.Stream(aligner.device) if aligner.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._loop, name="q3tts-aligner", daemon=True)
+        self._thread.start()
+
+    def submit(self, audio: Any, sample_rate: int, text: str, language: str) -> Future:
+        """A Future of the utterance's [WordTime]; ValueError at once for bad input."""
+        item = self.aligner._item(audio, sample_rate, text, language, -1)
+        fut: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the aligner worker is closed")
+            self._queue.append((item, fut))
+            self._cond.notify()
+        return fut
+
+    async def align(self, audio: Any, sample_rate: int, text: str, language: str) -> list[WordTime]:
+        """submit, awaited (for asyncio callers: the server's HTTP and WebSocket paths)."""
+        return await asyncio.wrap_future(self.submit(audio, sample_rate, text, language))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._queue:
+                    return
+                batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
+            batch = [(it, f) for it, f in batch if f.set_running_or_notify_cancel()]
+            if not batch:
+                continue
+            try:
+                with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
+                    words = self.aligner._run([it for it, _ in batch], rows_alone=True)
+                    if self._stream is not None:
+                        self._stream.synchronize()
+            except BaseException as e:  # noqa: BLE001 - the callers get the error; the worker lives on
+                for _, f in batch:
+                    f.set_exception(e)
+                continue
+            for (_, f), w in zip(batch, words):
+                f.set_result(w)

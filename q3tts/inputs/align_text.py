@@ -1,0 +1,145 @@
+"""The forced aligner's text side: words, the prompt, and timestamp classes -> word times.
+
+As qwen-asr 0.0.6's `Qwen3ForceAlignProcessor`:
+- words: Japanese by nagisa (the optional extra `q3tts[aligner-ja-ko]`), Korean refused (see split_words), any
+  other language split on white space, each piece stripped to letters, digits and apostrophes, CJK ideographs split
+  off one by one.
+- prompt: `<|audio_start|><|audio_pad|><|audio_end|>` + each word followed by `<timestamp><timestamp>`; the one
+  audio_pad stands for the N audio tokens.
+- times: the class at the 2W timestamp slots times timestamp_segment_time ms, made non-decreasing by the official
+  fix-up (keep a longest non-decreasing subsequence; runs of <= 2 outliers take the nearer neighbour, longer runs
+  are interpolated), then word i = (slot 2i, slot 2i + 1), in seconds rounded to ms.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass
+
+from .request import InputError
+
+EXTRA = "q3tts[aligner-ja-ko]"
+
+
+@dataclass(frozen=True, slots=True)
+class WordTime:
+    """One aligned word (a CJK character for Chinese), its start and end in seconds from the audio's start."""
+
+    word: str
+    start_s: float
+    end_s: float
+
+
+def _kept(ch: str) -> bool:
+    return ch == "'" or unicodedata.category(ch)[0] in "LN"
+
+
+def clean(token: str) -> str:
+    return "".join(ch for ch in token if _kept(ch))
+
+
+def is_cjk(ch: str) -> bool:
+    c = ord(ch)
+    return (0x4E00 <= c <= 0x9FFF or 0x3400 <= c <= 0x4DBF or 0x20000 <= c <= 0x2A6DF or 0x2A700 <= c <= 0x2B73F
+            or 0x2B740 <= c <= 0x2B81F or 0x2B820 <= c <= 0x2CEAF or 0xF900 <= c <= 0xFAFF)
+
+
+def _split_cjk(piece: str) -> list[str]:
+    out, buf = [], ""
+    for ch in piece:
+        if is_cjk(ch):
+            if buf:
+                out.append(buf)
+                buf = ""
+            out.append(ch)
+        else:
+            buf += ch
+    return out + ([buf] if buf else [])
+
+
+def split_words(text: str, language: str) -> list[str]:
+    """The aligned units of text (see the module doc)."""
+    lang = language.lower()
+    if lang == "japanese":
+        try:
+            import nagisa
+        except ImportError as e:
+            raise InputError(f"language 'Japanese': word splitting needs nagisa; install the extra {EXTRA}") from e
+        pieces = nagisa.tagging(text).words
+        return [c for c in map(clean, pieces) if c]
+    if lang == "korean":
+        # NOTE(aligner): the official splits Korean with soynlp's LTokenizer scored by a dictionary that ships inside
+        # qwen-asr (assets/korean_dict_jieba.dict); without that word list the words (and so the times) would differ
+        raise InputError("language 'Korean' is not supported by the aligner yet (its word splitting needs qwen-asr's "
+                         "Korean dictionary); accepted: any space-delimited language, Chinese, Japanese (extra "
+                         f"{EXTRA})")
+    words: list[str] = []
+    for seg in text.split():
+        c = clean(seg)
+        if c:
+            words.extend(_split_cjk(c))
+    return words
+
+
+def aligner_language(tts_language: str | None) -> str:
+    """The aligner's language for a synthesis language: none / auto -> "Auto" (the default splitting), the Chinese
+    dialects (beijing_dialect, sichuan_dialect) -> "Chinese" (per character), others as they are."""
+    if not tts_language or tts_language.lower() == "auto":
+        return "Auto"
+    return "Chinese" if tts_language.lower().endswith("_dialect") else tts_language
+
+
+def prompt_text(words: list[str]) -> str:
+    return "<|audio_start|><|audio_pad|><|audio_end|>" + "".join(w + "<timestamp><timestamp>" for w in words)
+
+
+def fix_timestamps(data: list[float]) -> list[int]:
+    """The official monotonic fix-up of the 2W slot times (ms), truncated to int ms."""
+    n = len(data)
+    if n == 0:
+        return []
+    dp, parent = [1] * n, [-1] * n
+    for i in range(1, n):
+        for j in range(i):
+            if data[j] <= data[i] and dp[j] + 1 > dp[i]:
+                dp[i], parent[i] = dp[j] + 1, j
+    normal = [False] * n
+    idx = dp.index(max(dp))
+    while idx != -1:
+        normal[idx] = True
+        idx = parent[idx]
+    out = list(data)
+    i = 0
+    while i < n:
+        if normal[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and not normal[j]:
+            j += 1
+        left = next((out[k] for k in range(i - 1, -1, -1) if normal[k]), None)
+        right = next((out[k] for k in range(j, n) if normal[k]), None)
+        if j - i <= 2:
+            for k in range(i, j):
+                if left is None:
+                    out[k] = right
+                elif right is None:
+                    out[k] = left
+                else:
+                    out[k] = left if (k - (i - 1)) <= (j - k) else right
+        elif left is not None and right is not None:
+            step = (right - left) / (j - i + 1)
+            for k in range(i, j):
+                out[k] = left + step * (k - i + 1)
+        elif left is not None or right is not None:
+            for k in range(i, j):
+                out[k] = left if left is not None else right
+        i = j
+    return [int(v) for v in out]
+
+
+def word_times(words: list[str], slot_ms: list[float]) -> list[WordTime]:
+    """words and their 2W slot times (ms) -> WordTimes in seconds (rounded to 3 decimals, as the official)."""
+    fixed = fix_timestamps(slot_ms)
+    return [WordTime(w, round(fixed[2 * i] / 1000.0, 3), round(fixed[2 * i + 1] / 1000.0, 3))
+            for i, w in enumerate(words)]
