@@ -12,9 +12,11 @@ get the exception); queued ones go on.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -25,6 +27,15 @@ from .engine import AudioChunk, Engine, EngineCounters
 from .request import EngineRequest, StreamOptions
 
 _OWNER_LOCK = threading.Lock()
+_RUNNING: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Loops still running at exit end before the interpreter finalizes: a daemon thread stopped inside a torch call
+    then aborts the process."""
+    for owner in list(_RUNNING):
+        owner.shutdown()
 
 
 @dataclass(slots=True)
@@ -52,6 +63,7 @@ class AsyncEngine:
         self.last_error: str | None = None  # last step failure (a device assert poisons the CUDA context)
         self._thread = threading.Thread(target=self._loop, name="q3tts-engine", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     @classmethod
     def of(cls, engine: Engine) -> AsyncEngine:
