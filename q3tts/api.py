@@ -10,6 +10,7 @@ built on first use and shared with the server.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -22,6 +23,7 @@ import torch
 from .align import ForcedAligner, WordTime
 from .engine import AsyncEngine, AudioChunk, Engine, StreamOptions
 from .inputs.align_text import aligner_language
+from . import longform
 from .inputs.processor import InputProcessor
 from .inputs.prompt import PromptBuilder, TextTokenizer
 from .inputs.request import PreparedRequest, VoiceClonePromptItem
@@ -38,10 +40,9 @@ class TTS:
         self.aligner = aligner  # word timestamps (word_timestamps=True)
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
-        self.engine_options = dict(max_slots=max_batch_size, max_seq_len=max_seq_len, max_queue=max_queue,
-                                   compile=compile, gpu_memory_utilization=gpu_memory_utilization,
-                                   gpu_memory=gpu_memory,
-                                   compile_cache=compile_cache)
+        self.engine_options = {"max_slots": max_batch_size, "max_seq_len": max_seq_len, "max_queue": max_queue,
+                                   "compile": compile, "gpu_memory_utilization": gpu_memory_utilization, "gpu_memory": gpu_memory,
+                                   "compile_cache": compile_cache}
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
         self._driver: AsyncEngine | None = None
@@ -191,6 +192,14 @@ class TTS:
                else False if text_stream is not None else default_nsm)
         if text_stream is not None and isinstance(text_stream, str):
             text_stream = [text_stream]
+        if (split := longform.options(kwargs)) is not None:  # one request per segment of the text
+            if text_stream is not None:
+                raise ValueError("split_granularity needs the whole text (text=), not text_stream")
+            if kwargs.get("word_timestamps"):
+                raise ValueError("word_timestamps with split_granularity: only the non-streaming generate_* calls "
+                                 "give both")
+            return longform.stream(self, lambda t, **kw: prepare(t, *args, non_streaming_mode=nsm, **kw), text, split,
+                                   kwargs, StreamOptions(first_chunk_frames, chunk_frames))
         if kwargs.pop("word_timestamps", False):
             return self._stream_words(prepare, text, text_stream, nsm, first_chunk_frames, chunk_frames, args, kwargs)
         return self.stream(prepare(text, *args, non_streaming_mode=nsm, **kwargs), first_chunk_frames, chunk_frames,
@@ -213,26 +222,48 @@ class TTS:
             **kwargs: do_sample, temperature, top_k, top_p, repetition_penalty, subtalker_dosample,
                 subtalker_temperature, subtalker_top_k, subtalker_top_p, max_new_tokens, seed; word_timestamps
                 (needs from_pretrained(..., aligner=)).
+            split_granularity: None (default, one request) or "sentence" / "clause": the text is split
+                (q3tts.split_text) and its segments are spoken in parallel, one request each, joined in order.
+            pause_ms: with split_granularity, the silence between two segments.
         Returns:
             (list of float32 waveforms, 24000); with word_timestamps=True (waveforms, 24000, per waveform a list
             of WordTime(word, start_s, end_s)).
         """
-        return self._timed(kwargs, text, language, lambda: self._synthesize(
-            self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode, **kwargs)))
+        def synthesize():
+            if (split := longform.options(kwargs)) is not None:
+                prepare = functools.partial(self.prepare_custom_voice, speaker=speaker, language=language,
+                                            instruct=instruct, non_streaming_mode=non_streaming_mode)
+                return longform.generate(self, prepare, text, split, kwargs, language)
+            return self._synthesize(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode,
+                                                              **kwargs))
+        return self._timed(kwargs, text, language, synthesize)
 
     def generate_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
                               **kwargs) -> tuple[list[np.ndarray], int]:
         """VoiceDesign: a voice described in words (instruct); other arguments as generate_custom_voice."""
-        return self._timed(kwargs, text, language, lambda: self._synthesize(
-            self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs)))
+        def synthesize():
+            if (split := longform.options(kwargs)) is not None:
+                prepare = functools.partial(self.prepare_voice_design, instruct=instruct, language=language,
+                                            non_streaming_mode=non_streaming_mode)
+                return longform.generate(self, prepare, text, split, kwargs, language)
+            return self._synthesize(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs))
+        return self._timed(kwargs, text, language, synthesize)
 
     def generate_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
                              voice_clone_prompt=None, non_streaming_mode: bool = False,
                              **kwargs) -> tuple[list[np.ndarray], int]:
         """Base models: clone a voice from reference audio or from prompt items (x-vector only, or ICL with
         reference codes + transcript); other arguments as generate_custom_voice."""
-        return self._timed(kwargs, text, language, lambda: self._synthesize(self.prepare_voice_clone(
-            text, language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt, non_streaming_mode, **kwargs)))
+        def synthesize():
+            if (split := longform.options(kwargs)) is not None:  # the clone prompt is made once for every segment
+                prompt = longform.clone_prompt_once(self, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt,
+                                                    kwargs)
+                prepare = functools.partial(self.prepare_voice_clone, language=language, voice_clone_prompt=prompt,
+                                            non_streaming_mode=non_streaming_mode)
+                return longform.generate(self, prepare, text, split, kwargs, language)
+            return self._synthesize(self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
+                                                             voice_clone_prompt, non_streaming_mode, **kwargs))
+        return self._timed(kwargs, text, language, synthesize)
 
     # ------------------------------------------------------------------ streaming variants
     def generate_custom_voice_stream(self, text=None, speaker=None, language=None, instruct=None,
@@ -267,6 +298,9 @@ class TTS:
                                     chunk_frames: int = 16, text_stream: Iterable[str] | None = None,
                                     **kwargs) -> Iterator[AudioChunk]:
         """As generate_voice_clone, streaming; ICL reference codes warm the decoder once and are never emitted."""
+        if kwargs.get("split_granularity") not in (None, "none"):  # the clone prompt is made once for every segment
+            voice_clone_prompt = longform.clone_prompt_once(self, ref_audio, ref_text, x_vector_only_mode,
+                                                            voice_clone_prompt, kwargs)
         return self._stream(self.prepare_voice_clone, text, text_stream, non_streaming_mode, False,
                             first_chunk_frames, chunk_frames,
                             (language, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt), kwargs)

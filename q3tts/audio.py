@@ -14,8 +14,10 @@ Resampling is `soxr` at quality "soxr_hq" followed by librosa's length fix (ceil
 exactly what upstream's `librosa.resample(y, orig_sr=sr, target_sr=24000)` computes, without librosa.
 
 Validation (`AudioLimits`, all configurable) raises ValueError naming the problem: undecodable data,
-too many bytes, NaN/inf samples, shorter than min_seconds (1 s) or longer than max_seconds (60 s),
-silent (RMS below min_rms, -80 dBFS by default).
+too many bytes, a header that states no length, more than 2 channels, a rate past 192 kHz or a duration past
+max_seconds (all refused from the header, before decoding; decoding then reads blocks under that bound),
+NaN/inf samples, shorter than min_seconds (1 s) or longer than max_seconds (60 s), silent (RMS below min_rms,
+-80 dBFS by default).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class AudioLimits:
     min_seconds: float = 1.0  # shorter clips give a poor x-vector and almost no ICL context
     max_seconds: float = 60.0  # longer clips cost prefill time and memory, with no gain in similarity
     max_bytes: int = 50 * 1024 * 1024  # encoded input (file, bytes, base64 payload, URL body)
+    max_channels: int = 2  # mono or stereo; more is refused from the header, before decoding
+    max_sample_rate: int = 192_000  # Hz; with max_seconds and max_channels it bounds the decoded samples
     min_rms: float = 1e-4  # -80 dBFS: below this the clip is taken as silent
 
 
@@ -59,17 +63,58 @@ def _soundfile():
     return soundfile
 
 
-def decode_bytes(data: bytes, what: str = "reference audio") -> tuple[np.ndarray, int]:
-    """An encoded audio file in memory -> (float32 [N] or [N, C], sample rate)."""
+def _decode(src, limits: AudioLimits, what: str, name: str) -> tuple[np.ndarray, int]:
+    """Decode an open-able source (a path or a file object) under the limits -> (float32 [N] or [N, C], rate).
+
+    The header is read first: a length the file does not state, more than max_channels channels, a rate past
+    max_sample_rate or a duration past max_seconds are refused before a sample is decoded (a few hundred KB of
+    FLAC can hold an hour of 8-channel audio). Samples are then read in blocks, and reading stops once the
+    stated length plus one block, or max_seconds plus one second, is passed (a header that lies)."""
     sf = _soundfile()
     try:
-        with io.BytesIO(data) as f:
-            wav, sr = sf.read(f, dtype="float32", always_2d=False)
+        f = sf.SoundFile(src)
     except Exception as e:
-        head = bytes(data[:12])
-        raise ValueError(f"{what}: could not decode the audio data ({len(data)} bytes, starting {head!r}): "
-                         f"{type(e).__name__}: {e}. Supported: WAV, FLAC, OGG (Vorbis/Opus), MP3, AIFF.") from e
-    return wav, int(sr)
+        raise ValueError(f"{what}: could not decode {name}: {type(e).__name__}: {e}. "
+                         "Supported: WAV, FLAC, OGG (Vorbis/Opus), MP3, AIFF.") from e
+    with f:
+        sr, channels, frames = int(f.samplerate), int(f.channels), int(f.frames)
+        if not 0 < sr <= limits.max_sample_rate:
+            raise ValueError(f"{what}: sample rate {sr} Hz; at most {limits.max_sample_rate} Hz (max_sample_rate)")
+        if channels > limits.max_channels:
+            raise ValueError(f"{what}: {channels} channels; a reference clip has at most {limits.max_channels} "
+                             "(mono or stereo, max_channels)")
+        if frames < 0 or frames >= 1 << 62:  # libsndfile's "unknown" (SF_COUNT_MAX), e.g. a streamed FLAC
+            raise ValueError(f"{what}: {name} does not state its length (a recording saved while streaming?); "
+                             "save it again as a complete WAV or FLAC file")
+        budget = int((limits.max_seconds + 1) * sr)  # frames: the exact max_seconds check is validate_audio's
+        if frames > budget:
+            raise ValueError(f"{what}: {frames / sr:.1f} s is too long; at most {limits.max_seconds:g} s "
+                             "(max_seconds). Trim it: 3-15 s of clean speech is plenty")
+        blocks, total, block = [], 0, 1 << 16
+        try:
+            while True:
+                b = f.read(block, dtype="float32", always_2d=True)  # [n <= block, C]
+                if b.shape[0] == 0:
+                    break
+                blocks.append(b)
+                total += b.shape[0]
+                if total > min(budget, frames + block):
+                    raise ValueError(f"{what}: {name} holds more audio than its header states, or more than "
+                                     f"max_seconds={limits.max_seconds:g}")
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"{what}: could not decode {name}: {type(e).__name__}: {e}") from e
+    wav = np.concatenate(blocks) if blocks else np.zeros((0, channels), np.float32)
+    return (wav[:, 0] if channels == 1 else wav), sr
+
+
+def decode_bytes(data: bytes, what: str = "reference audio",
+                 limits: AudioLimits | None = None) -> tuple[np.ndarray, int]:
+    """An encoded audio file in memory -> (float32 [N] or [N, C], sample rate), bounded by the limits (see _decode)."""
+    head = bytes(data[:12])
+    with io.BytesIO(data) as f:
+        return _decode(f, limits or DEFAULT_LIMITS, what, f"the audio data ({len(data)} bytes, starting {head!r})")
 
 
 def _read_path(path: str, limits: AudioLimits, what: str) -> tuple[np.ndarray, int]:
@@ -78,20 +123,7 @@ def _read_path(path: str, limits: AudioLimits, what: str) -> tuple[np.ndarray, i
     size = os.path.getsize(path)
     if size > limits.max_bytes:
         raise ValueError(f"{what}: file {path!r} is {size} bytes, more than max_bytes={limits.max_bytes}")
-    sf = _soundfile()
-    try:
-        with sf.SoundFile(path) as f:
-            if f.samplerate > 0 and f.frames / f.samplerate > 2 * limits.max_seconds + 10:
-                # refuse before decoding an hour of audio into memory (the exact check comes later)
-                raise ValueError(f"{what}: {path!r} is {f.frames / f.samplerate:.1f} s long, longer than "
-                                 f"max_seconds={limits.max_seconds:g}")
-            wav = f.read(dtype="float32", always_2d=False)
-            return wav, int(f.samplerate)
-    except ValueError:
-        raise
-    except Exception as e:
-        raise ValueError(f"{what}: could not decode {path!r}: {type(e).__name__}: {e}. "
-                         "Supported: WAV, FLAC, OGG (Vorbis/Opus), MP3, AIFF.") from e
+    return _decode(path, limits, what, repr(path))
 
 
 def _fetch_url(url: str, limits: AudioLimits, what: str, timeout: float) -> bytes:
@@ -204,22 +236,22 @@ def load_audio(src: Any, *, allow_urls: bool = False, allow_paths: bool = True,
     elif isinstance(src, (bytes, bytearray, memoryview)):
         if len(src) > limits.max_bytes:
             raise ValueError(f"{what}: {len(src)} bytes of audio, more than max_bytes={limits.max_bytes}")
-        wav, sr = decode_bytes(bytes(src), what)
+        wav, sr = decode_bytes(bytes(src), what, limits)
     elif isinstance(src, (str, os.PathLike)):
         s = os.fspath(src)
         if isinstance(s, bytes):
             s = s.decode()
         if s.startswith("data:"):
-            wav, sr = decode_bytes(_b64decode(s, limits, what), what)
+            wav, sr = decode_bytes(_b64decode(s, limits, what), what, limits)
         elif _is_url(s):
             if not allow_urls:
                 raise ValueError(f"{what}: {s[:100]!r} is a URL; URLs are fetched only with allow_urls=True "
                                  "(download it yourself, or pass its bytes)")
-            wav, sr = decode_bytes(_fetch_url(s, limits, what, url_timeout), what)
+            wav, sr = decode_bytes(_fetch_url(s, limits, what, url_timeout), what, limits)
         elif allow_paths and (isinstance(src, os.PathLike) or os.path.exists(s)):
             wav, sr = _read_path(s, limits, what)
         elif len(s) >= 64 and _B64_RE.match(s):
-            wav, sr = decode_bytes(_b64decode(s, limits, what), what)
+            wav, sr = decode_bytes(_b64decode(s, limits, what), what, limits)
         elif allow_paths:
             raise ValueError(f"{what}: no such file: {s[:200]!r} (nor is it base64 audio or a data URL)")
         else:

@@ -1,4 +1,6 @@
-"""Command line: q3tts say | design | clone | voices | serve | bench.
+"""Command line: q3tts say | design | clone | voices | serve | bench | make-checkpoint.
+
+    q3tts make-checkpoint --tiny tiny && q3tts say "Hello" --model tiny -o hello.wav   # offline, to try it
 
     q3tts say "Hello there." -o hello.wav                      # default model, speaker vivian
     q3tts say "你好" --speaker dylan --language chinese -o hi.wav
@@ -60,6 +62,10 @@ def _common(p: argparse.ArgumentParser, default_model: str) -> None:
     p.add_argument("--dtype", default=None, help="bfloat16 / float16 / float32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--non-streaming-mode", choices=["true", "false"], default=None,
                    help="text placement in the prompt (official meaning); default as the official API")
+    p.add_argument("--split", choices=["none", "sentence", "clause"], default=None,
+                   help="speak the text as segments decoded in parallel and joined in order (default: sentence when "
+                        "the text has more than one sentence); none: one request")
+    p.add_argument("--pause-ms", type=int, default=None, help="with --split: silence between two segments (ms)")
     p.add_argument("--quantization", default=None, help="int8 / int4 (weight-only) or int8dyn (int8 weights and "
                    "activations) on CPU, int8 / fp8 (weight-only) on CUDA; default none (exact; quantized output is "
                    "close, not token-exact)")
@@ -83,11 +89,29 @@ def _read_text(a) -> str:
     return text
 
 
-def _load(a):
+def _check_device(device: str | None) -> None:
+    if device and device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: this PyTorch has no CUDA GPU to use (a CPU build, or no GPU "
+                             "visible); use --device cpu, or install PyTorch's CUDA build")
+
+
+def _load(a, max_batch_size: int | None = 1):
     from .api import TTS
-    # one utterance: CUDA graphs yes, a minute of torch.compile no
-    return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=1, compile=False,
+    _check_device(a.device)
+    # one utterance: CUDA graphs yes, a minute of torch.compile no (split: as many slots as the memory holds)
+    return TTS.from_pretrained(a.model, device=a.device, dtype=a.dtype, max_batch_size=max_batch_size, compile=False,
                                quantization=getattr(a, "quantization", None))
+
+
+def _split_kwargs(a, text: str) -> dict:
+    """--split / --pause-ms as generate kwargs; by default sentences when the text has more than one."""
+    from .inputs.split import split_text
+    split = a.split or ("sentence" if len(split_text(text, "sentence", a.language)) > 1 else "none")
+    if split == "none":
+        return {}
+    return {"split_granularity": split, "pause_ms": a.pause_ms}
 
 
 def _voice(tts, a):
@@ -103,9 +127,18 @@ def _voice(tts, a):
     return store.voice(rec)
 
 
-def _stream(tts, a, text: str):
+def _stream(tts, a, text: str, split: dict):
     """The AudioChunk stream for this model type (first chunk of one frame: low latency for --play)."""
-    kw = dict(_gen_kwargs(a), first_chunk_frames=1, chunk_frames=16)
+    kw = dict(_gen_kwargs(a), first_chunk_frames=1, chunk_frames=16, **split)
+    kind = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}[tts.tts_model_type]
+    if a.cmd == "design" and tts.tts_model_type != "voice_design":
+        raise ValueError(f"q3tts design needs a VoiceDesign model (e.g. --model {DEFAULT_DESIGN_MODEL}); {a.model} is "
+                         f"a {kind} model: use q3tts say")
+    if a.voice and tts.tts_model_type != "base":
+        raise ValueError(f"--voice takes a cloned voice, which needs a Base model; {a.model} is a {kind} model"
+                         + (" (pick a built-in speaker with --speaker)" if kind == "CustomVoice" else ""))
+    if tts.tts_model_type != "voice_design":  # refused, not dropped unseen (the Python API keeps upstream's drop)
+        tts.processor.check_options(instruct=a.instruct)
     if tts.tts_model_type == "custom_voice":
         return tts.generate_custom_voice_stream(text, speaker=a.speaker, language=a.language, instruct=a.instruct, **kw)
     if tts.tts_model_type == "voice_design":
@@ -123,10 +156,11 @@ def cmd_say(a) -> int:
     text = _read_text(a)
     total_s = (a.max_new_tokens - 1) / 12.5 if a.max_new_tokens else None
     progress = Progress(label=a.cmd, total_s=total_s, enabled=False if a.quiet else None)
+    split = _split_kwargs(a, text)
     progress.stage(f"loading {a.model}…")
-    tts = _load(a)
+    tts = _load(a, None if split else 1)
     progress.stage("preparing…")
-    stream = _stream(tts, a, text)
+    stream = _stream(tts, a, text, split)
     t0 = time.perf_counter()
     progress.t0 = t0
     wav = None
@@ -135,6 +169,8 @@ def cmd_say(a) -> int:
             for chunk in stream:
                 wav.write(chunk.audio)
                 player.write(chunk.audio)
+                if split:  # segments done / all
+                    progress.label = f"{a.cmd} {stream.segments_done}/{stream.num_segments}"
                 progress.update(wav.seconds)
             progress.update(wav.seconds, force=True)
     except KeyboardInterrupt:
@@ -155,6 +191,7 @@ def cmd_clone(a) -> int:
     ref_text = Path(a.ref_text_file).read_text(encoding="utf-8").strip() if a.ref_text_file else a.ref_text
     progress = Progress(label="clone", enabled=False if a.quiet else None)
     progress.stage(f"loading the encoders of {a.model}…")
+    _check_device(a.device)
     cloner = VoiceCloner.from_pretrained(a.model, device=a.device or "cpu")
     progress.stage(f"encoding {a.ref_audio}…")
     voice = cloner.create_voice(a.ref_audio, ref_text, x_vector_only_mode=a.x_vector_only, name=a.name,
@@ -305,6 +342,13 @@ def cmd_serve(argv: list[str]) -> int:
 
     from .server.settings import parse_args
     settings = parse_args(argv)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"q3tts serve needs the server's packages: pip install 'q3tts[serve]' "
+                         f"(missing: {e.name})") from None
+    _check_device(settings.device)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("q3tts.server").warning("serving on %s without an API key (--api-key)", settings.host)
@@ -316,6 +360,18 @@ def cmd_serve(argv: list[str]) -> int:
         return serve_main(settings)
     from .server.app import main
     return main(settings)
+
+
+def cmd_make_checkpoint(a) -> int:
+    from .randomckpt import make_tiny
+    if not a.tiny:
+        raise ValueError("make-checkpoint writes --tiny checkpoints (random weights, about 50 MB, to try q3tts "
+                         "offline); real-dimension ones for benchmarks: python -m bench.make_checkpoint in a source "
+                         "checkout")
+    make_tiny(a.dir, a.model_type)
+    print(f"wrote a tiny random {a.model_type} checkpoint to {a.dir} (noise, not speech): "
+          f"q3tts say \"Hello\" --model {a.dir} -o hello.wav", file=sys.stderr)
+    return 0
 
 
 def cmd_wyoming(argv: list[str]) -> int:
@@ -330,7 +386,11 @@ def cmd_wyoming(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        return cmd_serve(argv[1:])
+        try:
+            return cmd_serve(argv[1:])
+        except (ValueError, FileNotFoundError, IsADirectoryError) as e:  # load failures, missing extras: one line
+            print(f"q3tts: error: {e}", file=sys.stderr)
+            return 2
     if argv[:1] == ["wyoming"]:
         return cmd_wyoming(argv[1:])
     ap = argparse.ArgumentParser(prog="q3tts", description="Qwen3-TTS inference: synthesize speech, serve an API.")
@@ -373,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     voices.add_argument("--x-vector-only", action="store_true", help="add: speaker embedding only")
     voices.add_argument("--json", action="store_true", help="list: print the voices as JSON")
     sub.add_parser("serve", help="OpenAI-compatible speech server (q3tts serve --help)")
+    mk = sub.add_parser("make-checkpoint", help="write a tiny random checkpoint (offline, to try q3tts with)")
+    mk.add_argument("dir", help="the directory to write")
+    mk.add_argument("--tiny", action="store_true", help="tiny dimensions (about 50 MB; noise, not speech)")
+    mk.add_argument("--model-type", default="custom_voice", choices=["custom_voice", "base", "voice_design"])
     sub.add_parser("wyoming", help="Wyoming server for Home Assistant (q3tts wyoming --help)")
     bench = sub.add_parser("bench", help="GPU benchmark on a random-weight checkpoint at the real dimensions")
     bench.add_argument("--model", default="0.6B-CustomVoice", choices=["0.6B-CustomVoice", "1.7B-CustomVoice"])
@@ -398,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_clone(a)
         if a.cmd == "bench":
             return cmd_bench(a)
+        if a.cmd == "make-checkpoint":
+            return cmd_make_checkpoint(a)
     except (ValueError, FileNotFoundError, IsADirectoryError) as e:
         print(f"q3tts: error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,8 @@
 """Write random-weight checkpoints in the official Qwen3-TTS layout.
 
 Used by the golden-fixture script (tiny models checked against the official package), the CPU tests
-(which rebuild the very same tiny checkpoints) and `q3tts bench` (real dimensions; weight values do
+(which rebuild the very same tiny checkpoints), `q3tts make-checkpoint --tiny` (`make_tiny`: an offline
+model of each type to try the CLI and server with) and `q3tts bench` (real dimensions; weight values do
 not change speed). Every tensor is drawn from its own generator seeded by (seed, tensor name), so a
 checkpoint is a pure function of (names and shapes, seed, tweaks): fixtures commit that recipe, not
 megabytes of weights.
@@ -73,6 +74,8 @@ def apply_tweaks(sd: dict[str, torch.Tensor], tweaks: dict, eos_id: int | None =
     - output_conv_scale: multiply the last vocoder conv (keeps the waveform well inside (-1, 1)).
     - eos_copy_from / eos_scale: make the EOS row of codec_head a scaled copy of another code's row,
       so greedy decoding stops where it would otherwise pick that code (tests EOS handling).
+    - eos_gain: multiply the EOS row of codec_head: its logit then tops the random ones now and then, so a tiny
+      model stops by itself after a few to a few dozen frames (greedy or sampled), as a real one does.
     - eos_zero: zero the EOS row of codec_head; its logit is then always 0, never in the top-k (or the
       argmax) of the peaky random logits, so every engine decodes exactly max_new_tokens frames (benchmarks).
     """
@@ -83,6 +86,8 @@ def apply_tweaks(sd: dict[str, torch.Tensor], tweaks: dict, eos_id: int | None =
     if "eos_copy_from" in tweaks:
         w = sd["talker.codec_head.weight"]
         w[eos_id] = w[tweaks["eos_copy_from"]] * tweaks.get("eos_scale", 1.05)
+    if "eos_gain" in tweaks:
+        sd["talker.codec_head.weight"][eos_id] *= tweaks["eos_gain"]
     if tweaks.get("eos_zero"):
         sd["talker.codec_head.weight"][eos_id] = 0.0
 
@@ -135,6 +140,32 @@ def write_checkpoint(
     for f in TOKENIZER_FILES:
         shutil.copyfile(Path(tokenizer_dir) / f, out / f)
     return digests
+
+
+# --------------------------------------------------------------------------- tiny checkpoints to try things with
+MODEL_TYPES = ("custom_voice", "base", "voice_design")
+TINY_TWEAKS = {"output_conv_scale": 0.015, "eos_gain": 2.5}  # quiet enough, and it stops by itself
+TINY_MAX_NEW_TOKENS = 256  # its generation_config's cap: at most ~20 s of audio per request
+
+
+def make_tiny(out_dir: str | Path, model_type: str = "custom_voice", seed: int | None = None) -> dict[str, str]:
+    """Write a tiny random checkpoint (a few MB, seconds on a CPU) of one model type: the golden fixtures' tiny
+    dimensions, the real tokenizer, speakers and languages, random weights whose EOS can win (so it ends within
+    a few dozen frames) and noise for speech. For trying the CLI, the server and the page offline.
+
+    Args:
+        out_dir: the directory to write (created).
+        model_type: custom_voice (0.6B-like, with the real speakers), base (voice cloning) or voice_design.
+        seed: the weights' seed (default: the fixtures').
+    Returns the digests of the two weight files."""
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unknown model type {model_type!r}; one of {', '.join(MODEL_TYPES)}")
+    ref = Path(__file__).resolve().parent / "reference"
+    recipe = json.loads((ref / "tiny.json").read_text())
+    model = recipe["models"][model_type]
+    gen = dict(recipe["generation_config"], max_new_tokens=TINY_MAX_NEW_TOKENS)
+    return write_checkpoint(out_dir, model["config"], recipe["speech_config"], model["shapes"], recipe["speech_shapes"],
+                            ref / "tokenizer", gen, seed=recipe["seed"] if seed is None else seed, tweaks=TINY_TWEAKS)
 
 
 # --------------------------------------------------------------------------- forced aligner (Qwen3-ASR layout)

@@ -253,37 +253,70 @@ def test_huge_file(tmp_path):
 def test_long_file_refused_before_decoding(tmp_path):
     p = tmp_path / "long.flac"
     sf.write(str(p), np.zeros(8000 * 200, np.float32) + 0.1, 8000, format="FLAC")
-    with pytest.raises(ValueError, match="longer than max_seconds=60"):
+    with pytest.raises(ValueError, match=r"200\.0 s is too long.*at most 60 s"):
         load_audio(p)
 
 
-def test_bare_array_needs_its_rate():
-    with pytest.raises(ValueError, match=r"pass a tuple \(waveform, sample_rate\)"):
-        load_audio(tone())
+def flac_bomb(channels: int = 8, seconds: int = 3600, sr: int = 8000) -> bytes:
+    """An hour of a constant signal: FLAC compresses it to a few hundred KB, decoded it is ~1 GB of float32."""
+    buf = io.BytesIO()
+    block = np.full((sr * 60, channels), 0.25, np.float32)
+    with sf.SoundFile(buf, "w", samplerate=sr, channels=channels, format="FLAC", subtype="PCM_16") as f:
+        for _ in range(seconds // 60):
+            f.write(block)
+    return buf.getvalue()
 
 
-def test_unsupported_type():
-    with pytest.raises(ValueError, match="unsupported input type int"):
-        load_audio(42)
+@pytest.fixture(scope="module")
+def bomb8() -> bytes:
+    return flac_bomb()
 
 
-def test_bad_shapes_and_rates():
-    with pytest.raises(ValueError, match="1-D"):
-        load_audio((np.zeros((2, 2, 16000), np.float32), 16000))
-    with pytest.raises(ValueError, match="sample rate must be positive"):
-        validate_audio(tone(), 0)
-    with pytest.raises(ValueError, match="empty"):
-        load_audio((np.zeros(0, np.float32), 16000))
+def _refusal_cost(fn) -> tuple[str, float, int]:
+    """fn's ValueError message, its wall time and the peak of the memory Python allocated meanwhile."""
+    import time
+    import tracemalloc
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ValueError) as e:
+            fn()
+        return str(e.value), time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
-# --------------------------------------------------------------------------- output
-def test_write_wav(tmp_path):
-    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 2.0, -2.0, np.nan], np.float32)
-    p = tmp_path / "out.wav"
-    write_wav(p, x, 24000)
-    with wave.open(str(p)) as w:
-        assert (w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()) == (1, 2, 24000, 8)
-        pcm = np.frombuffer(w.readframes(8), "<i2")
-    assert pcm.tolist() == [0, 16384, -16384, 32767, -32767, 32767, -32767, 0]
-    y, sr = sf.read(io.BytesIO(wav_bytes(tone(), 16000)), dtype="float32")
-    assert sr == 16000 and np.abs(y - tone()).max() < 1 / 32767
+@pytest.mark.parametrize("form", ["bytes", "base64", "path"])
+def test_flac_bomb_refused_from_its_header(bomb8, form, tmp_path):
+    """The issue's bomb (8 channels, an hour, a few hundred KB): refused before decoding, in every input form."""
+    assert len(bomb8) < 1_000_000
+    src = {"bytes": bomb8, "base64": "data:audio/flac;base64," + base64.b64encode(bomb8).decode(),
+           "path": tmp_path / "bomb.flac"}[form]
+    if form == "path":
+        src.write_bytes(bomb8)
+    msg, seconds, peak = _refusal_cost(lambda: load_audio(src))
+    assert "8 channels" in msg and "at most 2" in msg
+    assert seconds < 0.1 and peak < 50e6 + 2 * len(bomb8), (seconds, peak)
+
+
+def test_mono_hour_refused_from_its_header():
+    bomb = flac_bomb(channels=1)
+    msg, seconds, peak = _refusal_cost(lambda: load_audio(bomb))
+    assert "3600.0 s is too long" in msg and "at most 60 s" in msg
+    assert seconds < 0.1 and peak < 50e6 + 2 * len(bomb), (seconds, peak)
+
+
+def test_unknown_length_and_odd_headers_refused():
+    # a FLAC whose STREAMINFO says 0 samples ("unknown", as a FLAC written while streaming): STREAMINFO's
+    # fields from byte 18 are rate (20 bits), channels - 1 (3), bits - 1 (5) and the total samples (36)
+    flac = bytearray(encode(tone(2.0), 16000, "FLAC"))
+    assert flac[:4] == b"fLaC" and flac[4] & 0x7F == 0  # STREAMINFO first
+    fields = int.from_bytes(flac[18:26], "big") & ~((1 << 36) - 1)
+    flac[18:26] = fields.to_bytes(8, "big")
+    with pytest.raises(ValueError, match="does not state its length"):
+        load_audio(bytes(flac))
+    with pytest.raises(ValueError, match="3 channels; a reference clip has at most 2"):
+        load_audio(encode(np.stack([tone()] * 3, axis=1), 16000))
+    with pytest.raises(ValueError, match="sample rate 384000 Hz; at most 192000"):
+        load_audio(encode(tone(2.0, 384000), 384000))
+    load_audio(encode(tone(2.0, 384000), 384000), limits=AudioLimits(max_sample_rate=384000))

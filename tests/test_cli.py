@@ -248,3 +248,117 @@ def test_voices_in_a_local_directory(tmp_path, capsys):
     assert "(no voices)" in capsys.readouterr().err
     assert main(["voices", "delete", "carol", *local]) == 2
     assert "no voice 'carol'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a newcomer's first commands
+def test_readme_commands_run_offline(tmp_path):
+    """The README's first command, as written there, on a fresh directory with the hub unreachable: a tiny
+    checkpoint, then speech from it (the tiny model stops by itself)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("q3tts make-checkpoint --tiny"))
+    cmd = re.sub(r"\bq3tts ", f"{sys.executable} -m q3tts.cli ", line)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run(cmd, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = next(tmp_path.glob("*.wav"))
+    assert 2 <= frames_in(out) < 255, frames_in(out)  # EOS, not the length cap
+
+
+@pytest.mark.parametrize("model_type", ["custom_voice", "base", "voice_design"])
+def test_tiny_checkpoints_of_every_type_stop_by_themselves(tmp_path, model_type):
+    import torch
+
+    from q3tts import TTS, VoiceClonePromptItem
+    assert main(["make-checkpoint", "--tiny", "--model-type", model_type, str(tmp_path / "m")]) == 0
+    tts = TTS.from_pretrained(tmp_path / "m", device="cpu", dtype=torch.float32)
+    assert tts.tts_model_type == model_type
+    texts = ["Hello.", "The quick brown fox jumps over the lazy dog.", "你好，世界。"]
+    for greedy in (True, False):
+        kw = {"do_sample": False, "subtalker_dosample": False} if greedy else {"seed": 0}
+        if model_type == "custom_voice":
+            prepared = tts.prepare_custom_voice(texts, "vivian", **kw)
+        elif model_type == "voice_design":
+            prepared = tts.prepare_voice_design(texts, "A calm voice.", **kw)
+        else:
+            item = VoiceClonePromptItem(ref_code=None, ref_spk_embedding=torch.randn(tts.cfg.talker.hidden_size,
+                                        generator=torch.Generator().manual_seed(0)), x_vector_only_mode=True,
+                                        icl_mode=False)
+            prepared = tts.prepare_voice_clone(texts, voice_clone_prompt=[item], **kw)
+        frames = [c.shape[0] for c in tts.generate_codes(prepared)]
+        assert all(2 <= f < 255 for f in frames), (greedy, frames)  # generation_config caps at 256 - 1
+
+
+def test_one_line_errors(tmp_path, capsys, monkeypatch):
+    """Every load failure, a missing extra, a device that is not there and a command on the wrong model type:
+    one line on stderr, exit status 2, no traceback."""
+    import sys
+
+    import torch
+    cv = str(fx.checkpoint("cv06"))
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cases = [
+        (["say", "Hi", "--model", str(tmp_path / "missing")], "not a model directory"),
+        (["serve", "--model", str(tmp_path / "missing"), "--no-warmup"], "not a model directory"),
+        (["serve", "--model", str(tmp_path / "empty")], "incomplete checkpoint, missing: config.json"),
+        (["serve", "--model", "nobody/no-such-model"], "could not find model 'nobody/no-such-model'"),
+        (["design", "Hi", "--instruct", "Calm.", "--model", cv], "q3tts design needs a VoiceDesign model"),
+        (["say", "Hi", "--model", cv, "--voice", "me.safetensors"], "--voice takes a cloned voice, which needs a Base"),
+        (["say", "Hi", "--model", cv, "--instruct", "Happily."], "instruct is not supported: this is a CustomVoice"),
+        (["make-checkpoint", str(tmp_path / "x")], "make-checkpoint writes --tiny checkpoints"),
+    ]
+    if not torch.cuda.is_available():
+        cases += [(["say", "Hi", "--model", cv, "--device", "cuda"], "--device cuda: this PyTorch has no CUDA GPU"),
+                  (["serve", "--model", cv, "--device", "cuda"], "--device cuda: this PyTorch has no CUDA GPU")]
+    for argv, words in cases:
+        assert main([*argv[:2], "-o", str(tmp_path / "o.wav"), *argv[2:]] if argv[0] in ("say", "design")
+                    else argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("q3tts: error: ") and words in err[0], (argv, err)
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if the [serve] extra were not installed
+    assert main(["serve", "--model", cv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["q3tts: error: q3tts serve needs the server's packages: pip install 'q3tts[serve]' "
+                   "(missing: fastapi)"], err
+
+
+def test_say_splits_a_text_of_several_sentences(tmp_path, capsys):
+    """--text-file of three sentences: three segments (each max-new-tokens - 1 frames) with --pause-ms between
+    them by default; --split none: one request."""
+    story = tmp_path / "chapter.txt"
+    story.write_text("The first sentence of the chapter. The second one follows it!\n\nA new paragraph starts here.",
+                     encoding="utf-8")
+    out = tmp_path / "chapter.wav"
+    args = ["say", "--text-file", str(story), "--model", str(fx.checkpoint("cv06")), "-o", str(out), "--greedy",
+            "--max-new-tokens", "6"]
+    assert main([*args, "--pause-ms", "80"]) == 0 and frames_in(out) == 3 * 5 + 2  # 80 ms = one frame
+    assert main([*args, "--split", "clause"]) == 0 and frames_in(out) == 3 * 5
+    assert main([*args, "--split", "none"]) == 0 and frames_in(out) == 5
+    assert main([*args, "--split", "sentence", "--pause-ms", "-5"]) == 2
+    assert "pause_ms must be an integer" in capsys.readouterr().err
+
+
+def test_interrupted_split_say_keeps_a_valid_wav(tmp_path):
+    out = tmp_path / "long.wav"
+    p = _cli(say_args(out, "A long text. Of several sentences, all of them. Interrupted early!", frames=2000),
+             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 240
+        while _data_frames(out) < 3 * 1920:
+            assert p.poll() is None and time.time() < deadline, "no audio written"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    n = _data_frames(out)
+    assert n >= 3 * 1920 and n % 1920 == 0 and os.path.getsize(out) == 44 + 2 * n and n < 2000 * 1920
+    assert p.returncode == 130 and f"interrupted: kept {n / 24000:.2f} s of audio" in err.decode()

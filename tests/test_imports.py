@@ -8,7 +8,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "q3tts"
 LAYERS = ["config", ("weights", "audio", "sampling", "kernels", "randomckpt"), "models", "inputs", "engine",
-          ("api", "align"),
+          ("api", "align", "longform"),
           "server", ("cli", "cli_media")]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in ((layer,) if isinstance(layer, str) else layer)}
 

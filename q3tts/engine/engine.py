@@ -127,7 +127,8 @@ class Engine:
     def _set_prompt(self, req: EngineRequest, lay) -> None:
         self.runner.check_prompt(len(lay), len(lay.trailing_ids))
         req.prepared.layout = lay
-        req.max_frames = min(req.prepared.params.max_new_tokens - 1, self.runner.max_len - len(lay))
+        req.max_frames = min(req.prepared.params.max_new_tokens - 1, self.runner.max_len - len(lay),
+                             req.prepared.frame_cap() or self.runner.max_len)  # runaway guard (streamed: once closed)
         req.text_fed = len(lay.trailing_ids)
 
     def abort(self, request_id: str) -> None:
@@ -136,7 +137,8 @@ class Engine:
         self.wake.set()
 
     def has_work(self) -> bool:
-        return self._text_news or self.scheduler.has_work()
+        with self._lock:  # add_request may append to the queue from another thread while this reads it
+            return self._text_news or self.scheduler.has_work()
 
     def wait_for_work(self, timeout: float = 0.05) -> bool:
         """True if a step has something to do now; else wait up to `timeout` for news (a request, a cancellation,
@@ -172,6 +174,8 @@ class Engine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
         for req in [r for r in self.scheduler.running.values() if r.prepared.text is not None and not r.text_done]:
             ids, req.text_done = req.prepared.text.take()
+            if req.text_done:  # the whole text is known: the runaway guard
+                req.max_frames = min(req.max_frames, req.prepared.frame_cap() or req.max_frames)
             if req.text_fed + len(ids) > self.runner.max_len:
                 failed.append(req)
                 req.error = (f"the text is too long: more than {self.runner.max_len} streamed text tokens for the "

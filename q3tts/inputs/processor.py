@@ -8,6 +8,8 @@ given once (broadcast) or once per text. A text of None is streamed in: the requ
 
 from __future__ import annotations
 
+import warnings
+
 import dataclasses
 import logging
 import os
@@ -19,7 +21,7 @@ import torch
 from ..config import GenerationDefaults, ModelConfig
 from ..sampling import SamplingParams
 from .prompt import PromptBuilder, PromptSpec
-from .request import InputError, PreparedRequest, VoiceClonePromptItem
+from .request import MAX_FRAMES_PER_TOKEN, InputError, PreparedRequest, VoiceClonePromptItem
 from .text import TextStream
 from .voice import Voice
 
@@ -39,10 +41,23 @@ def _as_list(x: Any, n: int | None = None, name: str = "") -> list:
     return out
 
 
+def check_text(value: str | None, param: str) -> None:
+    """InputError if the text cannot be encoded: a lone surrogate (U+D800..U+DFFF, which JSON's "\\ud800" escapes
+    and Python strings can carry) is no Unicode character, and the tokenizer cannot take it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputError(f"{param} is not valid Unicode text: a lone surrogate U+{ord(value[e.start]):04X} at "
+                             f"character {e.start} (send UTF-8 text; a surrogate pair must be complete)",
+                             param=param, code="invalid_text") from None
+
+
 class InputProcessor:
     def __init__(self, cfg: ModelConfig, defaults: GenerationDefaults, builder: PromptBuilder, codebook_size: int):
         self.cfg, self.defaults, self.builder, self.codebook_size = cfg, defaults, builder, codebook_size
         self.gen_kwargs = set(SamplingParams.names())
+        self.max_frames_per_token = MAX_FRAMES_PER_TOKEN  # the runaway guard's default (PreparedRequest.frame_cap)
 
     # ------------------------------------------------------------------ checks
     def require(self, model_type: str, method: str) -> None:
@@ -51,6 +66,21 @@ class InputProcessor:
             raise InputError(f"{method} needs {KINDS[model_type]} model; this is a {have} model (size "
                              f"{self.cfg.tts_model_size}). Use {METHODS[have]} with this model.",
                              code="unsupported_for_model")
+
+    def check_options(self, instruct=None, ref_audio=None, ref_text=None, x_vector_only_mode=False) -> None:
+        """InputError naming an option this model cannot use and the model type, rather than ignoring it."""
+        have, size = self.cfg.tts_model_type, self.cfg.tts_model_size
+        model = f"this is {KINDS[have]} model (size {size})"
+        if instruct and str(instruct).strip() and (have == "base" or (have == "custom_voice" and size == "0b6")):
+            raise InputError(f"instruct is not supported: {model}, which takes no instruction (style instructions need "
+                             "a 1.7B CustomVoice model; a voice described in words a VoiceDesign model)",
+                             param="instruct", code="unsupported_for_model")
+        if have != "base":
+            for name, given in (("ref_audio", ref_audio), ("ref_text", ref_text),
+                                ("x_vector_only_mode", x_vector_only_mode)):
+                if given:
+                    raise InputError(f"{name} is not supported: {model}; cloning a voice from reference audio needs a "
+                                     "Base model", param=name, code="unsupported_for_model")
 
     def language(self, language: str | None) -> str:
         lang = "auto" if language is None else str(language).strip().lower()
@@ -93,9 +123,16 @@ class InputProcessor:
         n = len(texts)
         speakers = [self.speaker(s) for s in _as_list(speaker, n, "speaker")]
         languages = [self.language(x) for x in _as_list(language, n, "language")]
-        if self.cfg.tts_model_size == "0b6":
-            instruct = None  # upstream: the 0.6B CustomVoice model takes no instruction
         instructs = _as_list(instruct, n, "instruct")
+        for ins in instructs:
+            check_text(ins, "instruct")
+        instructs = [ins if ins and ins.strip() else None for ins in instructs]
+        if self.cfg.tts_model_size == "0b6" and any(instructs):
+            # NOTE(drop-in): upstream drops it unseen and TTS keeps its behaviour, saying so; the server and the CLI
+            # refuse it (check_options), where no upstream code depends on it.
+            warnings.warn("instruct is ignored: a 0.6B CustomVoice model takes no instruction (style instructions "
+                          "need a 1.7B CustomVoice model)", stacklevel=3)
+            instructs = [None] * n
         specs = [self.builder.spec(lang, speaker=s, instruct=ins, non_streaming_mode=non_streaming_mode)
                  for lang, s, ins in zip(languages, speakers, instructs)]
         return self._prepare(texts, specs, [None] * n, [None] * n, kwargs)
@@ -106,8 +143,11 @@ class InputProcessor:
         texts = _as_list(text)
         n = len(texts)
         languages = [self.language(x) for x in _as_list(language, n, "language")]
+        instructs = _as_list(instruct, n, "instruct")
+        for ins in instructs:
+            check_text(ins, "instruct")
         specs = [self.builder.spec(lang, instruct=ins, non_streaming_mode=non_streaming_mode)
-                 for lang, ins in zip(languages, _as_list(instruct, n, "instruct"))]
+                 for lang, ins in zip(languages, instructs)]
         return self._prepare(texts, specs, [None] * n, [None] * n, kwargs)
 
     def voice_clone(self, text, voice_clone_prompt, language=None, non_streaming_mode: bool = False,
@@ -116,6 +156,7 @@ class InputProcessor:
         one for all texts or one per text. Or a function that returns them (a clone of reference audio), called
         once the model type and the languages have passed: nothing is cloned in vain."""
         self.require("base", "generate_voice_clone")
+        self.check_options(instruct=kwargs.pop("instruct", None))
         texts = _as_list(text)
         n = len(texts)
         languages = [self.language(x) for x in _as_list(language, n, "language")]
@@ -130,15 +171,29 @@ class InputProcessor:
         return self._prepare(texts, specs, [e for e, _ in checked], [r for _, r in checked], kwargs)
 
     def _prepare(self, texts: list, specs: list[PromptSpec], embs: list, refs: list, kwargs) -> list[PreparedRequest]:
+        guard = self.frame_guard(kwargs)
         params = self.sampling_params(**kwargs)
         out = []
+        for text in texts:
+            check_text(text, "text")
         for i, (text, spec, e, r) in enumerate(zip(texts, specs, embs, refs)):
             p = dataclasses.replace(params, seed=params.seed + i)  # distinct noise per row, reproducible from one seed
             if text is None:  # streamed in: the engine lays the prompt out once enough text has come
-                out.append(PreparedRequest(None, e, r, p, TextStream(self.builder, spec)))
+                out.append(PreparedRequest(None, e, r, p, TextStream(self.builder, spec), guard))
             else:
-                out.append(PreparedRequest(self.builder.build(spec, self.builder.text_ids(text)), e, r, p))
+                ids = self.builder.text_ids(text)
+                out.append(PreparedRequest(self.builder.build(spec, ids), e, r, p, None, guard, len(ids)))
         return out
+
+    def frame_guard(self, kwargs: dict) -> float:
+        """Frames per text token of the runaway guard (takes max_frames_per_token out of kwargs): none where the
+        caller gives max_new_tokens (their cap), else kwargs' or this processor's default (0: off)."""
+        fpt = kwargs.pop("max_frames_per_token", None)
+        fpt = self.max_frames_per_token if fpt is None else fpt
+        if isinstance(fpt, bool) or not isinstance(fpt, (int, float)) or not 0 <= fpt < float("inf"):
+            raise InputError(f"max_frames_per_token must be a number >= 0 (0: no guard), got {fpt!r}",
+                             param="max_frames_per_token")
+        return 0.0 if kwargs.get("max_new_tokens") is not None else float(fpt)
 
     # ------------------------------------------------------------------ voices
     def voice_items(self, voice_clone_prompt) -> list[VoiceClonePromptItem]:
@@ -186,6 +241,7 @@ class InputProcessor:
             if int(ref.min()) < 0 or int(ref.max()) >= self.codebook_size:
                 raise InputError(f"voice_clone_prompt[{i}]: ref_code values must be in [0, {self.codebook_size})",
                                  param="voice")
+            check_text(it.ref_text, "ref_text")
             if not it.ref_text:
                 raise InputError(f"voice_clone_prompt[{i}]: ICL mode needs ref_text (the transcript of the reference "
                                  "audio)", param="ref_text")

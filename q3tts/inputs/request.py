@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -48,6 +49,7 @@ class StreamedText(Protocol):
     text tokens as they come."""
 
     closed: bool
+    num_tokens: int  # text tokens so far (all of them once closed)
     error: str | None  # a closed text that cannot be spoken: the engine fails the request with it
     on_change: Callable[[], None]  # set by the engine: called after every append and the close
 
@@ -82,3 +84,22 @@ class PreparedRequest:
     ref_codes: torch.Tensor | None  # [T, 16] ICL reference frames (decoded in front, then cut)
     params: SamplingParams
     text: StreamedText | None = None  # the text streamed in: append pieces to it, then close it
+    # the runaway guard (a model that never samples EOS): at most max(MIN_FRAME_CAP, max_frames_per_token x text
+    # tokens) frames; 0: none (max_new_tokens given by the caller is the cap)
+    max_frames_per_token: float = 0.0
+    num_text_tokens: int = 0  # of the whole text (a streamed one counts its own, once closed)
+
+    def frame_cap(self) -> int | None:
+        """The most frames its text may take, or None: no guard, or a streamed text not yet complete."""
+        if not self.max_frames_per_token or (self.text is not None and not self.text.closed):
+            return None
+        n = self.text.num_tokens if self.text is not None else self.num_text_tokens
+        return max(MIN_FRAME_CAP, math.ceil(self.max_frames_per_token * n))
+
+
+# The runaway guard's bounds. Speech runs ~3-4 frames (80 ms each) per text token of the Qwen tokenizer (English:
+# ~4 characters and ~0.3 s per token; Chinese: ~1.5 characters per token, ~4 characters per second; digits are
+# one token each and take ~0.3 s): 16 frames per token leaves 4x for slow, instructed or pausing speech, and no
+# text, however short, is cut before 64 frames (5 s).
+MAX_FRAMES_PER_TOKEN = 16.0
+MIN_FRAME_CAP = 64

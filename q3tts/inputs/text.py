@@ -102,6 +102,11 @@ class TextStream:
         finally:
             self.on_change()
 
+    @property
+    def num_tokens(self) -> int:
+        """Text tokens committed so far (with the few of the role prefix)."""
+        return len(self._ids)
+
     def ready(self) -> bool:
         """Enough text for the prompt."""
         return self.closed or (self.needed is not None and len(self._ids) >= self.needed)

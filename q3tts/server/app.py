@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from q3tts.engine import AsyncEngine
 
+from . import logfilter
 from .metrics import Metrics
 from .protocol import (
     ApiError,
@@ -223,6 +224,8 @@ def _validation_error(errors: list[dict]) -> JSONResponse:
         msg = f"the request body is not valid JSON: {e.get('msg')}"
     elif not loc:
         msg = "the request body must be a JSON object"
+    elif loc[0] == "voice" and e.get("type") == "value_error":  # the name's own check (loc: voice.<union branch>)
+        param, msg = "voice", f"invalid value for 'voice': {e.get('msg')}"
     elif loc[0] == "voice":  # a union: pydantic reports each alternative
         param, msg = "voice", 'voice must be a voice name (a string) or an object {"id": "<voice id or name>"}'
     elif e.get("type") == "extra_forbidden":
@@ -379,10 +382,12 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
         settings: limits, voice directory, API key, stream chunking (defaults: ServerSettings()).
     """
     settings = settings or ServerSettings()
+    logfilter.install()  # no API key (?api_key=) in uvicorn's request logs
     engine = AsyncEngine.of(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
                                           max_queue=settings.max_queue, **settings.memory_budget))
     metrics = Metrics(engine.stats)
-    voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)
+    voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes, settings.clone_workers,
+                          settings.clone_queue)
     serving = SpeechServing(tts, engine, voices, metrics, settings)
     if getattr(tts, "aligner", None) is not None:  # word timestamps: one aligner worker beside the engine
         from q3tts.align import AlignerWorker

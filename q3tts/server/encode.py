@@ -9,7 +9,10 @@ of the stream": the length is unknown when the header goes out) then s16le; flac
 III at 24 kHz), aac (ADTS) and opus (Ogg) come from PyAV's bundled ffmpeg, muxed into an in-memory
 sink that is drained after every chunk, with the Ogg page length cut to 20 ms and FLAC blocks to one
 codec frame so the first bytes leave early. mp3 and aac add their codec delay (about 50-65 ms) in front,
-as those formats always do.
+as those formats always do. So a streamed WAV states no length and a streamed FLAC's STREAMINFO says 0
+samples ("unknown"). With whole=True the encoder gives everything at finish() instead, as a complete
+file: the WAV header holds the real sizes and FLAC's STREAMINFO the real sample count (the muxer writes
+into a seekable buffer and fills the header in at the end).
 
 `speed` is applied by WSOLA (waveform-similarity overlap-add): output frames of 32 ms are laid every
 16 ms under a periodic Hann window; frame k is read from the input near k * 16 ms * speed, at the offset
@@ -21,6 +24,7 @@ chunking gives the same output as feeding it at once.
 
 from __future__ import annotations
 
+import io
 import logging
 from typing import ClassVar
 
@@ -149,14 +153,22 @@ class PcmEncoder:
 
 
 class WavEncoder(PcmEncoder):
-    def __init__(self, sample_rate: int):
+    def __init__(self, sample_rate: int, whole: bool = False):
+        self.sample_rate, self.whole = sample_rate, whole
         self._header = wav_header(sample_rate, None)
+        self._parts: list[bytes] = []  # whole: the PCM until finish
 
     def encode(self, audio: np.ndarray) -> bytes:
+        if self.whole:
+            self._parts.append(to_s16(audio).tobytes())
+            return b""
         head, self._header = self._header, b""
         return head + to_s16(audio).tobytes()
 
     def finish(self) -> bytes:
+        if self.whole:
+            pcm = b"".join(self._parts)
+            return wav_header(self.sample_rate, len(pcm)) + pcm
         return self.encode(np.zeros(0, np.float32))  # the header, if no audio came at all
 
 
@@ -175,6 +187,13 @@ class _Sink:
         return out
 
 
+class _WholeSink(io.BytesIO):
+    """A seekable file: the muxer goes back to fill in the header's lengths, so nothing leaves before the end."""
+
+    def take(self) -> bytes:
+        return b""
+
+
 class AvEncoder:
     """flac / mp3 / aac / opus through PyAV (ffmpeg): float32 chunks in, container bytes out."""
 
@@ -186,12 +205,12 @@ class AvEncoder:
         "flac": ("flac", "flac", {}, {"frame_size": "1920"}),  # one codec frame per FLAC block
     }
 
-    def __init__(self, fmt: str, sample_rate: int):
+    def __init__(self, fmt: str, sample_rate: int, whole: bool = False):
         import av  # PyAV bundles ffmpeg with these encoders
         self._av = av
         codec, container, copts, sopts = self.SPECS[fmt]
         self.sample_rate, self._fmt = sample_rate, fmt
-        self._sink = _Sink()
+        self._sink = _Sink() if not whole else _WholeSink()
         self._container = av.open(self._sink, mode="w", format=container, options=copts)
         self._stream = self._container.add_stream(codec, rate=sample_rate, options=sopts)
         self._stream.layout = "mono"
@@ -214,9 +233,9 @@ class AvEncoder:
 
     def finish(self) -> bytes:
         out = self._mux(None)  # flush the encoder
-        self._container.close()  # the trailer
+        self._container.close()  # the trailer (whole: the header filled in)
         self._closed = True
-        return out + self._sink.take()
+        return out + (self._sink.getvalue() if isinstance(self._sink, _WholeSink) else self._sink.take())
 
     def close(self) -> None:
         if not self._closed:
@@ -234,16 +253,17 @@ class AudioEncoder:
         fmt: mp3 | opus | aac | flac | wav | pcm.
         sample_rate: of the input (and the output: no resampling).
         speed: tempo factor 0.25 .. 4.0, pitch preserved (1.0: no processing).
+        whole: keep everything for finish(), one complete file whose header states its length (wav, flac).
     """
 
-    def __init__(self, fmt: str, sample_rate: int, speed: float = 1.0):
+    def __init__(self, fmt: str, sample_rate: int, speed: float = 1.0, whole: bool = False):
         if fmt not in MEDIA_TYPES:
             raise ValueError(f"unknown response_format {fmt!r}; one of {sorted(MEDIA_TYPES)}")
         self.sample_rate = sample_rate
         self.media_type = MEDIA_TYPES[fmt]
         self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
-        self.encoder = (PcmEncoder() if fmt == "pcm" else WavEncoder(sample_rate) if fmt == "wav"
-                        else AvEncoder(fmt, sample_rate))
+        self.encoder = (PcmEncoder() if fmt == "pcm" else WavEncoder(sample_rate, whole) if fmt == "wav"
+                        else AvEncoder(fmt, sample_rate, whole))
         self.samples_out = 0  # audio samples encoded (after speed)
 
     @property

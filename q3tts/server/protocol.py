@@ -7,9 +7,9 @@ what needs the model (voice names, languages, text length limit) is checked in s
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from q3tts.config import GenerationDefaults
 
@@ -19,11 +19,23 @@ SAMPLING_FIELDS = (*GenerationDefaults.__dataclass_fields__, "seed")
 ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 
 
+def _unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800" in JSON): no character, cannot be tokenized
+        raise ValueError(f"not valid Unicode text: a lone surrogate U+{ord(s[e.start]):04X} at character "
+                         f"{e.start} (a surrogate pair must be complete)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # a str that can be encoded (every text field of a request)
+
+
 class VoiceRef(BaseModel):
     """A custom voice by id, as the OpenAI client sends it: {"id": "voice_..."}."""
 
     model_config = ConfigDict(extra="forbid")
-    id: str = Field(min_length=1, max_length=128)
+    id: Text = Field(min_length=1, max_length=128)
 
 
 class SpeechOptions(BaseModel):
@@ -33,16 +45,16 @@ class SpeechOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # ---- OpenAI fields
-    model: str | None = Field(None, max_length=256, description="Any name: this server serves one model")
-    voice: str | VoiceRef | None = Field(
+    model: Text | None = Field(None, max_length=256, description="Any name: this server serves one model")
+    voice: Text | VoiceRef | None = Field(
         None, description="CustomVoice: a built-in speaker; Base: a stored voice id or name; VoiceDesign: ignored")
-    instructions: str | None = Field(
+    instructions: Text | None = Field(
         None, max_length=4096, description="CustomVoice 1.7B: a style instruction; VoiceDesign: the voice in words")
 
     # ---- extensions
-    language: str | None = Field(None, max_length=64, description='"Auto" (default) or a supported language')
-    ref_audio: str | None = Field(None, description="Base: reference clip as base64 or a data URL (not stored)")
-    ref_text: str | None = Field(None, max_length=4096, description="Base: transcript of ref_audio (ICL)")
+    language: Text | None = Field(None, max_length=64, description='"Auto" (default) or a supported language')
+    ref_audio: Text | None = Field(None, description="Base: reference clip as base64 or a data URL (not stored)")
+    ref_text: Text | None = Field(None, max_length=4096, description="Base: transcript of ref_audio (ICL)")
     x_vector_only_mode: bool = Field(False, description="Base: use only the speaker embedding of the reference")
     seed: int | None = Field(None, ge=0, lt=2**31)
     do_sample: bool | None = None
@@ -68,16 +80,29 @@ class SpeechOptions(BaseModel):
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
 
-class SpeechRequest(SpeechOptions):
+class LongFormFields(BaseModel):
+    """Long form (vLLM-Omni's names and values): the text spoken as segments decoded in parallel, joined in order."""
+
+    split_granularity: Literal["none", "sentence", "clause"] | None = Field(
+        None, description="Speak the input as segments decoded in parallel, joined in order (header X-Q3TTS-Split); "
+                          "none: one request; not given: one request, or sentences for a text over --max-text-length")
+    pause_ms: int | None = Field(None, ge=0, le=10_000, description="Silence between two segments (ms)")
+
+
+class SpeechRequest(SpeechOptions, LongFormFields):
     """OpenAI's /v1/audio/speech body plus Qwen3-TTS extensions."""
 
-    input: str = Field(description="The text to speak (at most --max-text-length characters)")
+    input: Text = Field(description="The text to speak (at most --max-text-length characters as one request; a "
+                       "longer one, up to --max-split-text-length, is split at sentences)")
     response_format: ResponseFormat = "mp3"
     speed: float = Field(1.0, ge=0.25, le=4.0, description="Tempo factor, pitch preserved (WSOLA)")
     stream_format: Literal["audio", "sse"] = "audio"
     word_timestamps: bool = Field(False, description="Word times (needs `q3tts serve --aligner`): the "
                                   "X-Word-Timestamps header (JSON [{word, start_ms, end_ms}]) of the whole response, "
                                   "or with stream_format sse a speech.audio.word_timestamps event after the audio")
+    stream: bool = Field(True, description="False: the whole audio in one answer, with its X-Finish-Reason header "
+                                           "(stop | length), Content-Length, and its length in its WAV / FLAC header "
+                                           "(a streamed WAV or FLAC cannot state it)")
 
 
 class SessionConfig(SpeechOptions):
@@ -90,11 +115,11 @@ class CreateVoiceRequest(BaseModel):
     """JSON alternative to the multipart upload of POST /v1/audio/voices."""
 
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=64)
-    audio_sample: str = Field(min_length=1, description="The reference clip as base64 or a data URL")
-    ref_text: str | None = Field(None, max_length=4096, description="Transcript of the clip (needed for ICL)")
+    name: Text = Field(min_length=1, max_length=64)
+    audio_sample: Text = Field(min_length=1, description="The reference clip as base64 or a data URL")
+    ref_text: Text | None = Field(None, max_length=4096, description="Transcript of the clip (needed for ICL)")
     x_vector_only_mode: bool = False
-    consent: str | None = None  # accepted for OpenAI compatibility, not used
+    consent: Text | None = None  # accepted for OpenAI compatibility, not used
 
 
 class VoiceObject(BaseModel):

@@ -7,9 +7,19 @@ Each replica loads its own model (one GPU each when the cluster has GPUs: Ray se
 response header `x-q3tts-replica` naming the replica. Replicas share nothing but the voice store: give them
 one `voice_dir` that all of them read (one machine: any directory; a cluster: a shared filesystem).
 
-Ray holds the requests a replica has no slot for (max_ongoing_requests = the engine's slots), so a waiting
-request goes to whichever replica frees a slot first, and the autoscaler sees the queue: with autoscaling,
-replicas are added while requests wait beyond target_ongoing_requests per replica.
+Routing: Ray holds the requests a replica has no slot for (max_ongoing_requests = the engine's slots), so a
+waiting request goes to whichever replica frees a slot first. Among replicas with free slots the router picks the
+one with the fewest ongoing requests of all (LeastOngoingRouter; "power-of-two" keeps Serve's default, the fewer of
+two random ones): a stream holds its slot for the whole utterance and every stream of a batch costs the same, so a
+replica's step time, and its streams' risk of stalling, grow with its count; equal counts keep the slowest replica
+as fast as the others. Serve's proxy measures each replica's count (probed, then kept up to date as it routes).
+
+Autoscaling (--max-replicas > --replicas): Serve's autoscaler sums the requests running on and waiting for the
+replicas and asks for ceil(sum / target_ongoing_requests) replicas, between the two bounds; AUTOSCALING holds the
+rest of its settings, stated rather than left to Serve's defaults. Set target_ongoing_requests to the streams one
+replica serves without stalls (bench/load.py's knee on that GPU), below its slots: at the slots a replica is added
+only once requests queue, by when its streams have long been stalling. A new replica takes its start-up time (model
+load, compile, warm-up) before it serves, so the target must leave that much headroom at the rate's growth.
 
 Three ways in:
     q3tts serve --replicas N [--max-replicas M] [--ray-address ADDR]   (serve_main: a local Ray, or join one)
@@ -20,11 +30,14 @@ Three ways in:
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import time
+from collections import Counter
 from dataclasses import fields, replace
 
 from ray import serve
+from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from q3tts.engine import DEFAULT_MAX_SLOTS
 
@@ -35,6 +48,62 @@ log = logging.getLogger("q3tts.server")
 APP_NAME = "q3tts"  # the Serve application
 DEPLOYMENT_NAME = "Q3TTS"
 REPLICA_HEADER = b"x-q3tts-replica"
+
+# Serve's autoscaler, beyond min / max / target (ray.serve.config.AutoscalingConfig):
+AUTOSCALING = {
+    "metrics_interval_s": 1.0,  # how often replicas and handles report their ongoing requests (Serve's default
+    # of 10 s would add up to that much to every reaction)
+    "upscale_delay_s": 5.0,  # load above target this long before a replica is added: a burst of a few seconds
+    # passes (each replica costs its start-up), a rate step does not wait long
+    "downscale_delay_s": 300.0,  # below target this long before one is removed: no flapping between steps
+    "look_back_period_s": 5.0,  # the mean over this window (> metrics_interval_s) is compared with the target
+    "upscaling_factor": 1.0,  # go straight to ceil(sum / target), not part of the way
+    "downscaling_factor": 0.5,  # halfway down at a time
+}
+
+
+class LeastOngoingRouter(FIFOMixin, RequestRouter):
+    """Every replica is a candidate: Serve sends the request to the one with the fewest ongoing requests of all
+    that have a free slot, where its default compares two random ones.
+
+    NOTE(scale): Serve's router counts a request against its replica only once the request has been sent, after
+    the routing task hands it over; requests routed in the same instant (a burst of streams) would all see the
+    same counts and pile onto one replica. So the choice is made again from the counts as they are once any probe
+    returned (others may have been routed meanwhile), and counted at once; Serve's own count on send is then
+    skipped for it. Ties go in random order, so that several proxies do not pile onto one replica either. This
+    uses two of Serve's internal methods (ray 2.60); without them it is the plain choice among all replicas.
+    """
+
+    @property
+    def _claimed(self) -> Counter:  # replica id -> requests counted when chosen, not yet sent
+        return self.__dict__.setdefault("_claimed_requests", Counter())
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        return [random.sample(candidate_replicas, len(candidate_replicas))] if candidate_replicas else []
+
+    async def _select_from_candidate_replicas(self, candidates, backoff_index):
+        chosen = await super()._select_from_candidate_replicas(candidates, backoff_index)
+        cache = getattr(self, "_replica_queue_len_cache", None)
+        if chosen is None or cache is None or not getattr(self, "_use_replica_queue_len_cache", False):
+            return chosen
+        best, best_len = chosen, cache.get(chosen.replica_id)
+        for r in candidates:  # no await from here on: the choice and its count are one step
+            n = cache.get(r.replica_id)
+            if n is not None and n < r.max_ongoing_requests and (best_len is None or n < best_len) \
+                    and r.replica_id in self._replicas:
+                best, best_len = r, n
+        cache.update(best.replica_id, (best_len or 0) + 1)
+        self._claimed[best.replica_id] += 1
+        return best
+
+    def on_send_request(self, replica_id):
+        if self._claimed[replica_id] > 0:  # counted when chosen
+            self._claimed[replica_id] -= 1
+        else:
+            super().on_send_request(replica_id)
+
+
+ROUTERS = {"least-ongoing": LeastOngoingRouter, "power-of-two": None}  # None: Serve's default
 
 
 class ReplicaHeaderMiddleware:
@@ -88,28 +157,46 @@ class Q3TTSReplica:
             raise RuntimeError(f"replica {self.replica_id} cannot serve: {engine.last_error or 'engine stopped'}")
 
 
+def autoscaling_config(replicas: int, max_replicas: int, target: float, autoscaling: dict | None = None) -> dict:
+    """Serve's autoscaling_config: replicas..max_replicas aiming at `target` ongoing requests per replica, with
+    AUTOSCALING's settings updated by `autoscaling`."""
+    unknown = sorted(set(autoscaling or {}) - set(AUTOSCALING))
+    if unknown:
+        raise ValueError(f"unknown autoscaling settings {unknown}; accepted: {sorted(AUTOSCALING)}")
+    return {"min_replicas": replicas, "max_replicas": max_replicas, "initial_replicas": replicas,
+            "target_ongoing_requests": target, **AUTOSCALING, **(autoscaling or {})}
+
+
 def deployment_options(settings: ServerSettings, num_cpus: float, num_gpus: float, replicas: int = 1,
-                       max_replicas: int | None = None, target_ongoing_requests: float | None = None) -> dict:
+                       max_replicas: int | None = None, target_ongoing_requests: float | None = None,
+                       router: str | None = None, autoscaling: dict | None = None) -> dict:
     """Serve deployment options for `replicas` replicas, or autoscaling between them and max_replicas.
 
     A replica takes at most settings.max_concurrent requests at once (its engine slots); the rest wait in Ray's
     router (up to settings.max_queue per proxy, then 503), where the autoscaler counts them: it aims at
-    target_ongoing_requests (default: the slots) running or waiting per replica.
+    target_ongoing_requests (default settings.target_ongoing_requests, else the slots) running or waiting per
+    replica, with AUTOSCALING's settings updated by `autoscaling`. `router`: a ROUTERS name (default
+    settings.ray_router).
     """
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {replicas}")
     if max_replicas is not None and max_replicas < replicas:
         raise ValueError(f"max_replicas ({max_replicas}) must be >= replicas ({replicas})")
+    router = router or settings.ray_router
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; accepted: {sorted(ROUTERS)}")
     slots = settings.max_concurrent or DEFAULT_MAX_SLOTS  # a replica's engine fits its slots to its GPU: at most this
+    target = target_ongoing_requests or settings.target_ongoing_requests or slots
+    if not 0 < target <= slots:
+        raise ValueError(f"target_ongoing_requests must be in (0, {slots}] (the replica's slots), got {target}")
     opts = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": slots,
             "max_queued_requests": settings.max_queue,
             "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
             "graceful_shutdown_timeout_s": 30, "health_check_period_s": 10}
+    if ROUTERS[router] is not None:
+        opts["request_router_config"] = {"request_router_class": ROUTERS[router]}
     if max_replicas is not None and max_replicas > replicas:
-        opts["autoscaling_config"] = {
-            "min_replicas": replicas, "max_replicas": max_replicas, "initial_replicas": replicas,
-            "target_ongoing_requests": target_ongoing_requests or slots,
-            "upscale_delay_s": 10, "downscale_delay_s": 300}  # add replicas quickly, drop them slowly
+        opts["autoscaling_config"] = autoscaling_config(replicas, max_replicas, target, autoscaling)
     else:
         opts["num_replicas"] = replicas
     return opts
@@ -125,7 +212,8 @@ def _wants_gpu(settings: ServerSettings) -> bool:
 
 def deployment(settings: ServerSettings, replicas: int = 1, max_replicas: int | None = None,
                num_cpus: float | None = None, num_gpus: float | None = None,
-               target_ongoing_requests: float | None = None):
+               target_ongoing_requests: float | None = None, router: str | None = None,
+               autoscaling: dict | None = None):
     """The bound Serve application (a Q3TTSReplica deployment) for `serve.run`.
 
     Args:
@@ -135,22 +223,24 @@ def deployment(settings: ServerSettings, replicas: int = 1, max_replicas: int | 
         num_cpus: CPUs reserved per replica (default settings.replica_cpus); torch uses that many threads.
         num_gpus: GPUs per replica (default: 1 where the cluster has GPUs and the device is not the CPU).
         target_ongoing_requests: requests running or waiting per replica that autoscaling aims at.
+        router: a ROUTERS name; autoscaling: AUTOSCALING settings to change.
     """
     num_cpus = settings.replica_cpus if num_cpus is None else num_cpus
     num_gpus = (1 if _wants_gpu(settings) else 0) if num_gpus is None else num_gpus
-    opts = deployment_options(settings, num_cpus, num_gpus, replicas, max_replicas, target_ongoing_requests)
+    opts = deployment_options(settings, num_cpus, num_gpus, replicas, max_replicas, target_ongoing_requests, router,
+                              autoscaling)
     threads = max(1, int(num_cpus)) if not num_gpus else None
     return serve.deployment(Q3TTSReplica).options(**opts).bind(settings, threads)
 
 
-_APP_ARGS = ("replicas", "max_replicas", "num_cpus", "num_gpus", "target_ongoing_requests")
+_APP_ARGS = ("replicas", "max_replicas", "num_cpus", "num_gpus", "target_ongoing_requests", "router", "autoscaling")
 
 
 def build_app(args: dict):
     """Application builder for Serve config files (`import_path: q3tts.server.ray_serve:build_app`).
 
     `args` holds ServerSettings fields (model, voice_dir, max_concurrent, ...) and the deployment's knobs
-    (replicas, max_replicas, num_cpus, num_gpus, target_ongoing_requests); a config's `deployments:` entry
+    (replicas, max_replicas, num_cpus, num_gpus, target_ongoing_requests, router, autoscaling); a config's `deployments:` entry
     for "Q3TTS" overrides the latter the usual Serve way. Settings not in `args` come from the Q3TTS_*
     environment variables (e.g. Q3TTS_API_KEY from a Kubernetes Secret), then the defaults.
     """

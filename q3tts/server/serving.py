@@ -10,10 +10,10 @@ a full queue (503): the first chunk is awaited before the response is returned.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
+import random
 import re
 import time
 import uuid
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from q3tts import longform
 from q3tts.engine import AsyncEngine, AudioChunk, QueueFullError, StreamOptions, compile_counts, describe_counts
 from q3tts.inputs.align_text import WordTime, aligner_language
 from q3tts.inputs.request import InputError, PreparedRequest, VoiceClonePromptItem
@@ -55,7 +56,7 @@ class SpeechStream:
     request_id: str
     media_type: str
     body: AsyncIterator[bytes]  # closing it early cancels the generation
-    headers: dict[str, str] = field(default_factory=dict)  # extra response headers (X-Word-Timestamps)
+    headers: dict[str, str] = field(default_factory=dict)  # X-Q3TTS-Split, X-Finish-Reason, X-Word-Timestamps
 
 
 @dataclass(slots=True)
@@ -80,11 +81,14 @@ class SpeechServing:
         self.ready = False
         self.warmup_error: str | None = None
         self.aligner = None  # q3tts.align.AlignerWorker when served with --aligner (create_app sets it)
+        if settings.max_frames_per_token is not None:  # the runaway guard's default for every request
+            tts.processor.max_frames_per_token = settings.max_frames_per_token
 
     # ------------------------------------------------------------------ request -> PreparedRequest
-    async def prepare(self, req: SpeechOptions, text: str | None) -> PreparedRequest:
+    async def prepare(self, req: SpeechOptions, text: str | None, voice_cache: dict | None = None) -> PreparedRequest:
         """The request's fields -> one PreparedRequest; the InputProcessor checks them (a 400 naming the field).
-        text None: streamed in (prepared.text), laid out for streamed text unless non_streaming_mode is set."""
+        text None: streamed in (prepared.text), laid out for streamed text unless non_streaming_mode is set.
+        voice_cache: a dict shared by the segments of one long request: the voice is resolved (cloned) once."""
         if text is not None and len(text) > self.settings.max_text_length:
             raise ApiError(400, f"input is {len(text)} characters; this server accepts at most "
                            f"{self.settings.max_text_length} (--max-text-length)", param="input", code="input_too_long")
@@ -95,6 +99,7 @@ class SpeechServing:
         instructions = (req.instructions or "").strip() or None
         proc = self.tts.processor
         try:
+            proc.check_options(instructions, req.ref_audio, req.ref_text, req.x_vector_only_mode)
             if self.model_type == "custom_voice":
                 return proc.custom_voice(text, req.voice_name, req.language, instructions, **kw)[0]
             if self.model_type == "voice_design":
@@ -105,6 +110,14 @@ class SpeechServing:
                 return proc.voice_design(text, instructions, req.language, **kw)[0]
 
             def voice():  # the processor calls it once the language has passed: a bad one is answered before cloning
+                if voice_cache is not None and "voice" in voice_cache:
+                    return voice_cache["voice"]
+                if voice_cache is not None:
+                    voice_cache["voice"] = resolve()
+                    return voice_cache["voice"]
+                return resolve()
+
+            def resolve():
                 if req.ref_audio:
                     return [self.voices.inline_prompt_item(req.ref_audio, req.ref_text, req.x_vector_only_mode)]
                 if req.voice_name:
@@ -112,8 +125,8 @@ class SpeechServing:
                 raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
-            # off the event loop: cloning a reference (or reading a voice file) takes a while
-            return (await asyncio.to_thread(proc.voice_clone, text, voice, req.language, **kw))[0]
+            # off the event loop, in the bounded clone pool: cloning a reference (or reading a voice file) takes a while
+            return (await self.voices.clones.run(lambda: proc.voice_clone(text, voice, req.language, **kw)))[0]
         except InputError as e:  # it names the library's argument: name this API's field instead
             field = API_FIELDS.get(e.param, e.param)
             msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)
@@ -128,12 +141,19 @@ class SpeechServing:
         arrival = time.perf_counter()
         if req.word_timestamps:
             self.check_words(req.input, req.language)
-        prepared = await self.prepare(req, req.input)
-        enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed)
-        run = Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
-        chunks = self.engine.generate(prepared, StreamOptions(self.settings.first_chunk_frames,
-                                                              self.settings.chunk_frames),
-                                      request_id=run.request_id, arrival_time=arrival)
+        split, headers = self.split_options(req), {}
+        if split is None:
+            prepared = await self.prepare(req, req.input)
+            run = Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, len(prepared.layout))
+            chunks = self.engine.generate(prepared, StreamOptions(self.settings.first_chunk_frames,
+                                                                  self.settings.chunk_frames),
+                                          request_id=run.request_id, arrival_time=arrival)
+        else:
+            run = Run(f"speech-{uuid.uuid4().hex[:16]}", req.response_format, arrival, 0)
+            chunks, num_segments = await self.generate_long(req, req.input, split, run)
+            headers["X-Q3TTS-Split"] = f"{num_segments} segments"
+        # not streamed: one complete file, whose WAV / FLAC header states its length
+        enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed, whole=not req.stream)
         try:
             first = await chunks.__anext__()
         except BaseException as e:  # no response: release the encoder and the request
@@ -149,10 +169,75 @@ class SpeechServing:
                                code="engine_error") from e
             raise  # cancelled (client gone)
         if req.stream_format == "sse":
-            return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc, req))
-        if req.word_timestamps:  # a header: the whole response is made before it starts
-            return await self._with_words_header(run, first, chunks, enc, req)
-        return SpeechStream(run.request_id, enc.media_type, self._encoded(run, first, chunks, enc))
+            return SpeechStream(run.request_id, "text/event-stream", self._sse(run, first, chunks, enc, req), headers)
+        pcm: list[np.ndarray] | None = [] if req.word_timestamps else None  # the synthesized audio, for the aligner
+        body = self._encoded(run, first, chunks, enc, pcm)
+        if not req.stream or pcm is not None:  # held whole: its finish reason and word times can go in headers
+            try:
+                data = b"".join([d async for d in body])
+            finally:
+                await body.aclose()  # (cancelled: the client left) every segment stops
+            if run.outcome == "failed":
+                raise ApiError(500, f"generation failed: {'; '.join(run.errors)}", type="server_error",
+                               code="engine_error")
+            headers["X-Finish-Reason"] = run.finish_reason or "stop"
+            headers["Content-Length"] = str(len(data))
+            if pcm is not None:
+                words = await self.response_words(pcm, req)
+                headers["X-Word-Timestamps"] = json.dumps([w.model_dump() for w in words], separators=(",", ":"))
+            body = _once(data)
+        return SpeechStream(run.request_id, enc.media_type, body, headers)
+
+    # ------------------------------------------------------------------ long form
+    def split_options(self, req: SpeechRequest) -> longform.LongFormOptions | None:
+        """The request's split: its split_granularity (none: one request), or, not given, sentences for a text longer
+        than --max-text-length; ApiError for a text over the limit of its kind."""
+        n, st = len(req.input), self.settings
+        split = self.make_split(req.split_granularity or ("sentence" if n > st.max_text_length else None), req.pause_ms)
+        if split is None and n > st.max_text_length:
+            raise ApiError(400, f"input is {n} characters; this server accepts at most {st.max_text_length} in one "
+                           f"request (--max-text-length), or {st.max_split_text_length} split into segments: send "
+                           "split_granularity \"sentence\" or leave it out", param="input", code="input_too_long")
+        if split is not None and n > st.max_split_text_length:
+            raise ApiError(400, f"input is {n} characters; this server splits at most {st.max_split_text_length} "
+                           "(--max-split-text-length)", param="input", code="input_too_long")
+        if not req.stream and n > max(st.max_text_length, st.max_unstreamed_text_length):
+            raise ApiError(400, f"input is {n} characters; a response that is not streamed (stream false) is held "
+                           f"whole, for at most {st.max_unstreamed_text_length} (--max-unstreamed-text-length): "
+                           "stream longer texts", param="input", code="input_too_long")
+        return split
+
+    async def generate_long(self, req: SpeechOptions, text: str, split: longform.LongFormOptions,
+                            run: Run) -> tuple[AsyncIterator[AudioChunk], int]:
+        """A long text as segment requests on the engine (q3tts.longform.generate_async): (its joined chunks, the
+        number of segments). Segment i is prepared (its text tokenized; the voice is resolved once) when it is
+        submitted, so memory is bounded whatever the length; with sampling it uses seed + i. Every argument is
+        checked on the first segment before this returns (ApiError); closing the chunks cancels every segment.
+        run.input_tokens counts the segments' prompts as they are prepared. (The WebSocket session can call it
+        for an utterance too, with make_split(split_granularity, pause_ms).)"""
+        try:
+            texts = longform.segments(text, split, req.language)
+        except InputError as e:
+            raise ApiError(400, str(e).replace("text", "input", 1), param="input", code=e.code) from None
+        seed = req.seed if req.seed is not None else random.randrange(1 << 31)
+        cache: dict = {}
+
+        async def prepare(i: int) -> PreparedRequest:
+            p = await self.prepare(req.model_copy(update={"seed": seed + i}), texts[i], cache)
+            run.input_tokens += len(p.layout)
+            return p
+        first = await prepare(0)
+        joiner = longform.Joiner(run.request_id, len(texts), self.tts.sample_rate, split.pause_ms, run.arrival)
+        options = StreamOptions(self.settings.first_chunk_frames, self.settings.chunk_frames)
+        return longform.generate_async(self.engine, prepare, joiner, options, first=first), len(texts)
+
+    @staticmethod
+    def make_split(split_granularity: str | None, pause_ms: int | None = None) -> longform.LongFormOptions | None:
+        """Checked long-form options (ApiError 400 naming the field), or None for one request."""
+        try:
+            return longform.make_options(split_granularity, pause_ms)
+        except InputError as e:
+            raise ApiError(400, str(e), param=e.param) from None
 
     async def _encoded(self, run: Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
                        enc: AudioEncoder, pcm: list[np.ndarray] | None = None) -> AsyncIterator[bytes]:
@@ -233,21 +318,6 @@ class SpeechServing:
         words = await self.utterance_words(audio, self.tts.sample_rate, req.input, req.language)
         return words_ms(words, req.speed)
 
-    async def _with_words_header(self, run, first, chunks, enc, req: SpeechRequest) -> SpeechStream:
-        pcm: list[np.ndarray] = []
-        body = [data async for data in self._encoded(run, first, chunks, enc, pcm)]
-        if run.outcome != "completed":
-            raise ApiError(500, f"generation failed: {'; '.join(run.errors) or run.finish_reason}",
-                           type="server_error", code="engine_error")
-        words = await self.response_words(pcm, req)
-        header = json.dumps([w.model_dump() for w in words], separators=(",", ":"))  # ASCII: \u escapes
-
-        async def replay() -> AsyncIterator[bytes]:
-            for data in body:
-                yield data
-
-        return SpeechStream(run.request_id, enc.media_type, replay(), {"X-Word-Timestamps": header})
-
     def book(self, run: Run) -> None:
         m = self.metrics
         m.speech.labels(run.outcome, run.fmt).inc()
@@ -297,6 +367,10 @@ def livekit_alignment(words: list[WordTime]) -> dict:
     """LiveKit's `timestamp_info.word_alignment`: parallel lists, seconds from the utterance's start."""
     return {"words": [w.word for w in words], "word_start_times_seconds": [w.start_s for w in words],
             "word_end_times_seconds": [w.end_s for w in words]}
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 def _sse_event(event) -> bytes:

@@ -25,9 +25,14 @@ class ServerSettings:
     dtype: str | None = None  # default: bfloat16 on cuda, float32 on cpu
     quantization: str | None = None  # int8 / int4 / int8dyn (cpu), int8 / fp8 (cuda); default none (exact)
     voice_dir: str = ""  # stored voices (Base models): voices.sqlite3 + one .safetensors per voice
-    max_text_length: int = 4096  # characters of `input`
+    max_text_length: int = 4096  # characters of `input` spoken as one request
+    max_split_text_length: int = 1_000_000  # characters of `input` split into segments (split_granularity)
+    max_unstreamed_text_length: int = 20_000  # characters of a response held whole (stream false: X-Finish-Reason)
+    max_frames_per_token: float | None = None  # the runaway guard (None: q3tts.inputs.request.MAX_FRAMES_PER_TOKEN)
     max_upload_bytes: int = 10 * 1024 * 1024  # a reference clip (multipart file or decoded base64)
     max_queue: int = 256  # requests waiting for a slot; more get 503
+    clone_workers: int = 2  # threads that clone reference audio (voice uploads, inline ref_audio)
+    clone_queue: int = 16  # clones that may wait for one of them; more get 503
     max_concurrent: int | None = None  # engine slots: streams generated together (None: fitted to the memory budget)
     max_seq_len: int | None = None  # KV positions per slot: prompt + frames (12.5 per second of audio; None: 4096
     # where the budget allows)
@@ -48,6 +53,8 @@ class ServerSettings:
     max_replicas: int = 0  # > replicas: autoscale on queue length between replicas and this
     ray_address: str | None = None  # join this Ray cluster (default: start a local Ray, stopped on exit)
     replica_cpus: float = 1.0  # CPUs Ray reserves per replica (torch threads on CPU replicas)
+    target_ongoing_requests: float = 0  # autoscaling: streams per replica it aims at (0: the slots)
+    ray_router: str = "least-ongoing"  # Ray Serve's choice of replica (ray_serve.ROUTERS)
 
     def __post_init__(self):
         self.voice_dir = self.voice_dir or _default_voice_dir()
@@ -75,9 +82,19 @@ _FLAGS = [
     ("--quantization", "quantization", str, "int8 / int4 (weight-only) or int8dyn (int8 weights and "
                                             "activations) on cpu, int8 / fp8 on cuda; none (default) is exact"),
     ("--voice-dir", "voice_dir", str, "directory of stored voices (created if missing)"),
-    ("--max-text-length", "max_text_length", int, "maximum characters of input text"),
+    ("--max-text-length", "max_text_length", int, "maximum characters of input text spoken as one request (a "
+                                                   "longer text is split at sentences)"),
+    ("--max-split-text-length", "max_split_text_length", int, "maximum characters of input text split into "
+                                                               "segments spoken in parallel"),
+    ("--max-unstreamed-text-length", "max_unstreamed_text_length", int, "maximum characters of a response that is "
+                                                                         "not streamed (stream false)"),
+    ("--max-frames-per-token", "max_frames_per_token", float, "runaway guard: a request without max_new_tokens "
+                                                              "stops after this many frames per text token (at "
+                                                              "least 64 frames; 0: off; default 16)"),
     ("--max-upload-bytes", "max_upload_bytes", int, "maximum size of a reference audio upload"),
     ("--max-queue", "max_queue", int, "requests that may wait for a slot; more are refused with 503"),
+    ("--clone-workers", "clone_workers", int, "threads that clone reference audio (uploads, inline ref_audio)"),
+    ("--clone-queue", "clone_queue", int, "clones that may wait for a clone thread; more are refused with 503"),
     ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots; default: as many as the "
                                                 "memory budget holds at --max-seq-len, at most 32; on a CPU 4)"),
     ("--max-seq-len", "max_seq_len", int, "KV-cache positions per stream (prompt + 12.5 frames per second; "
@@ -108,6 +125,10 @@ _FLAGS = [
     ("--ray-address", "ray_address", str, "join this Ray cluster (e.g. ray://head:10001 or auto) instead of a "
                                           "local Ray"),
     ("--replica-cpus", "replica_cpus", float, "CPUs Ray reserves per replica"),
+    ("--target-ongoing", "target_ongoing_requests", float, "autoscaling: streams per replica to aim at (the "
+                                                           "stall-free count of one GPU; 0: the slots)"),
+    ("--ray-router", "ray_router", str, "replica choice: least-ongoing (fewest streams of all) or power-of-two "
+                                        "(Serve's default)"),
 ]
 
 
@@ -130,10 +151,14 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
                     help=f"skip the warm-up request (/ready is true at once) [env {env_name('warmup')}=0]")
     a = ap.parse_args(argv)
     s = ServerSettings(**{f.name: getattr(a, f.name) for f in fields(ServerSettings) if hasattr(a, f.name)})
-    for name in ("max_text_length", "max_upload_bytes", "max_queue", "max_concurrent", "max_seq_len",
-                 "first_chunk_frames", "chunk_frames"):
+    if s.max_frames_per_token is not None and not 0 <= s.max_frames_per_token < float("inf"):
+        ap.error("--max-frames-per-token must be >= 0")
+    for name in ("max_text_length", "max_split_text_length", "max_unstreamed_text_length", "max_upload_bytes",
+                 "max_queue", "clone_workers", "max_concurrent", "max_seq_len", "first_chunk_frames", "chunk_frames"):
         if getattr(s, name) is not None and getattr(s, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if s.clone_queue < 0:
+        ap.error("--clone-queue must be >= 0")
     if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
         ap.error("--gpu-memory-utilization must be in (0, 1]")
     if s.kv_block_size and (s.kv_block_size < 0 or s.kv_block_size > 64 or s.kv_block_size & (s.kv_block_size - 1)):
@@ -148,4 +173,6 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
         ap.error("--replicas and --max-replicas must be >= 0, --replica-cpus > 0")
     if s.max_replicas and s.max_replicas < max(1, s.replicas):
         ap.error(f"--max-replicas ({s.max_replicas}) must be >= --replicas ({max(1, s.replicas)})")
+    if s.target_ongoing_requests < 0 or s.ray_router not in ("least-ongoing", "power-of-two"):
+        ap.error("--target-ongoing must be >= 0, --ray-router least-ongoing or power-of-two")
     return s

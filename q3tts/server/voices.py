@@ -11,6 +11,7 @@ one voice file each (`<id>.safetensors`, q3tts.inputs.voice.Voice's format) plus
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -146,11 +147,43 @@ def decode_base64_audio(s: str, max_bytes: int, param: str) -> bytes:
                        "like data:audio/wav;base64,...)", param=param, code="invalid_base64") from None
 
 
+class CloneQueue:
+    """Cloning work (a reference through the speaker and codec encoders: up to seconds of CPU each) runs on a
+    small pool of threads, and at most `max_waiting` more jobs wait for one; past that a 503 with Retry-After,
+    rather than a thread per request. A job counts until its thread is done with it (a client that leaves does
+    not free its place while its clone still runs); a job that has not started is dropped when its caller is
+    cancelled."""
+
+    def __init__(self, workers: int = 2, max_waiting: int = 16):
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="q3tts-clone")
+        self.limit = workers + max_waiting
+        self.pending = 0  # jobs running or waiting; changed on the event loop only
+
+    async def run(self, fn, *args):
+        if self.pending >= self.limit:
+            raise ApiError(503, f"{self.pending} voice clones are running or waiting, this server's limit "
+                           "(--clone-workers + --clone-queue); retry shortly", type="server_busy",
+                           code="clone_queue_full", headers={"Retry-After": "1"})
+        loop = asyncio.get_running_loop()
+        self.pending += 1
+        job = self.pool.submit(fn, *args)
+        job.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
+        try:
+            return await asyncio.wrap_future(job)
+        finally:
+            job.cancel()  # a no-op once started
+
+    def _done(self) -> None:
+        self.pending -= 1
+
+
 class VoiceService:
     """What the voice endpoints and the speech endpoint ask about voices."""
 
-    def __init__(self, tts, voice_dir: str | os.PathLike, max_upload_bytes: int):
+    def __init__(self, tts, voice_dir: str | os.PathLike, max_upload_bytes: int, clone_workers: int = 2,
+                 clone_queue: int = 16):
         self.tts, self.max_upload_bytes = tts, max_upload_bytes
+        self.clones = CloneQueue(clone_workers, clone_queue)
         self.model_type = tts.cfg.tts_model_type
         self.store = VoiceStore(voice_dir, tts.cfg) if self.model_type == "base" else None
         self._inline: OrderedDict[str, object] = OrderedDict()  # recent inline references (LRU)
@@ -199,7 +232,7 @@ class VoiceService:
 
     def inline_prompt_item(self, ref_audio: str, ref_text: str | None, xvec: bool):
         """A request's own reference (base64 / data URL), cloned; recent ones are cached. Called for Base models
-        only, in a worker thread (serving.prepare's Base branch): the cache takes only single dict operations."""
+        only, in a clone thread (serving.prepare's Base branch): the cache takes only single dict operations."""
         audio = decode_base64_audio(ref_audio, self.max_upload_bytes, "ref_audio")
         key = hashlib.sha256(audio + b"\0" + (ref_text or "").encode() + (b"x" if xvec else b"i")).hexdigest()
         voice = self._inline.pop(key, None) or self._clone(audio, ref_text, xvec)
@@ -221,7 +254,7 @@ class VoiceService:
         if self.store.find(name) is not None:
             raise ApiError(409, f"a voice named {name!r} already exists; delete it first or pick another name",
                            param="name", code="voice_exists")
-        voice = await asyncio.to_thread(self._clone, audio, ref_text, xvec, name)
+        voice = await self.clones.run(self._clone, audio, ref_text, xvec, name)
         try:
             return self.store.add(name, voice).to_object()
         except ValueError as e:

@@ -17,7 +17,6 @@ GREEDY = dict(do_sample=False, subtalker_dosample=False)
 
 def test_a_tts_call_and_the_server_share_one_loop_and_get_what_they_get_alone():
     tts = fx.tts("cv06")
-    tts.build_engine(max_slots=4, max_seq_len=256)
 
     first_api_chunk = []
 

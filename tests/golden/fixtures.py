@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -17,6 +19,7 @@ FIXTURES = HERE / "fixtures"
 REFERENCE = HERE.parents[1] / "q3tts" / "reference"
 VARIANTS = sorted(p.name for p in FIXTURES.iterdir() if (p / "manifest.json").exists()) if FIXTURES.exists() else []
 _TMP = Path(tempfile.mkdtemp(prefix="q3tts-golden-"))
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)  # the rebuilt checkpoints go when the test run ends
 
 
 @lru_cache(maxsize=None)

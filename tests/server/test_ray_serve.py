@@ -1,10 +1,11 @@
-"""Ray Serve: `q3tts serve --replicas 2` (a local Ray, two CPU replicas of the tiny CustomVoice checkpoint)
-driven through Ray's HTTP proxy by the official openai client and a WebSocket client: concurrent requests spread
-over both replicas, audio streamed through the proxy, a WebSocket speech session, a replica killed mid-load, and
-Ray stopped with the server; then the deploy/ files (no Ray needed).
+"""Ray Serve: `q3tts serve --replicas 4` (a local Ray, four CPU replicas of the tiny CustomVoice checkpoint, a
+quarter CPU each) driven through Ray's HTTP proxy by the official openai client and a WebSocket client: requests
+spread evenly over the replicas (the least-ongoing router), audio streamed through the proxy, a WebSocket speech
+session, a replica killed under load losing only its own streams, and Ray stopped with the server; then the deploy/
+files and the deployment options (no Ray needed).
 
-One Ray instance for the module (Ray and two replicas take ~40 s to start on two cores). The test process
-joins that Ray as a second driver only to find and kill a replica actor.
+One Ray instance for the module (Ray and its replicas take a minute or more to start on two cores). The test
+process joins that Ray as a second driver only to find and kill a replica actor.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .live import SPF  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = "The same sentence for every stream."
+REPLICAS, SLOTS = 4, 4
 
 
 def _free_port() -> int:
@@ -50,8 +52,8 @@ class RayServer:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, "-c", "import sys; from q3tts.cli import main; sys.exit(main())", "serve",
-               "--replicas", "2", "--replica-cpus", "0.5", "--model", str(fx.checkpoint("cv06")),
-               "--served-model-name", "tiny", "--device", "cpu", "--port", str(self.port), "--max-concurrent", "4",
+               "--replicas", str(REPLICAS), "--replica-cpus", "0.25", "--model", str(fx.checkpoint("cv06")),
+               "--served-model-name", "tiny", "--device", "cpu", "--port", str(self.port), "--max-concurrent", str(SLOTS),
                "--max-seq-len", "256", "--voice-dir", str(tmp / "voices")]
         with open(self.log, "wb") as out:  # a new session: the server, its Ray and Ray's workers form one group
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -61,10 +63,10 @@ class RayServer:
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
-    def wait_ready(self, timeout: float = 150) -> set[str]:
-        """Until /ready answered 200 from two different replicas; -> their ids."""
+    def wait_ready(self, timeout: float = 300) -> set[str]:
+        """Until /ready answered 200 from every replica; -> their ids."""
         deadline, ready = time.time() + timeout, set()
-        while len(ready) < 2:
+        while len(ready) < REPLICAS:
             assert self.proc.poll() is None, f"q3tts serve exited ({self.proc.returncode}):\n{self.tail()}"
             assert time.time() < deadline, f"replicas not ready after {timeout} s:\n{self.tail()}"
             try:
@@ -165,21 +167,50 @@ def _running_replicas() -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-def test_eight_concurrent_streams_over_both_replicas(rs):
+def staggered(client, n: int, max_new_tokens: int = 120) -> list[Stream]:
+    """n long streams, each started once the one before has its first audio (so the proxy has routed it)."""
+    streams = []
+    for _ in range(n):
+        streams.append(Stream(client, max_new_tokens))
+        assert streams[-1].first.wait(120), "no first chunk"
+    assert all(s.error is None for s in streams), [s.error for s in streams]
+    return streams
+
+
+def test_streams_spread_evenly_over_the_replicas(rs):
     client = rs.client()
     assert [m.id for m in client.models.list().data] == ["tiny"]  # the whole app is behind the proxy
-    streams = [Stream(client, max_new_tokens=24) for _ in range(8)]
+    # one after another, 2 per replica: each goes to a replica with the fewest running streams, so every replica
+    # gets 2 (Serve's default router compares 2 random replicas and can leave one with 3 and another with 1)
+    streams = staggered(client, 2 * REPLICAS)
+    last_start = streams[-1].reads[0][0]
     for s in streams:
         s.join()
-    assert [s.error for s in streams] == [None] * 8
-    assert set(Counter(s.replica for s in streams)) == rs.replicas  # both replicas answered
-    for s in streams:
+    assert [s.error for s in streams] == [None] * len(streams)
+    # the premise: every stream was still running when the last one started
+    assert all(s.reads[-1][0] > last_start for s in streams[:-1])
+    by_replica = Counter(s.replica for s in streams)
+    assert set(by_replica) == rs.replicas and sorted(by_replica.values()) == [2] * REPLICAS, by_replica
+
+    # the same number at once: requests routed in the same instant are counted as they are chosen, so again 2 each
+    burst = [Stream(client, max_new_tokens=120) for _ in range(2 * REPLICAS)]
+    for s in burst:
+        s.join()
+    assert [s.error for s in burst] == [None] * len(burst)
+    assert sorted(Counter(s.replica for s in burst).values()) == [2] * REPLICAS, Counter(s.replica for s in burst)
+
+    # every slot at once: a replica takes at most SLOTS (max_ongoing_requests), so each takes exactly SLOTS
+    burst = [Stream(client, max_new_tokens=24) for _ in range(REPLICAS * SLOTS)]
+    for s in burst:
+        s.join()
+    assert [s.error for s in burst] == [None] * len(burst)
+    assert Counter(s.replica for s in burst) == {r: SLOTS for r in rs.replicas}
+    for s in burst:
         assert s.nbytes > 0 and s.nbytes % (2 * SPF) == 0  # whole 80 ms frames of s16 pcm
         # streamed through the proxy: the chunks (1, 2, 4, 8, ... frames) arrive as several reads over time
         assert len(s.reads) >= 2 and s.reads[0][0] < s.reads[-1][0]
-    # max_concurrent=4 slots per replica, so 4 + 4 streams ran as two batches of 4 on two copies of one model:
-    # the same greedy request is the same length on either replica
-    assert len({s.nbytes for s in streams}) == 1
+    # four copies of one model: the same greedy request is the same length on any replica
+    assert len({s.nbytes for s in burst}) == 1
 
 
 def test_websocket_speech_session_through_the_proxy(rs):
@@ -210,12 +241,10 @@ def test_websocket_speech_session_through_the_proxy(rs):
         assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
 
 
-def test_replica_killed_mid_load(rs):
+def test_replica_killed_under_load_loses_only_its_own_streams(rs):
     client = rs.client()
-    # long streams (~100 frames at batch 4: seconds on CPU), so every one is mid-way when the replica dies
-    streams = [Stream(client, max_new_tokens=120) for _ in range(8)]
-    for s in streams:
-        assert s.first.wait(120), "no first chunk"
+    # long streams (~100 frames: seconds on CPU), 2 per replica, so every one is mid-way when a replica dies
+    streams = staggered(client, 2 * REPLICAS)
     by_replica = Counter(s.replica for s in streams)
     assert set(by_replica) == rs.replicas, by_replica
     victim = streams[0].replica
@@ -224,6 +253,7 @@ def test_replica_killed_mid_load(rs):
         s.join()
     survivors = [s for s in streams if s.replica != victim]
     killed = [s for s in streams if s.replica == victim]
+    assert len(survivors) == len(streams) - by_replica[victim] > 0
     assert [s.error for s in survivors] == [None] * len(survivors)
     full = {s.nbytes for s in survivors}
     assert len(full) == 1, full
@@ -232,19 +262,19 @@ def test_replica_killed_mid_load(rs):
     assert all(s.nbytes > 0 for s in killed)
     assert all(s.error is not None or s.nbytes < full for s in killed), [(s.error, s.nbytes) for s in killed]
 
-    # Serve replaces the replica; then new requests succeed, on both the survivor and the replacement
-    deadline = time.time() + 120
-    while _running_replicas() < 2:
+    # Serve replaces the replica; then new requests succeed, on the survivors and the replacement
+    deadline = time.time() + 180
+    while _running_replicas() < REPLICAS:
         assert time.time() < deadline, "the killed replica was not replaced"
         time.sleep(0.5)
     seen, after = set(), []
-    while time.time() < deadline and len(seen) < 2:
-        batch = [Stream(client, max_new_tokens=24) for _ in range(8)]  # 8 > one replica's 4 slots
+    while time.time() < deadline and len(seen) < REPLICAS:
+        batch = [Stream(client, max_new_tokens=24) for _ in range(REPLICAS * SLOTS)]  # every slot
         after += [s.join() for s in batch]
         seen |= {s.replica for s in batch}
     assert [s.error for s in after] == [None] * len(after)
     assert len({s.nbytes for s in after}) == 1 and after[0].nbytes > 0
-    assert victim not in seen and len(seen) == 2, seen
+    assert victim not in seen and len(seen) == REPLICAS, seen
 
 
 def test_stopping_the_server_stops_ray(rs):
@@ -296,3 +326,24 @@ def test_build_app_checks_its_args():
     d = build_app({"model": "m", "replicas": 3, "num_cpus": 2, "num_gpus": 0})._bound_deployment
     assert d._deployment_config.num_replicas == 3 and d._deployment_config.autoscaling_config is None
     assert d.init_args[1] == 2  # torch threads on a CPU replica: its CPUs
+
+
+def test_deployment_options_state_router_and_autoscaling():
+    from q3tts.server.ray_serve import AUTOSCALING, LeastOngoingRouter, build_app
+    d = build_app({"model": "m", "replicas": 1, "max_replicas": 4, "num_gpus": 0, "max_concurrent": 32,
+                   "target_ongoing_requests": 16, "autoscaling": {"upscale_delay_s": 2}})._bound_deployment
+    cfg = d._deployment_config
+    assert cfg.max_ongoing_requests == 32 and cfg.request_router_config.request_router_class.endswith(
+        "ray_serve.LeastOngoingRouter")
+    auto = cfg.autoscaling_config
+    assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 1, 4, 16)
+    assert auto.upscale_delay_s == 2 and all(getattr(auto, k) == v for k, v in AUTOSCALING.items()
+                                             if k != "upscale_delay_s")
+    d = build_app({"model": "m", "num_gpus": 0, "router": "power-of-two"})._bound_deployment
+    assert d._deployment_config.request_router_config.request_router_class.endswith("PowerOfTwoChoicesRequestRouter")
+    for args, match in [({"router": "random"}, "unknown router 'random'; accepted: \\['least-ongoing', 'power-of-two'\\]"),
+                        ({"max_concurrent": 8, "target_ongoing_requests": 9}, "target_ongoing_requests must be in \\(0, 8\\]"),
+                        ({"max_replicas": 2, "autoscaling": {"upscale": 1}}, "unknown autoscaling settings")]:
+        with pytest.raises(ValueError, match=match):
+            build_app({"model": "m", "num_gpus": 0, **args})
+    assert LeastOngoingRouter.__mro__[1].__name__ == "FIFOMixin"  # requests leave Serve's queue in arrival order
