@@ -20,10 +20,10 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from . import longform
 from .align import ForcedAligner, WordTime
 from .engine import AsyncEngine, AudioChunk, Engine, StreamOptions
 from .inputs.align_text import aligner_language
-from . import longform
 from .inputs.processor import InputProcessor
 from .inputs.prompt import PromptBuilder, TextTokenizer
 from .inputs.request import PreparedRequest, VoiceClonePromptItem
@@ -41,7 +41,8 @@ class TTS:
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = {"max_slots": max_batch_size, "max_seq_len": max_seq_len, "max_queue": max_queue,
-                                   "compile": compile, "gpu_memory_utilization": gpu_memory_utilization, "gpu_memory": gpu_memory,
+                                   "compile": compile, "gpu_memory_utilization": gpu_memory_utilization,
+                                   "gpu_memory": gpu_memory,
                                    "compile_cache": compile_cache}
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None

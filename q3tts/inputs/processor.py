@@ -8,12 +8,11 @@ given once (broadcast) or once per text. A text of None is streamed in: the requ
 
 from __future__ import annotations
 
-import warnings
-
 import dataclasses
 import logging
 import os
 import random
+import warnings
 from typing import Any
 
 import torch
