@@ -279,7 +279,10 @@ def test_attending_to_the_end_of_the_cache_compiles_nothing_new():
     compiled apart before. Its greedy codes equal the uncompiled engine's (fp32: compiled kernels differ from eager
     ones by rounding only, ~1e-6 relative, far below the random tiny model's logit gaps)."""
     import torch._dynamo.utils
-    tts = fx.tts("cv06")
+
+    from q3tts import TTS
+    # a TTS of its own: compile_layers compiles its talker's layers in place, which the shared fx.tts must not keep
+    tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cpu", dtype=torch.float32)
     eng = Engine(tts.ckpt, max_slots=1, max_seq_len=128, compile=True)
     warm = generate_codes(eng, tts.prepare_custom_voice("Hi.", "ryan", **dict(GREEDY, max_new_tokens=80)))[0]
     assert warm.shape[0] > 64, "the first request's frames must attend to the end of the cache too"
