@@ -71,7 +71,8 @@ def measure(tts, N: int, repeats: int, batch: int, ttfa_runs: int, speaker: str)
 def profile(tts, N: int, speaker: str, top: int = 25) -> dict:
     """One decode of N frames under torch.profiler (after the timed runs: nothing compiles in it). Per frame: wall ms,
     and the `top` ops by self CPU time (ms and calls per frame); 'other_ms' is the self time of every other op."""
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
     pr = tts.prepare_custom_voice(TEXT, speaker=speaker, language="English", max_new_tokens=N + 1, seed=0)
     with prof(activities=[ProfilerActivity.CPU]) as p:
         wall, _ = clock(lambda: tts.generate_codes(pr))
@@ -111,7 +112,7 @@ def main(argv=None):
                         "int8dyn_reduce_range": not torch.cpu._is_vnni_supported(),
                         **({"inductor": inductor} if inductor else {})}}
     try:
-        res["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        res["cpu"] = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
     compiles = {"off": [False], "on": [True], "both": [False, True]}[a.compile]

@@ -50,8 +50,8 @@ CP_STEPS = 15
 def _need_executorch():
     try:
         import executorch  # noqa: F401
-        from executorch.runtime import Runtime  # noqa: F401
         import torchao  # noqa: F401
+        from executorch.runtime import Runtime  # noqa: F401
     except ImportError as e:
         sys.exit(f"{VENV_HINT}\n({e})")
 
@@ -109,6 +109,7 @@ def for_executorch(module: nn.Module) -> nn.Module:
     """Give every q3tts Attention inside module the one-row cache write above (an instance attribute: the class and
     q3tts's own engine are untouched)."""
     import types
+
     from q3tts.models.layers import Attention
     for m in module.modules():
         if isinstance(m, Attention):
@@ -177,8 +178,9 @@ def check_close(module: nn.Module, method, example: tuple) -> float:
 def build_programs(a, workdir: Path) -> dict:
     """{(scheme, piece): (method, info)} for each scheme: the talker at each cache length and the CP step."""
     import copy
-    from torchao.quantization import quantize_
+
     from executorch.runtime import Runtime
+    from torchao.quantization import quantize_
     talker, cfg = load_talker(a.ckpt)
     cp_cfg = cfg.code_predictor
     D = cfg.hidden_size
@@ -258,15 +260,15 @@ class Ours:
                                            seed=0)
         self.tts.generate_codes(pr)  # compiles and leaves row 0 with real state
         self.r = self.tts.engine.runner
-        self.pos0 = int(self.r.position[0])
+        self.pos0 = int(self.r.slots.position[0])
 
     def caller(self, what: str, n: int):
         r = self.r
-        capped = r.topk_ok_cpu[0]  # the sampler the engine's decode_frame would pick for this request (top-k capped)
+        capped = r.slots.topk_ok_cpu[0]  # the sampler the engine's decode_frame would pick for this request (top-k capped)
 
         def call():
             with torch.inference_mode():
-                r.position[0] = min(self.pos0, n - 1)  # a fixed position inside the span: no growth between calls
+                r.slots.position[0] = min(self.pos0, n - 1)  # a fixed position inside the span: no growth between calls
                 if what == "talker":
                     r._frame_talker(1, n, capped)
                 elif what == "cp":
@@ -316,7 +318,7 @@ def main(argv=None):
     a.talker_cache = [int(x) for x in a.talker_cache.split(",") if x]
     a.ours_spans = [int(x) for x in a.ours_spans.split(",")]
     _need_executorch()
-    import executorch
+    import executorch  # noqa: F401 (installed: checked by _need_executorch)
     import torchao
     from executorch.extension.pybindings import portable_lib
     Path(a.workdir).mkdir(parents=True, exist_ok=True)
@@ -389,7 +391,7 @@ def main(argv=None):
 
 def _cpu_name() -> str:
     try:
-        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 

@@ -256,7 +256,7 @@ def main(argv=None) -> None:
     t_start = time.perf_counter()
     ck = Path(a.ckpt)
     if not (ck / "config.json").exists():
-        from bench.make_checkpoint import make
+        from q3tts.randomckpt import make_checkpoint as make
         print(f"making a random 0.6B-CustomVoice checkpoint in {ck} ...", flush=True)
         make("0.6B-CustomVoice", ck)
     out = a.out or (os.path.join(os.environ["OUT"], "memory.json") if os.environ.get("OUT") else None)

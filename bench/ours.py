@@ -65,6 +65,7 @@ def replay_ms(g, n=50):
 def set_inductor(spec: str) -> dict:
     """'a.b=True,c=3' -> torch._inductor.config.a.b = True, .c = 3 (values parsed as Python literals)."""
     import ast
+
     import torch._inductor.config as cfg
     out = {}
     for item in filter(None, spec.split(",")):
@@ -135,8 +136,8 @@ def main(argv=None):
     with torch.inference_mode():
         res["frame_ms"]["code_predictor_graph"] = round(replay_ms(graph_of(lambda: r._frame_codes(1, True))), 3)
         res["frame_ms"]["talker_step_graph"] = round(replay_ms(graph_of(lambda: r._frame_talker(1, n, True))), 3)
-    r.position.zero_()
-    r.position_cpu = [0] * r.num_rows
+    r.slots.position.zero_()
+    r.slots.position_cpu = [0] * r.num_rows
 
     # streaming: time to first audio and streaming RTF
     ttfa = []
@@ -172,7 +173,7 @@ def main(argv=None):
         with torch.inference_mode():
             Bp = next(b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b >= B)
             res["frame_ms"][f"whole_frame_graph_b{Bp}"] = round(replay_ms(r.graphs[(Bp, n, True)]), 3)
-        r.position.zero_()
+        r.slots.position.zero_()
     res["peak_gpu_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     out = json.dumps(res, indent=1)
     if a.out:

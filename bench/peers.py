@@ -117,8 +117,8 @@ def patch_qwen_tts() -> list[str]:
     applied = []
     if _ensure_torchaudio():
         applied.append("torchaudio_stub (torchaudio did not import; used only by the 25 Hz tokenizer)")
-    import torch
     import qwen_tts  # noqa: F401  (registers ROPE_INIT_FUNCTIONS['default'])
+    import torch
     from qwen_tts import _transformers_compat as compat
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -85,7 +85,7 @@ def main():
             shipped = dict(kernels.GEMV_EX_LAUNCH)
             for spec in filter(None, a.gemv.split(",")):  # the same compiled code: only the GEMVs' launch differs
                 kernels.GEMV_EX_LAUNCH.update(zip(("max_block_k", "block_n", "num_warps"), map(int, spec.split(":"))))
-                r.position.zero_()  # each talker replay advances the rows' cache position
+                r.slots.position.zero_()  # each talker replay advances the rows' cache position
                 res[f"gemv_{spec}_ms_b1"] = {tag: round(replay_ms(graph_of(fn), 100), 3) for tag, fn in (
                     ("cp", lambda: r._frame_codes(1, True)), ("talker", lambda: r._frame_talker(1, n, True)),
                     ("frame", lambda: r._frame(1, n, True)))}

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.ours import graph_of, replay_ms
-from q3tts.kernels import _gemv_row, _gemv_rows  # the shipped kernels; the sweep varies their launch configs
+from q3tts.kernels.gemm import _gemv_row, _gemv_rows  # the shipped kernels; the sweep varies their launch configs
 
 
 def triton_dot(bn, bk, warps, stages):

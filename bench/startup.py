@@ -7,7 +7,7 @@ process left (warm), each in its own Python process. One JSON on --out, a table 
 "Ready" is what `q3tts serve` waits for before /ready says true: TTS.from_pretrained(compile=True), the engine
 built with the server's sizes (CUDA: fitted to the memory budget, graphs captured) and the server's warm-up
 request (8 frames, streamed). Each run: a fresh temporary cache directory (cold), then a second process on the
-same directory (warm). The child reports its phases and the compile-cache counters (q3tts.engine.compile_cache).
+same directory (warm). The child reports its phases and the compile-cache counters (q3tts.engine.compile).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def child(a) -> None:
     import torch
 
     from q3tts import TTS
-    from q3tts.engine.compile_cache import compile_counts
+    from q3tts.engine.compile import compile_counts
     t_import = time.time()
     prof = PhaseProfile() if a.profile else None
     quant = None if a.quantization in (None, "none") else a.quantization
@@ -61,6 +61,7 @@ class PhaseProfile:
 
     def __init__(self):
         import torch
+
         from q3tts.engine import runner, vocoder
         self.calls: list[tuple[str, float]] = []
 

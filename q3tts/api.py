@@ -14,17 +14,16 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from . import invariant
+from . import invariant, longform
 from .align import ForcedAligner, WordTime
+from .engine import AsyncEngine, AudioChunk, Engine, StreamOptions
 from .inputs.align_text import aligner_language
-from . import longform
-from .engine.engine import AudioChunk, Engine
-from .engine.request import StreamOptions
 from .inputs.processor import InputProcessor
 from .inputs.prompt import PromptBuilder, TextTokenizer
 from .inputs.request import PreparedRequest, VoiceClonePromptItem
@@ -42,10 +41,12 @@ class TTS:
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
                                         ckpt.code2wav.cfg.codebook_size)
         self.engine_options = {"max_slots": max_batch_size, "max_seq_len": max_seq_len, "max_queue": max_queue,
-                                   "compile": compile, "gpu_memory_utilization": gpu_memory_utilization, "gpu_memory": gpu_memory,
-                                   "compile_cache": compile_cache, "batch_invariant": batch_invariant}
+                                   "compile": compile, "gpu_memory_utilization": gpu_memory_utilization,
+                                   "gpu_memory": gpu_memory, "compile_cache": compile_cache,
+                                   "batch_invariant": batch_invariant}
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
+        self._driver: AsyncEngine | None = None
         self._cloner: VoiceCloner | None = None
         self._lock = threading.Lock()
 
@@ -72,7 +73,7 @@ class TTS:
                 of the host memory available after loading (default 0.5).
             gpu_memory: the memory budget in GB instead (a GPU shared with other work).
             compile: torch.compile the decoder layers and samplers before capturing CUDA graphs (default: on
-                for CUDA; then 1.7x faster frames; Q3TTS_COMPILE=0 disables). What it compiles is kept in
+                for CUDA: faster frames; Q3TTS_COMPILE=0 disables). What it compiles is kept in
                 compile_cache.
             compile_cache: directory of torch.compile's caches, so the next process reuses what this one compiled
                 (default: $Q3TTS_COMPILE_CACHE, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/q3tts/compile/torch-<v>;
@@ -122,7 +123,8 @@ class TTS:
                 self.engine_options.update(options)
                 self._engine = Engine(self.ckpt, **self.engine_options)
             elif any(v is not None and self.engine_options.get(k) != v for k, v in options.items()):
-                raise ValueError(f"the engine exists already with {self.engine_options}; cannot rebuild it with {options}")
+                raise ValueError(f"the engine exists already with {self.engine_options}; "
+                                 f"cannot rebuild it with {options}")
             return self._engine
 
     # ------------------------------------------------------------------ prepared requests
@@ -135,7 +137,8 @@ class TTS:
         return self.processor.voice_design(text, instruct, language, non_streaming_mode, **kwargs)
 
     def prepare_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
-                            voice_clone_prompt=None, non_streaming_mode: bool = False, **kwargs) -> list[PreparedRequest]:
+                            voice_clone_prompt=None, non_streaming_mode: bool = False,
+                            **kwargs) -> list[PreparedRequest]:
         audio_kw = {k: kwargs.pop(k) for k in ("append_silence", "allow_urls", "allow_paths", "limits") if k in kwargs}
 
         def clone():  # the processor calls it once the model type and language have passed
@@ -145,41 +148,26 @@ class TTS:
         return self.processor.voice_clone(text, clone if voice_clone_prompt is None else voice_clone_prompt, language,
                                           non_streaming_mode, **kwargs)
 
+    @property
+    def driver(self) -> AsyncEngine:
+        """The one loop that steps the engine (q3tts.engine.AsyncEngine), shared with the server."""
+        driver = AsyncEngine.of(self.engine)
+        if driver is not self._driver:  # its thread holds the engine: it ends when this TTS is collected
+            self._driver = driver
+            weakref.finalize(self, driver.stop)
+        return driver
+
     def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
         """Run the talker + code predictor for prepared requests -> codes [T_i, 16] each."""
-        return self.engine.generate_codes(prepared)
+        return self.driver.generate_codes(prepared)
 
     def stream(self, prepared: list[PreparedRequest], first_chunk_frames: int = 1, chunk_frames: int = 16,
                text_stream: Iterable[str] | None = None, request_ids: list[str] | None = None) -> Iterator[AudioChunk]:
         """Streaming synthesis of prepared requests: AudioChunks as frames are generated (exact stateful decoder).
         text_stream: the text of the one request prepared with text=None, read (in a thread) while audio is made."""
-        start = time.perf_counter()
-        eng = self.engine
-        reqs = [eng.add_request(p, StreamOptions(first_chunk_frames, chunk_frames),
-                                request_id=request_ids[i] if request_ids else None) for i, p in enumerate(prepared)]
-        ids = {r.request_id for r in reqs}
-        for r in reqs:
-            r.arrival_time = start  # time to first audio counts prompt processing too
-        failed: list[BaseException] = []
-        if text_stream is not None:
-            threading.Thread(target=_feed, args=(prepared[0].text, text_stream, failed), daemon=True).start()
-        try:
-            while not all(r.stream_done for r in reqs):
-                if failed and not prepared[0].text.error:  # the text source raised: so do we (an empty text
-                    raise failed[0]  # is the engine's to fail, below)
-                if not eng.wait_for_work():  # waiting for text
-                    continue
-                for chunk in eng.step():
-                    if chunk.request_id in ids:
-                        if chunk.error:
-                            raise ValueError(chunk.error)
-                        yield chunk
-        finally:
-            for r in reqs:
-                if not r.status.finished:
-                    eng.abort(r.request_id)
-            if any(not r.status.finished for r in reqs):
-                eng.step()
+        start = time.perf_counter()  # time to first audio counts prompt processing too
+        return self.driver.stream(prepared, StreamOptions(first_chunk_frames, chunk_frames), start, text_stream,
+                                  request_ids)
 
     def decode(self, codes: list[torch.Tensor], ref_codes: list[torch.Tensor | None] | None = None) -> list[np.ndarray]:
         """Codes [T, 16] per request -> waveforms (float32, 24 kHz), as upstream: ICL reference codes are decoded
@@ -206,7 +194,8 @@ class TTS:
         is given: it reads one text token per frame, so speech starts after the first words)."""
         if (text is None) == (text_stream is None):
             raise ValueError("give the text (text=) or an iterable of text pieces (text_stream=), not both")
-        nsm = non_streaming_mode if non_streaming_mode is not None else (False if text_stream is not None else default_nsm)
+        nsm = (non_streaming_mode if non_streaming_mode is not None
+               else False if text_stream is not None else default_nsm)
         if text_stream is not None and isinstance(text_stream, str):
             text_stream = [text_stream]
         if (split := longform.options(kwargs)) is not None:  # one request per segment of the text
@@ -421,12 +410,3 @@ def _recorded(pieces: Iterable[str], seen: list[str]) -> Iterator[str]:
         seen.append(p)
         yield p
 
-
-def _feed(text, pieces: Iterable[str], failed: list) -> None:
-    """Read the text source into the request (a thread: the source may block, as an LLM does)."""
-    try:
-        for piece in pieces:
-            text.append(piece)
-        text.close()
-    except BaseException as e:
-        failed.append(e)

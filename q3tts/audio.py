@@ -304,7 +304,8 @@ def resample(wav: np.ndarray, orig_sr: int, target_sr: int = TARGET_SR) -> np.nd
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise ImportError("resampling needs the 'soxr' package: pip install soxr") from e
     ratio = float(target_sr) / orig_sr
-    n = int(np.ceil(wav.shape[-1] * ratio))  # NOTE: librosa's float expression (22050 -> 24000 rounds up)
+    # NOTE(resample-length): librosa's float expression (22050 -> 24000 rounds up)
+    n = int(np.ceil(wav.shape[-1] * ratio))
     y = soxr.resample(wav, orig_sr, target_sr, quality=RESAMPLE_QUALITY)
     if y.shape[-1] > n:
         y = y[..., :n]

@@ -204,13 +204,15 @@ def cmd_clone(a) -> int:
 
 def cmd_bench(a) -> int:
     """Random-weight checkpoint at the real dimensions -> our benchmark (+ the peers) -> one JSON."""
+    import importlib.util
     import subprocess
     import tempfile
-    try:
-        from bench.make_checkpoint import make
-    except ImportError:
-        raise ValueError("q3tts bench runs from a source checkout (it needs the repository's bench/ folder)")
+
     import torch
+
+    from .randomckpt import make_checkpoint
+    if importlib.util.find_spec("bench") is None:
+        raise ValueError("q3tts bench runs from a source checkout (it runs the repository's bench/ folder)")
     if not torch.cuda.is_available():
         raise ValueError("q3tts bench needs a CUDA GPU")
     steps = 3 if a.peers else 2
@@ -218,13 +220,14 @@ def cmd_bench(a) -> int:
     tmp = tempfile.mkdtemp(prefix="q3tts-bench-")
     ckpt = os.path.join(tmp, a.model)
     progress.stage(f"[1/{steps}] making a random {a.model} checkpoint…")
-    make(a.model, ckpt)
+    make_checkpoint(a.model, ckpt)
     progress.close()
     gpu = torch.cuda.get_device_name().replace(" ", "-").lower()
     out = a.out or f"bench/results/{gpu}-{time.strftime('%Y-%m-%d')}-{a.model}.json"
     run = lambda *cmd: subprocess.run([sys.executable, "-m", *cmd], check=True)  # noqa: E731
     if progress.enabled:  # the runners print their own lines below this one
-        print(f"bench  [2/{steps}] q3tts: {a.frames} frames x {a.repeats} repeats, batch up to {a.batch}", file=sys.stderr)
+        print(f"bench  [2/{steps}] q3tts: {a.frames} frames x {a.repeats} repeats, batch up to {a.batch}",
+              file=sys.stderr)
     run("bench.ours", "--ckpt", ckpt, "--frames", str(a.frames), "--repeats", str(a.repeats), "--batch", str(a.batch),
         "--out", os.path.join(tmp, "ours.json"))
     result = {"command": " ".join(sys.argv), "model": a.model, "q3tts": json.load(open(os.path.join(tmp, "ours.json")))}
@@ -408,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     clone.add_argument("--ref-text", default=None, help="its transcript (needed unless --x-vector-only)")
     clone.add_argument("--ref-text-file", default=None, help="read the transcript from a file")
     clone.add_argument("--x-vector-only", action="store_true", help="speaker embedding only (no ICL reference codes)")
-    clone.add_argument("--no-append-silence", action="store_true", help="do not pad the reference with 0.5 s of silence")
+    clone.add_argument("--no-append-silence", action="store_true",
+                       help="do not pad the reference with 0.5 s of silence")
     clone.add_argument("--name", default=None)
     clone.add_argument("--device", default=None)
     clone.add_argument("--save", required=True, help="output voice file (.safetensors)")

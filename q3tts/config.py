@@ -25,7 +25,7 @@ class DecoderLayerConfig:
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int  # NOTE: read from the config, never hidden_size // heads (0.6B: 128, not 64)
+    head_dim: int  # NOTE(head-dim): read from the config, never hidden_size // heads (0.6B: 128, not 64)
     rms_norm_eps: float
     rope_theta: float
     vocab_size: int

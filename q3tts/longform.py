@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import queue
 import random
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,8 +36,9 @@ from .inputs.request import InputError, PreparedRequest
 from .inputs.split import split_text
 
 if TYPE_CHECKING:
-    from .api import TTS
-    from .engine.async_engine import AsyncEngine
+    from .engine.async_engine import AsyncEngine, BlockingHandle
+
+TTS = Any  # q3tts.api.TTS (not imported: the api imports this module)
 
 SPLITS = ("none", "sentence", "clause")
 MAX_PAUSE_MS = 10_000
@@ -109,49 +111,54 @@ def clone_prompt_once(tts: TTS, ref_audio, ref_text, x_vector_only_mode, voice_c
     return tts.create_voice_clone_prompt(ref_audio, ref_text, x_vector_only_mode, **audio_kw)
 
 
-# --------------------------------------------------------------------------- the engine, stepped here
+# --------------------------------------------------------------------------- segments through the engine's loop
 def run_segments(engine: Engine, prepare: Callable[[int], PreparedRequest], num_segments: int,
                  stream: StreamOptions | None = None, window: int | None = None,
                  ) -> Iterator[tuple[int, EngineRequest, list[AudioChunk]]]:
-    """Step `engine` until every segment is done -> (i, its request, its new chunks) in segment order: offline
-    (stream None) once per segment when it has finished, streaming whenever segment i (the one due) has chunks.
+    """Submit the segments through the engine's one loop (q3tts.engine.AsyncEngine) -> (i, its request, its new
+    chunks) in segment order: offline (stream None) once per segment when it has finished, streaming whenever
+    segment i (the one due) has chunks.
 
     Segments are added while fewer than max_slots of them are unfinished and fewer than `window` (default twice
-    the slots) are unconsumed. Leaving early aborts the unfinished ones."""
+    the slots) are unconsumed. Leaving early aborts the unfinished ones (finished when this returns)."""
+    from .engine.async_engine import AsyncEngine
+    driver = AsyncEngine.of(engine)
     slots = engine.scheduler.max_slots
     window = window or 2 * slots
-    reqs: dict[int, EngineRequest] = {}
+    outputs: queue.Queue = queue.Queue()  # every segment's chunks (or finished request, or a step's exception)
+    handles: dict[int, BlockingHandle] = {}
     index: dict[str, int] = {}
     buffered: dict[int, list[AudioChunk]] = {}
+    ended: set[int] = set()
     submitted = due = 0
     try:
         while due < num_segments:
             while (submitted < num_segments and submitted < due + window
-                   and sum(not r.status.finished for r in reqs.values()) < slots):
-                r = engine.add_request(prepare(submitted), stream)
-                reqs[submitted], index[r.request_id], buffered[submitted] = r, submitted, []
+                   and sum(i not in ended for i in handles) < slots):
+                h = driver.submit_blocking(prepare(submitted), stream, q=outputs)
+                handles[submitted], index[h.request_id], buffered[submitted] = h, submitted, []
                 submitted += 1
-            if engine.wait_for_work():
-                for chunk in engine.step():
-                    i = index.get(chunk.request_id)
-                    if i is not None:
-                        buffered[i].append(chunk)
-            while due < num_segments and due in reqs:
-                r, out = reqs[due], buffered[due]
-                done = r.stream_done if stream is not None else r.status.finished
+            item = handles[min(handles)].get()
+            if isinstance(item, BaseException):
+                raise item
+            i = index[item.request_id]
+            if isinstance(item, AudioChunk):
+                buffered[i].append(item)
+            if isinstance(item, EngineRequest) or item.is_last:
+                ended.add(i)
+            while due < num_segments and due in handles:
+                h, out = handles[due], buffered[due]
+                done = due in ended
                 if stream is not None and out or done:
                     buffered[due] = []
-                    yield due, r, out
+                    yield due, h.req, out
                 if not done:
                     break
-                del reqs[due], buffered[due], index[r.request_id]
+                del handles[due], buffered[due], index[h.request_id]
                 due += 1
     finally:
-        live = [r for r in reqs.values() if not r.status.finished]
-        for r in live:
-            engine.abort(r.request_id)
-        if live:
-            engine.step()
+        for h in handles.values():
+            h.close()
 
 
 class Joiner:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import shutil
+import time
 import zlib
 from pathlib import Path
 
@@ -214,3 +215,46 @@ def write_aligner_checkpoint(out_dir: str | Path, config: dict, shapes: dict, to
     tok = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
     (out / "tokenizer_config.json").write_text(json.dumps(aligner_tokenizer_config(tok), indent=2, ensure_ascii=False))
     return digest(sd)
+
+
+# ---------------------------------------------------------------------------------- real dimensions
+REFERENCE = Path(__file__).resolve().parent / "reference"  # the real configs, shapes and tokenizer files
+MODELS = ("0.6B-CustomVoice", "1.7B-CustomVoice")
+DEFAULT_TWEAKS = {"eos_zero": True, "output_conv_scale": 0.015}
+
+
+def read_shapes(path: Path) -> dict[str, tuple[list[int], str]]:
+    """Parse a state_dict_shapes.tsv (name<TAB>AxBxC<TAB>numel; '#' comments; a header line)."""
+    shapes: dict[str, tuple[list[int], str]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, shape = line.split("\t")[:2]
+        if name == "name":  # header
+            continue
+        dims = [int(d) for d in shape.split("x")] if shape else []
+        shapes[name] = (dims, "int64" if name.endswith("num_batches_tracked") else "float32")
+    return shapes
+
+
+def make_checkpoint(model: str, out: str | Path, seed: int = 0, tweaks: dict | None = None,
+                    dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A random-weight checkpoint of `model` (MODELS) at the real dimensions in the official layout under `out`
+    (main model in dtype, speech tokenizer in fp32, as upstream ships them) -> its recipe and sha256 digests, also
+    written to <out>/bench_checkpoint.json. Default tweaks: `eos_zero` (the EOS row of codec_head is zero: every run
+    decodes exactly the frames it is asked for) and `output_conv_scale` (waveform inside (-1, 1))."""
+    tweaks = dict(DEFAULT_TWEAKS if tweaks is None else tweaks)
+    config = json.loads((REFERENCE / f"{model}.config.json").read_text())
+    speech_config = json.loads((REFERENCE / "speech_tokenizer.config.json").read_text())
+    generation_config = json.loads((REFERENCE / "generation_config.json").read_text())
+    shapes = read_shapes(REFERENCE / f"{model}.state_dict_shapes.tsv")
+    speech_shapes = read_shapes(REFERENCE / "Qwen3-TTS-Tokenizer-12Hz.state_dict_shapes.tsv")
+    t0 = time.perf_counter()
+    digests = write_checkpoint(out, config, speech_config, shapes, speech_shapes, REFERENCE / "tokenizer",
+                               generation_config, seed=seed, tweaks=tweaks, dtype=dtype)
+    info = dict(model=model, out=str(out), seed=seed, tweaks=tweaks, dtype=str(dtype).removeprefix("torch."),
+                speech_tokenizer_dtype="float32", n_tensors=len(shapes),
+                n_params=sum(int(torch.Size(s).numel()) for s, _ in shapes.values()),
+                digests=digests, seconds=round(time.perf_counter() - t0, 1))
+    (Path(out) / "bench_checkpoint.json").write_text(json.dumps(info, indent=2))
+    return info

@@ -45,7 +45,8 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, stream: int, vocab: in
     return frame_noise(seed, step, vocab, stream, 1)[0]
 
 
-def frame_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int, first_stream: int, num_streams: int) -> torch.Tensor:
+def frame_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int, first_stream: int,
+                num_streams: int) -> torch.Tensor:
     """All the uniforms one frame needs at once: [num_streams, B, vocab] for streams first_stream.. (stream 0:
     code 0; 1..15: the code predictor's codebooks). One batched hash instead of one per sample keeps the
     frame short. Nothing here copies from the host (CUDA-graph capture forbids it). Stream-major, so each
@@ -111,10 +112,10 @@ def top_values(x: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     On CUDA (sample_topk comes here only where kernels.sample_top does not serve: more than its rows, or the Triton
     kernels off), for a few rows, each token's rank (how many tokens go before it) is counted by comparing all pairs:
     V^2 comparisons in one fused reduction under torch.compile, cheaper than torch.topk's radix select for
-    decode-sized batches (H200, 2048 logits: 12.6 us vs 20.9 for one row, even at 4 rows). Larger batches use
+    decode-sized batches (BENCHMARKS.md). Larger batches use
     torch.topk (ties among equal values may then come in another order)."""
     B, V = x.shape
-    if not x.is_cuda:  # no ranking ([B, V, V]); one row of 3072 logits, 2 cores: a full stable sort 88 us, this 37
+    if not x.is_cuda:  # no ranking ([B, V, V]); cheaper than a full stable sort
         vals, idx = x.topk(cap, dim=-1)
         idx, by_index = idx.sort(dim=-1)  # the cap chosen, in index order, then stably by value: a stable sort's
         vals, order = vals.gather(-1, by_index).sort(dim=-1, descending=True, stable=True)  # order of them

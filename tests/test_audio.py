@@ -7,7 +7,6 @@ import base64
 import http.server
 import io
 import threading
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +21,6 @@ from q3tts.audio import (
     load_audio,
     resample,
     to_mono,
-    validate_audio,
-    wav_bytes,
-    write_wav,
 )
 
 CLIPS = Path(__file__).resolve().parent / "golden" / "fixtures_voice" / "clips"

@@ -32,7 +32,7 @@ def test_design_and_errors(tmp_path, capsys):
 
 
 def test_clone_then_say_with_the_voice(tmp_path):
-    from tests.test_voice import MANIFEST, clip
+    from tests.inputs.test_voice import MANIFEST, clip
     case = next(c for c in MANIFEST["e2e"] if c["mode"] == "icl")
     voice = tmp_path / "v.safetensors"
     ckpt = str(fx.checkpoint("base06"))

@@ -19,9 +19,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
+def is_module(name: str) -> bool:
+    """A file or a package of q3tts."""
+    path = PKG.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def imports(path: Path, typing: bool = False) -> set[str]:
     """Every q3tts module a file imports, at the top or inside a function (lazy imports count too; imports for
-    type checkers only do not)."""
+    type checkers only with `typing`)."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out = set()
@@ -29,7 +35,7 @@ def imports(path: Path) -> set[str]:
     typing_only = {id(n) for t in ast.walk(tree) if isinstance(t, ast.If) and ast.unparse(t.test) == "TYPE_CHECKING"
                    for n in ast.walk(t)}  # `if TYPE_CHECKING:` imports never run
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in typing_only and not typing:
             continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("q3tts")}
@@ -42,13 +48,13 @@ def imports(path: Path) -> set[str]:
             if target.startswith("q3tts"):
                 # `from . import x` / `from .pkg import mod` may name modules: keep the ones that are files
                 subs = {f"{target}.{a.name}" for a in node.names}
-                out |= {s for s in subs if (PKG.parent / (s.replace(".", "/") + ".py")).exists()} or {target}
+                out |= {s for s in subs if is_module(s)} or {target}
     return out - {mod}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(typing: bool = False) -> dict[str, set[str]]:
     files = {module_name(p): p for p in PKG.rglob("*.py")}
-    g = {m: {i for i in imports(p) if i in files} for m, p in files.items()}
+    g = {m: {i for i in imports(p, typing) if i in files} for m, p in files.items()}
     g["q3tts"] = set()  # the package root re-exports TTS & co. lazily (module __getattr__): no import-time edge
     return g
 
@@ -69,8 +75,18 @@ def test_no_import_goes_up_a_layer():
     assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
 
 
+def test_the_api_and_the_server_use_the_engine_through_its_face():
+    """q3tts.api and q3tts.server.* import the engine wing as `q3tts.engine` (its __init__'s exports), no module
+    inside it."""
+    bad = [f"{mod} -> {dep}" for mod, deps in graph(typing=True).items()
+           if mod == "q3tts.api" or mod.startswith("q3tts.server")
+           for dep in deps if dep.startswith("q3tts.engine.")]
+    assert not bad, "imports past q3tts.engine's face:\n" + "\n".join(sorted(bad))
+
+
 def test_no_circle_of_files():
-    g = graph()
+    """Type-only imports (`if TYPE_CHECKING:`) count too: a circle of them is still a circle of files."""
+    g = graph(typing=True)
     state: dict[str, int] = {}
     cycles = []
 
@@ -91,8 +107,11 @@ def test_no_circle_of_files():
 
 def test_the_layering_check_sees_lazy_and_relative_imports(tmp_path):
     # the checker itself: a lazy relative import inside a function is found and resolved
-    f = PKG / "engine" / "engine.py"
+    f = PKG / "engine" / "runner.py"
     assert "q3tts.models.talker" in imports(f) and "q3tts.inputs.request" in imports(f)
+    assert "q3tts.kernels" in imports(PKG / "sampling.py")  # `from . import kernels`: a package
+    f = PKG / "engine" / "request.py"  # its one q3tts import is for type checkers
+    assert "q3tts.inputs.request" in imports(f, typing=True) and "q3tts.inputs.request" not in imports(f)
     assert "q3tts.inputs.request" in imports(PKG / "inputs" / "voice.py")
 
 

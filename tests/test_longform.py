@@ -66,7 +66,7 @@ def test_segments_equal_alone_parallel_equals_sequential_stream_equals_offline()
     assert max(running) == 4  # the segments ran together
     check_joined(wav, alone, 40)
     # one segment at a time (window 1) gives the same audio as all of them at once
-    prepare = lambda t, **k: tts.prepare_custom_voice(t, "vivian", "Auto", **k)
+    prepare = lambda t, **k: tts.prepare_custom_voice(t, "vivian", "Auto", **k)  # noqa: E731
     gen = {k: v for k, v in kw.items() if k not in ("speaker", "language")}
     seq = longform.generate(tts, prepare, TEXT, longform.make_options("sentence", 40), gen, window=1)[0][0]
     assert np.array_equal(seq, wav)

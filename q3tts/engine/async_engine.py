@@ -1,21 +1,41 @@
-"""The one async bridge: a background thread drives Engine.step(); asyncio consumers get their chunks.
+"""The one loop over an Engine: a background thread drives Engine.step(); every consumer submits through it.
 
-Only `_loop` iterates over step outputs; each request has its own asyncio.Queue fed thread-safely.
-Cancelling a consumer (client disconnect) aborts its request, which frees its slot at the next step.
-A request's text may be streamed in: an async iterable of pieces (`generate(text_stream=...)`), or pieces
-appended to `prepared.text` by the caller (`submit`). A step that raises fails only the requests it held
-(Engine.step finishes them; their consumers get the exception); queued ones go on.
+Only `_loop` steps the engine and iterates over step outputs; each request has a sink fed from that thread: an
+asyncio.Queue for the server (`submit`, `generate`), a queue.Queue for blocking callers (`submit_blocking`,
+`generate_codes`: the Python API). One AsyncEngine per Engine (`AsyncEngine.of`), so the API and the server share
+the loop. Cancelling a consumer (client disconnect, leaving a stream early) aborts its request, which frees its slot
+at the next step. A request's text may be streamed in (`TextFeed`): pieces from an iterable, sync or async, read
+while audio is made. A step that raises fails only the requests it held (Engine.step finishes them; their consumers
+get the exception); queued ones go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import queue
 import threading
-from collections.abc import AsyncIterable, AsyncIterator
+import time
+import weakref
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
+
+from ..inputs.request import PreparedRequest
 from .engine import AudioChunk, Engine, EngineCounters
-from .request import StreamOptions
+from .request import EngineRequest, StreamOptions
+
+_OWNER_LOCK = threading.Lock()
+_RUNNING: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Loops still running at exit end before the interpreter finalizes: a daemon thread stopped inside a torch call
+    then aborts the process."""
+    for owner in list(_RUNNING):
+        owner.shutdown()
 
 
 @dataclass(slots=True)
@@ -27,13 +47,35 @@ class EngineStats:
 
 
 class AsyncEngine:
+    """The owner of an Engine's steps. Build it with `AsyncEngine.of(engine)`: a second live owner of one engine
+    is refused (two threads stepping one engine would corrupt its state)."""
+
     def __init__(self, engine: Engine):
+        with _OWNER_LOCK:
+            owner = getattr(engine, "owner", None)
+            if owner is not None and owner.running():
+                raise RuntimeError("this engine is stepped by another AsyncEngine already: use AsyncEngine.of(engine)")
+            engine.owner = self
         self.engine = engine
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, Callable[[object], None]] = {}  # request id -> where its chunks go
+        self._offline: dict[str, EngineRequest] = {}  # offline requests (no chunks): delivered once finished
         self._stop = False
         self.last_error: str | None = None  # last step failure (a device assert poisons the CUDA context)
         self._thread = threading.Thread(target=self._loop, name="q3tts-engine", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
+
+    @classmethod
+    def of(cls, engine: Engine) -> AsyncEngine:
+        """The engine's running owner, or a new one."""
+        with _OWNER_LOCK:
+            owner = getattr(engine, "owner", None)
+            if owner is not None and owner.running():
+                return owner
+        return cls(engine)
+
+    def running(self) -> bool:
+        return self.is_alive() and not self._stop
 
     def stats(self) -> EngineStats:
         s = self.engine.scheduler
@@ -47,10 +89,15 @@ class AsyncEngine:
         step would fail too). A failed step of another kind fails only the requests it held."""
         return self.is_alive() and not (self.last_error and "CUDA" in self.last_error)
 
-    def shutdown(self) -> None:
+    def stop(self) -> None:
+        """Let the loop end after its current step (without waiting for it)."""
         self._stop = True
         self.engine.wake.set()
-        self._thread.join(timeout=10)
+
+    def shutdown(self) -> None:
+        self.stop()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
 
     def _loop(self) -> None:
         while not self._stop:
@@ -61,25 +108,87 @@ class AsyncEngine:
             except Exception as e:  # a bug or device error: fail the requests the step held, keep serving
                 self.last_error = f"{type(e).__name__}: {e}"
                 for rid in self.engine.failed_ids:
-                    target = self._queues.get(rid)
-                    if target is not None:
-                        target[0].call_soon_threadsafe(target[1].put_nowait, e)
+                    self._offline.pop(rid, None)
+                    self._deliver(rid, e)
                 continue
             for c in chunks:
-                target = self._queues.get(c.request_id)
-                if target is not None:
-                    loop, q = target
-                    loop.call_soon_threadsafe(q.put_nowait, c)
+                self._deliver(c.request_id, c)
+            for rid in [rid for rid, r in self._offline.items() if r.status.finished]:
+                self._deliver(rid, self._offline.pop(rid))
+
+    def _deliver(self, request_id: str, item: object) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None:
+            sink(item)
+
+    def _add(self, prepared: PreparedRequest, stream: StreamOptions | None, request_id: str | None,
+             arrival_time: float | None, sink: Callable[[object], None]) -> EngineRequest:
+        """Queue a request whose outputs go to sink (registered before the loop can see the request)."""
+        rid = request_id or self.engine.new_request_id()
+        self._sinks[rid] = sink
+        try:
+            req = self.engine.add_request(prepared, stream, rid, arrival_time, before_queue=(
+                None if stream is not None else lambda r: self._offline.__setitem__(rid, r)))
+        except BaseException:
+            self._sinks.pop(rid, None)
+            self._offline.pop(rid, None)
+            raise
+        return req
 
     def submit(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None,
                arrival_time: float | None = None) -> RequestHandle:
         """Queue a request now (QueueFullError / ValueError at once); its chunks come from handle.chunks()."""
-        req = self.engine.add_request(prepared, stream or StreamOptions(), request_id)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[req.request_id] = (asyncio.get_running_loop(), q)
+        loop = asyncio.get_running_loop()
+        req = self._add(prepared, stream or StreamOptions(), request_id, arrival_time,
+                        lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
         return RequestHandle(self, req.request_id, q)
+
+    def submit_blocking(self, prepared: PreparedRequest, stream: StreamOptions | None = None,
+                        arrival_time: float | None = None, q: queue.Queue | None = None,
+                        request_id: str | None = None) -> BlockingHandle:
+        """As submit, for a caller outside asyncio (the Python API): its outputs go to q (default a new queue; several
+        requests may share one). stream=None queues an offline request (codes only), whose handle.wait() returns it
+        once finished."""
+        q = queue.Queue() if q is None else q
+        req = self._add(prepared, stream, request_id, arrival_time, q.put)
+        return BlockingHandle(self, req, q)
+
+    def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
+        """Offline: codes [T_i, K] (CPU) for each prepared request (queued beyond max_slots as needed)."""
+        handles = [self.submit_blocking(p) for p in prepared]
+        reqs = [h.wait() for h in handles]
+        K = self.engine.runner.K
+        return [torch.stack(r.frames).cpu() if r.frames else torch.zeros(0, K, dtype=torch.long) for r in reqs]
+
+    def stream(self, prepared: list[PreparedRequest], stream: StreamOptions, arrival_time: float | None = None,
+               text_stream: Iterable[str] | None = None, request_ids: list[str] | None = None) -> Iterator[AudioChunk]:
+        """Blocking: the chunks of prepared requests as they come (interleaved); text_stream: the text of the one
+        request prepared with text=None, read in a thread. A chunk with an error raises ValueError, a failing text
+        source its own error; leaving early cancels the requests, which are finished when this returns."""
+        merged: queue.Queue = queue.Queue()
+        handles = []
+        try:
+            for i, p in enumerate(prepared):
+                handles.append(self.submit_blocking(p, stream, arrival_time, merged,
+                                                    request_ids[i] if request_ids else None))
+            feed = TextFeed(prepared[0].text, handles[0].cancel) if text_stream is not None else None
+            if feed is not None:
+                threading.Thread(target=feed.run, args=(text_stream,), daemon=True).start()
+            left = len(handles)
+            while left:
+                item = handles[0].get()  # (any of them: they share the queue)
+                if feed is not None and feed.error is not None:
+                    raise feed.error
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error:
+                    raise ValueError(item.error)
+                left -= item.is_last
+                yield item
+        finally:
+            for h in handles:
+                h.close()
 
     async def generate(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None,
                        arrival_time: float | None = None,
@@ -90,25 +199,48 @@ class AsyncEngine:
         text_stream: the text as it is written (prepared from text=None), read while audio is made.
         """
         handle = self.submit(prepared, stream, request_id, arrival_time)
-        feeder = asyncio.ensure_future(_feed(prepared.text, text_stream, handle)) if text_stream is not None else None
+        feed = TextFeed(prepared.text, handle.cancel) if text_stream is not None else None
+        feeder = asyncio.ensure_future(feed.arun(text_stream)) if feed is not None else None
         try:
             async for chunk in handle.chunks():
                 yield chunk
-            if feeder is not None and feeder.done() and feeder.exception() is not None:
-                raise feeder.exception()
+            if feed is not None and feed.error is not None:
+                raise feed.error
         finally:
             if feeder is not None:
                 feeder.cancel()
 
 
-async def _feed(text, pieces: AsyncIterable[str], handle: RequestHandle) -> None:
-    try:
-        async for piece in pieces:
-            text.append(piece)
-        text.close()
-    except BaseException:
-        handle.cancel()  # the text source failed: end the request (the error is raised by generate)
-        raise
+class TextFeed:
+    """Pieces of a streamed text into the request's text (q3tts.inputs.text), then its close. A failing source ends
+    the request (`cancel`) and is kept in `error` for the consumer to raise; an empty text is not a failure of the
+    source: the engine fails the request with the text's own error."""
+
+    def __init__(self, text, cancel: Callable[[], None]):
+        self.text, self.cancel = text, cancel
+        self.error: BaseException | None = None
+
+    def _fail(self, e: BaseException) -> None:
+        if not self.text.error:
+            self.error = e
+            self.cancel()
+
+    def run(self, pieces: Iterable[str]) -> None:
+        """In a thread: the source may block, as an LLM does."""
+        try:
+            for piece in pieces:
+                self.text.append(piece)
+            self.text.close()
+        except BaseException as e:
+            self._fail(e)
+
+    async def arun(self, pieces: AsyncIterable[str]) -> None:
+        try:
+            async for piece in pieces:
+                self.text.append(piece)
+            self.text.close()
+        except BaseException as e:
+            self._fail(e)
 
 
 class RequestHandle:
@@ -139,4 +271,41 @@ class RequestHandle:
     def close(self) -> None:
         """Cancel, and drop whatever it still sends: nobody reads it."""
         self.cancel()
-        self.engine._queues.pop(self.request_id, None)
+        self.engine._sinks.pop(self.request_id, None)
+
+
+class BlockingHandle:
+    """One request of the AsyncEngine read from a plain thread."""
+
+    def __init__(self, engine: AsyncEngine, req: EngineRequest, q: queue.Queue):
+        self.engine, self.req, self.request_id, self._q = engine, req, req.request_id, q
+
+    def get(self, timeout: float = 1.0):
+        """The next item of its queue; RuntimeError if the engine's loop died meanwhile (nothing would come)."""
+        while True:
+            try:
+                return self._q.get(timeout=timeout)
+            except queue.Empty:
+                if not self.engine.is_alive():
+                    raise RuntimeError("the engine's loop stopped") from None
+
+    def wait(self) -> EngineRequest:
+        """Offline: the finished request (its frames), or the step's exception raised."""
+        item = self.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        if not self.req.stream_done and not self.req.status.finished:
+            self.engine.engine.abort(self.request_id)
+
+    def close(self) -> None:
+        """Cancel if still running, and wait until the engine let go of it (its slot is free when this returns)."""
+        self.cancel()
+        while not self._released() and self.engine.is_alive():
+            time.sleep(0.002)
+        self.engine._sinks.pop(self.request_id, None)
+
+    def _released(self) -> bool:
+        return self.req.stream_done if self.req.stream is not None else self.req.status.finished

@@ -23,6 +23,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,8 +32,7 @@ import torch
 from .. import invariant
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
-from ..models.talker import embed_prompt
-from .compile_cache import compile_counts, describe_counts
+from .compile import compile_counts, describe_counts
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
@@ -76,7 +76,7 @@ class Engine:
         of the GPU (gpu_memory_utilization, default 0.9; on a CPU of the host memory available, default 0.5) or
         gpu_memory GB. kv_block_size (e.g. 64): a paged KV cache, whose blocks follow the positions streams use (as
         many as the budget holds) instead of max_seq_len positions per slot from the start. compile_cache: where
-        torch.compile's caches live (q3tts.engine.compile_cache: default a per-user directory that survives
+        torch.compile's caches live (q3tts.engine.compile: default a per-user directory that survives
         restarts; False: torch's). batch_invariant: q3tts.invariant's switch, set for the process (None: as it is)."""
         if batch_invariant is not None:
             invariant.set_enabled(batch_invariant)
@@ -103,16 +103,26 @@ class Engine:
         self._held: list[EngineRequest] = []  # the requests of the step in progress
         self.failed_ids: list[str] = []  # the requests a step that raised held (it finished them with an error)
         self.counters = EngineCounters()
+        self.owner = None  # the AsyncEngine whose thread steps it (q3tts.engine.async_engine): the only one that may
 
     # ------------------------------------------------------------------ requests in
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
     def add_request(self, prepared: PreparedRequest, stream: StreamOptions | None = None,
-                    request_id: str | None = None) -> EngineRequest:
-        """Queue a prepared request. stream=None: offline, codes only. ValueError if it cannot fit the cache."""
-        req = EngineRequest(request_id=request_id or f"req-{next(self._ids)}", prepared=prepared, stream=stream)
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    before_queue: Callable[[EngineRequest], None] | None = None) -> EngineRequest:
+        """Queue a prepared request. stream=None: offline, codes only. ValueError if it cannot fit the cache.
+        arrival_time: when the caller got it (default now); before_queue(req) runs before a step can see it."""
+        req = EngineRequest(request_id=request_id or self.new_request_id(), prepared=prepared, stream=stream)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         if prepared.layout is not None:
             self._set_prompt(req, prepared.layout)
         else:
             prepared.text.on_change = self._on_text
+        if before_queue is not None:
+            before_queue(req)
         with self._lock:
             self.scheduler.add(req)
         self.wake.set()
@@ -176,9 +186,7 @@ class Engine:
                              "engine's max_seq_len; send shorter utterances")
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             elif ids:
-                with torch.inference_mode():
-                    emb = self.ckpt.talker.embed_text(torch.tensor(ids))  # ids on the host: see embed_text
-                self.runner.append_trailing(req.slot, req.text_fed, emb)
+                self.runner.append_text(req.slot, req.text_fed, ids)
                 req.text_fed += len(ids)
         return failed
 
@@ -219,7 +227,7 @@ class Engine:
 
     def _admit(self, sched: SchedulerOutput) -> list[int]:
         """Close up the rows (compaction), release cancelled streams, then embed the newcomers' prompts and prefill
-        them in one batched talker forward -> their code 0 of frame 0."""
+        them in one batched talker forward (the runner's) -> their code 0 of frame 0."""
         for src, dst in sched.moves:
             self.runner.move_slot(src, dst)
         if sched.blocks:
@@ -231,13 +239,9 @@ class Engine:
         now = time.perf_counter()
         self.counters.admitted += len(sched.prefill)
         self.counters.admission_wait_s += sum(now - r.arrival_time for r in sched.prefill)
-        with torch.inference_mode():
-            embeds = [embed_prompt(self.ckpt.talker, r.prepared.layout, r.prepared.speaker_embedding,
-                                   r.prepared.ref_codes) for r in sched.prefill]
         lo = len(sched.decode)
         assert [r.slot for r in sched.prefill] == list(range(lo, lo + len(sched.prefill))), "newcomers: rows [B, B+N)"
-        codes0 = self.runner.prefill_batch(lo, [e[0] for e in embeds], [e[1] for e in embeds],
-                                           [r.prepared.params for r in sched.prefill])
+        codes0 = self.runner.admit(lo, [r.prepared for r in sched.prefill])
         streaming = [r for r in sched.prefill if r.stream is not None]
         for req, row in zip(streaming, self.vocoder.open([r.prepared.ref_codes for r in streaming])):
             req.vocoder_row = row
@@ -275,18 +279,3 @@ class Engine:
                 self._release_vocoder(r)
                 r.stream_done = True
         return chunks
-
-    # ------------------------------------------------------------------ offline
-    def run_to_completion(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
-        chunks = []
-        while any(not r.status.finished for r in reqs):
-            if self.wait_for_work():  # else only streamed text can move it on
-                chunks += self.step()
-        return chunks
-
-    def generate_codes(self, prepared: list[PreparedRequest]) -> list[torch.Tensor]:
-        """Offline: codes [T_i, K] (CPU) for each prepared request (queued beyond max_slots as needed)."""
-        reqs = [self.add_request(p) for p in prepared]
-        self.run_to_completion(reqs)
-        K = self.runner.K
-        return [torch.stack(r.frames).cpu() if r.frames else torch.zeros(0, K, dtype=torch.long) for r in reqs]

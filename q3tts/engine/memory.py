@@ -27,7 +27,7 @@ NON_TORCH_RESERVE = 512 * MIB  # CUDA graph executables, cuBLAS / cuDNN workspac
 
 # A contiguous KV cache holds this many positions past its last length bucket, never written or attended: a frame's
 # span then never reaches the end of the cache, where torch.compile compiled each layer variant apart (a slice to the
-# end is contiguous; measured: 3 more compilations of the decoder layer in a start-up)
+# end is contiguous: more compilations of the decoder layer in a start-up)
 KV_SPARE = 1
 
 

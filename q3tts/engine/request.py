@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    # NOTE: everything from here on is a finished status
+    # NOTE(finished): everything from here on is a finished status
     FINISHED_STOPPED = 2  # sampled EOS
     FINISHED_LENGTH = 3  # reached max_new_tokens
     FINISHED_ABORTED = 4  # cancelled by the client

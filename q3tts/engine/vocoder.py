@@ -9,7 +9,7 @@ in a few batched calls:
     call (more take several calls), which bounds the workspace whatever the number of streams;
   - on CUDA each (rows bucket, piece size) call is one CUDA graph with the gather and the scatter inside,
     replayed with padding rows that all point at a scratch row. One replay instead of several hundred
-    small launches per call (the eager vocoder was launch-bound: ~10 ms per call on an H200, bench/probe.py).
+    small launches per call (the eager vocoder is launch-bound, bench/probe.py).
 ICL reference codes warm a request's row once at admission and are never decoded again (C5/C6).
 """
 
@@ -22,7 +22,7 @@ import torch
 
 from .. import invariant
 from ..models.codec import Code2Wav, Code2WavState
-from .runner import gc_paused
+from .graphs import capture, gc_paused, side_stream
 
 
 def pieces(n: int, max_piece: int) -> list[int]:
@@ -148,18 +148,13 @@ class StreamingVocoder:
         # warm-ups per piece size at one row and at its most rows only: the row counts in between share their Triton
         # specializations (which depend on the piece size only), and each warm-up is a decoder pass launched from Python
         warm = {k for k in keys if k[0] in (1, self.call_rows[k[1]])}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with side_stream():
             for k in sorted(warm):
                 self._run(*static[k])
-        torch.cuda.current_stream().wait_stream(stream)
         pool = None
         with gc_paused():
             for k in sorted(keys, reverse=True):  # the largest first: the shared pool is sized by it
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    wav = self._run(*static[k])
+                g, wav = capture(lambda: self._run(*static[k]), pool)  # noqa: B023 (called at once)
                 pool = g.pool()
                 self.graphs[k] = (g, *static[k], wav)
         torch.cuda.synchronize()

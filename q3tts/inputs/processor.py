@@ -8,12 +8,11 @@ given once (broadcast) or once per text. A text of None is streamed in: the requ
 
 from __future__ import annotations
 
-import warnings
-
 import dataclasses
 import logging
 import os
 import random
+import warnings
 from typing import Any
 
 import torch
@@ -201,8 +200,10 @@ class InputProcessor:
         if isinstance(voice_clone_prompt, dict):
             d = voice_clone_prompt
             n = len(d["ref_spk_embedding"])
-            return [VoiceClonePromptItem(ref_code=(d.get("ref_code") or [None] * n)[i], ref_spk_embedding=d["ref_spk_embedding"][i],
-                                         x_vector_only_mode=bool(d["x_vector_only_mode"][i]), icl_mode=bool(d["icl_mode"][i]),
+            return [VoiceClonePromptItem(ref_code=(d.get("ref_code") or [None] * n)[i],
+                                         ref_spk_embedding=d["ref_spk_embedding"][i],
+                                         x_vector_only_mode=bool(d["x_vector_only_mode"][i]),
+                                         icl_mode=bool(d["icl_mode"][i]),
                                          ref_text=(d.get("ref_text") or [None] * n)[i]) for i in range(n)]
         items = []
         for it in _as_list(voice_clone_prompt):

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..models.talker import NONE
 from ..sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from .text import TextStream
 
 
 class InputError(ValueError):
@@ -45,6 +43,27 @@ class PromptLayout:
         return len(self.text_ids)
 
 
+class StreamedText(Protocol):
+    """The contract of a request's text as it is written (q3tts.inputs.text.TextStream implements it): the caller
+    appends pieces and closes it; the engine lays out the prompt once the text suffices, then takes the committed
+    text tokens as they come."""
+
+    closed: bool
+    num_tokens: int  # text tokens so far (all of them once closed)
+    error: str | None  # a closed text that cannot be spoken: the engine fails the request with it
+    on_change: Callable[[], None]  # set by the engine: called after every append and the close
+
+    def append(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+    def layout(self) -> PromptLayout | None:
+        """The prompt once the text fills it (None before)."""
+
+    def take(self) -> tuple[list[int], bool]:
+        """The text tokens committed since the last take, and whether the text is complete with them."""
+
+
 @dataclass
 class VoiceClonePromptItem:
     """One voice-clone prompt, field for field as `qwen_tts.VoiceClonePromptItem`."""
@@ -64,7 +83,7 @@ class PreparedRequest:
     speaker_embedding: torch.Tensor | None  # [D] x-vector (voice clone)
     ref_codes: torch.Tensor | None  # [T, 16] ICL reference frames (decoded in front, then cut)
     params: SamplingParams
-    text: TextStream | None = None  # the text streamed in: append pieces to it, then close it
+    text: StreamedText | None = None  # the text streamed in: append pieces to it, then close it
     # the runaway guard (a model that never samples EOS): at most max(MIN_FRAME_CAP, max_frames_per_token x text
     # tokens) frames; 0: none (max_new_tokens given by the caller is the cap)
     max_frames_per_token: float = 0.0

@@ -27,7 +27,7 @@ class IncrementalTokenizer:
         self.spoken = False  # any non-space text yet (an all-blank text is refused at the close, as a whole one)
 
     def push(self, text: str) -> list[int]:
-        # NOTE: NFC(NFC(a) + b) == NFC(a + b), and the held-back tail starts at a piece boundary, so normalizing
+        # NOTE(nfc): NFC(NFC(a) + b) == NFC(a + b), and the held-back tail starts at a piece boundary, so normalizing
         # what is pending equals normalizing the whole text from there on
         self.pending = self.tok.normalize(self.pending + text)
         self.spoken = self.spoken or bool(text.strip())

@@ -75,10 +75,8 @@ class CausalConv(nn.Module):
         """The unpadded convolution, x: [B, L, C_in] -> [B, L - context, C_out], L a multiple of the dilation d.
         A dilated one runs undilated over the d interleaved phases of its input (output sample m*d + r reads only
         inputs r, r + d, r + 2d, ...): in time-major memory the phases are a free [B, L/d, d, C] view, a 2-D image
-        convolved along its first axis. Same sums. Measured on an H100, bf16, 4 rows x 16 frames
-        (bench/probe_vocoder.py --conv-options): cuDNN's own dilated channels-last kernel took 43 ms at 192 channels
-        and dilation 3 or 9, the phase view 77-87 us; at dilation 1 a [B, C, 1, L] image is the faster one (91 vs
-        186 us at 96 channels)."""
+        convolved along its first axis. Same sums, far faster than cuDNN's own dilated channels-last kernel; at
+        dilation 1 a [B, C, 1, L] image is the faster one (bench/probe_vocoder.py --conv-options; BENCHMARKS.md)."""
         B, L, C = x.shape
         w, d = self.conv.weight, self.conv.dilation[0]  # w: [C_out, C_in / groups, k], stored [C_out, k, C_in]
         bias = self.conv.bias if add_bias else None  # (cuDNN adds it in a broadcast pass of its own)
@@ -102,7 +100,7 @@ class CausalTransConv(nn.Module):
     It runs as one GEMM per call: output block n (s samples x C_out) = x[n] @ W[taps :s] + x[n-1] @ W[taps s:],
     i.e. the pairs (x[n], x[n-1]) [2*C_in] times the weight viewed as [C_in, 2, s*C_out] (rows channel, then
     block: the taps-middle storage). Same sums as the convolution, which cuDNN ran in bf16 with a slow generic
-    kernel (about 1 ms per call on an H200, bench/probe.py).
+    kernel (bench/probe.py).
     """
 
     def __init__(self, c_in: int, c_out: int, kernel_size: int, stride: int):

@@ -257,7 +257,7 @@ class ResidualVectorQuantizer(nn.Module):
         codes = []
         for layer in self.layers[:n]:
             embed = layer.codebook.embed
-            # NOTE: the same torch.cdist call (shapes included) as upstream, so ties break identically.
+            # NOTE(upstream-ties): the same torch.cdist call (shapes included) as upstream, so ties break identically.
             idx = torch.cdist(residual.reshape(1, B * T, D).float(), embed[None].float(), p=2)[0].argmin(dim=-1)
             idx = idx.view(B, T)
             residual = residual - F.embedding(idx, embed)

@@ -36,7 +36,8 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [B, S] int -> cos, sin: [B, S, head_dim] (halves duplicated, rotate_half convention).
 
     The talker's config asks for interleaved multimodal RoPE (mrope_section, 3 position streams). For
@@ -62,7 +63,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderLayerConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -128,9 +130,9 @@ class Attention(nn.Module):
 
 def _write_kv(k_cache, v_cache, write_pos, k, v) -> None:
     """k, v [B, S, Hkv, Dh] into the caches [B, Hkv, L, Dh] at write_pos [B, S].
-    NOTE: an index_put, not a scatter_: torch.compile updates the cache in place only for the former (for a scatter_
-    into an input it wrote a whole new cache and copied it back: 4 passes over [B, Hkv, Lmax, Dh] per layer, 4.9 of
-    the 7.8 ms of a batch-64 talker step on an H100)."""
+    NOTE(in-place-kv): an index_put, not a scatter_: torch.compile updates the cache in place only for the former (for
+    a scatter_ into an input it wrote a whole new cache and copied it back: 4 passes over [B, Hkv, Lmax, Dh] per
+    layer, most of a large batch's talker step)."""
     rows = torch.arange(k.shape[0], device=k.device)[:, None]  # [B, 1] with write_pos [B, S]: indexes [B, S, Hkv, Dh]
     k_cache[rows, :, write_pos] = k.to(k_cache.dtype)
     v_cache[rows, :, write_pos] = v.to(v_cache.dtype)
@@ -211,8 +213,7 @@ class AttnContext:
     block_table: torch.Tensor | None = None  # paged cache: [B, n // block_size] int64 block of each row's positions
     # one token per row over a short span through kernels.decode_attention. Only the code predictor's one-token steps
     # ask for it (16 positions; one more variant of the shared compiled layer for those of 2 rows and more): a span
-    # test on every call split each of the talker's variants in two (measured: 3 more compilations at start-up, 28 s
-    # more of a warm start)
+    # test on every call split each of the talker's variants in two (more compilations at start-up)
     fused_attention: bool = False
     # with fused_attention: its kernel writes the new keys and values into the caches (no index_put kernels after
     # it). Only for caches that alias neither each other nor the other layers' (kernels.decode_attention says why):

@@ -13,13 +13,22 @@ from pathlib import Path
 
 import torch
 
-from ..config import (GenerationDefaults, ModelConfig, SpeechTokenizerConfig, generation_overrides,
-                      parse_generation_defaults, parse_model_config, parse_speech_tokenizer_config, read_json)
+from ..config import (
+    GenerationDefaults,
+    ModelConfig,
+    SpeechTokenizerConfig,
+    generation_overrides,
+    parse_generation_defaults,
+    parse_model_config,
+    parse_speech_tokenizer_config,
+    read_json,
+)
 from ..weights import check_prefixes, load_module, read_tensors, resolve_model_dir, safetensors_files
 from .codec import Code2Wav
 from .codec_encoder import CodecEncoder, parse_codec_encoder_config
 from .layers import fuse_projections
-from .quant import check_mode as check_quantization, quantize_
+from .quant import check_mode as check_quantization
+from .quant import quantize_
 from .speaker_encoder import SpeakerEncoder
 from .talker import Talker
 
@@ -64,9 +73,8 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
 
     files = safetensors_files(d / "model")
     check_prefixes(files, ("talker.", "speaker_encoder."), str(d / "model.safetensors"))
-    # NOTE: built on the meta device, then given memory in its final dtype where each part lives, so each weight is
-    # copied once, from the file to its place (a bf16 load on 2 cores: 3.5 s, against 10.9 s when the model was built
-    # in fp32 on the host, then moved and cast).
+    # NOTE(load-once): built on the meta device, then given memory in its final dtype where each part lives, so each
+    # weight is copied once, from the file to its place (not built in fp32 on the host, then moved and cast).
     # On a GPU the text embedding table (151936 x 2048: 0.58 GiB in bf16, 30% of 0.6B's weights) stays in host
     # memory: a request looks up its few hundred rows once (streamed text: a few at a time) and only the [L, 2048]
     # result crosses to the device. A lookup is a copy, so nothing changes numerically.
@@ -98,10 +106,9 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
 
 def vocoder_dtype(device: torch.device, dtype: torch.dtype, quantization: str | None) -> torch.dtype:
     """The model dtype, but bf16 for a quantized model on a CPU with AMX tiles (Intel Sapphire Rapids and later),
-    where oneDNN runs bf16 convolutions on AMX: measured on 16 cores of one, 11.4 -> 6.5 ms per 80 ms frame for a
-    whole utterance and 14.0 -> 10.4 in streaming chunks (bench/probe_cpu.py --vocoder). Quantized output is not
+    where oneDNN runs bf16 convolutions on AMX (faster: bench/probe_cpu.py --vocoder). Quantized output is not
     exact anyway; unquantized, the CPU vocoder stays fp32 (exact), and so it does without AMX, where bf16
-    convolutions are emulated (3.8 s per frame on an AVX2 EPYC, measured)."""
+    convolutions are emulated (very slow)."""
     if quantization and device.type == "cpu" and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return torch.bfloat16
     return dtype
@@ -128,5 +135,7 @@ def load_codec_encoder(model_dir: Path, speech_cfg: SpeechTokenizerConfig, devic
     if not speech_cfg.encoder:
         raise ValueError(f"{model_dir}/speech_tokenizer/config.json has no encoder_config: "
                          "this checkpoint cannot encode reference audio")
-    enc = CodecEncoder(parse_codec_encoder_config(speech_cfg.encoder), num_codes=speech_cfg.encoder_valid_num_quantizers)
-    return _load_encoder(Path(model_dir) / "speech_tokenizer" / "model", "encoder.", enc, "codec encoder", device, dtype)
+    enc = CodecEncoder(parse_codec_encoder_config(speech_cfg.encoder),
+                       num_codes=speech_cfg.encoder_valid_num_quantizers)
+    return _load_encoder(Path(model_dir) / "speech_tokenizer" / "model", "encoder.", enc, "codec encoder", device,
+                         dtype)

@@ -4,8 +4,7 @@ Every per-frame linear (q/k/v/o, gate/up/down of the 33 decoder layers, codec_he
 heads and the 1.7B's small_to_mtp_projection) becomes a `QuantLinear`; embeddings, text_projection (prompt
 only) and the vocoder stay as they are. Quantized output is close to, not equal to, the unquantized model's.
 
-Modes and kernels (measured per decoder-layer's linears, one row, 2 cores of a Sapphire Rapids Xeon:
-fp32 F.linear 1.98 ms, int8 1.36 ms, int4 0.56 ms; 16 cores: 0.59 / 0.26 / 0.19 ms):
+Modes and kernels (their speeds per decoder layer: BENCHMARKS.md):
   int8  per-output-channel symmetric int8, scale = max|w_row| / 127.
         CPU: aten `_weight_int8pack_mm` (bf16 activations); CUDA: Triton dequant-in-GEMM (q3tts.kernels).
   int4  groups of `group_size` inputs, asymmetric 4-bit (min/max -> 16 levels), CPU only:
@@ -14,12 +13,11 @@ fp32 F.linear 1.98 ms, int8 1.36 ms, int4 0.56 ms; 16 cores: 0.59 / 0.26 / 0.19 
   int8dyn  int8 weights as int8 above, and int8 activations quantized on the fly (per call, one asymmetric
         scale per input tensor: per token in decode), CPU only: FBGEMM's `quantized::linear_dynamic` (the
         integer GEMM of torch's dynamic quantization; int32 accumulation). Not weight-only: the activation
-        rounding adds error, so it is the least exact CPU mode, and the fastest (one layer's linears, one row,
-        1 core of an AVX2 EPYC: int4 2.6-3.1 ms, int8 3.2-4.2, int8dyn 1.4-2.3, fp32 5.3).
+        rounding adds error, so it is the least exact CPU mode, and the fastest.
         Without VNNI the kernel multiplies u8 x s8 pairs into saturating int16, so activations keep 7 bits
         there (`reduce_range`, as torch's own dynamic quantization does on x86); with VNNI all 8.
-fp32 activations on CPU are rounded to bf16 for the int8 / int4 kernels (their fp32 variants measured 4-30x
-slower); outputs come back in the activation dtype.
+fp32 activations on CPU are rounded to bf16 for the int8 / int4 kernels (their fp32 variants are much slower);
+outputs come back in the activation dtype.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ _PACKED: dict[int, object] = {}  # int8dyn: FBGEMM packed weights by handle (tor
 
 # int8dyn: `q3tts::int8dyn_linear`, an operator with a CPU kernel and a fake (shape) kernel, so torch.compile traces
 # it. Registered with torch.library.Library rather than torch.library.custom_op: the latter's Python wrapper costs
-# ~35 us a call (measured, 2 cores of an AMD EPYC), about 15 ms of a frame's ~430 calls; the dispatcher adds ~2 us.
+# far more per call than the dispatcher, and a frame makes hundreds of calls.
 _LIB = torch.library.Library("q3tts", "FRAGMENT")
 _LIB.define("int8dyn_linear(Tensor x, Tensor handle, int out_features, bool reduce_range) -> Tensor")
 
@@ -126,7 +124,7 @@ class QuantLinear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernels multiply by, [N, K] fp32 (for tests and error analysis)."""
-        N, K = self.out_features, self.in_features
+        K = self.in_features
         if self.packed is not None:
             return torch.ops.quantized.linear_unpack(self.packed)[0].dequantize()
         if self.mode == "int4":
@@ -182,7 +180,8 @@ def quantize_(talker: nn.Module, mode: str | None, device: torch.device | str) -
     for m in talker.modules():
         # fused q|k|v and gate|up: quantize the fused weight (per-row scales, so equal to quantizing each part) and
         # keep the per-name modules as views of it, as fuse_projections does with the dense weights
-        for names, fused_name in ((("q_proj", "k_proj", "v_proj"), "qkv_weight"), (("gate_proj", "up_proj"), "gate_up_weight")):
+        for names, fused_name in ((("q_proj", "k_proj", "v_proj"), "qkv_weight"),
+                                  (("gate_proj", "up_proj"), "gate_up_weight")):
             fused = getattr(m, fused_name, None) if isinstance(m, (Attention, MLP)) else None
             if fused is None or isinstance(fused, QuantLinear):
                 continue
@@ -198,7 +197,8 @@ def quantize_(talker: nn.Module, mode: str | None, device: torch.device | str) -
                 if fq.packed is None:
                     part.register_buffer("qweight", fq.qweight[lo:lo + n])
                     part.register_buffer("scale", fq.scale[lo:lo + n])
-                # NOTE: int8dyn parts hold nothing (a packed weight has no row views): only the fused module runs
+                # NOTE(int8dyn-fused): int8dyn parts hold nothing (a packed weight has no row views): only the fused
+                # module runs
                 setattr(m, name, part)
                 lo += n
     targets = [(parent, name, child) for parent in talker.modules() for name, child in parent.named_children()

@@ -165,7 +165,7 @@ class AttentiveStatisticsPooling(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, _, T = x.shape
-        # NOTE: upstream builds an all-ones length mask; uniform weights 1/T give the global statistics.
+        # NOTE(upstream-mask): upstream builds an all-ones length mask; uniform weights 1/T give the global statistics.
         ones = torch.ones(B, 1, T, dtype=x.dtype, device=x.device)
         mean, std = self._stats(x, ones / ones.sum(dim=2, keepdim=True))
         ctx = torch.cat([x, mean.unsqueeze(2).expand(-1, -1, T), std.unsqueeze(2).expand(-1, -1, T)], dim=1)

@@ -53,7 +53,7 @@ class CodePredictorModel(nn.Module):
         cp = cfg.code_predictor
         self.layers = nn.ModuleList(DecoderLayer(cp) for _ in range(cp.num_hidden_layers))
         self.norm = RMSNorm(cp.hidden_size, cp.rms_norm_eps)
-        # NOTE: these embeddings have the *talker* width; small_to_mtp_projection maps them down.
+        # NOTE(cp-width): these embeddings have the *talker* width; small_to_mtp_projection maps them down.
         self.codec_embedding = nn.ModuleList(
             nn.Embedding(cp.vocab_size, cfg.hidden_size) for _ in range(cp.num_code_groups - 1))
 

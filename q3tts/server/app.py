@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from q3tts.engine.async_engine import AsyncEngine
+from q3tts.engine import AsyncEngine
 
 from . import logfilter
 from .metrics import Metrics
@@ -41,8 +41,8 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     logfilter.install()  # no API key (?api_key=) in uvicorn's request logs
     invariant = {"batch_invariant": True} if settings.batch_invariant else {}
-    engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
-                                          max_queue=settings.max_queue, **invariant, **settings.memory_budget))
+    engine = AsyncEngine.of(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
+                                             max_queue=settings.max_queue, **invariant, **settings.memory_budget))
     metrics = Metrics(engine.stats)
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes, settings.voice_alias,
                           settings.clone_workers, settings.clone_queue)

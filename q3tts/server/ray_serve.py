@@ -39,7 +39,7 @@ from dataclasses import fields, replace
 from ray import serve
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
-from q3tts.engine.memory import DEFAULT_MAX_SLOTS
+from q3tts.engine import DEFAULT_MAX_SLOTS
 
 from .settings import ServerSettings, parse_args
 

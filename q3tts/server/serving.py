@@ -24,18 +24,30 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from q3tts import longform
-from q3tts.engine.async_engine import AsyncEngine, RequestHandle
+from q3tts.engine import (
+    AsyncEngine,
+    AudioChunk,
+    QueueFullError,
+    RequestHandle,
+    StreamOptions,
+    compile_counts,
+    describe_counts,
+)
 from q3tts.inputs.align_text import WordTime, aligner_language
-from q3tts.engine.compile_cache import compile_counts, describe_counts
-from q3tts.engine.engine import AudioChunk
-from q3tts.engine.request import StreamOptions
-from q3tts.engine.scheduler import QueueFullError
 from q3tts.inputs.request import InputError, PreparedRequest, VoiceClonePromptItem
 
 from .encode import AudioEncoder
 from .metrics import Metrics
-from .protocol import (ApiError, SpeechAudioDelta, SpeechAudioDone, SpeechOptions, SpeechRequest, SpeechWordTimestamps,
-                       Usage, WordTiming)
+from .protocol import (
+    ApiError,
+    SpeechAudioDelta,
+    SpeechAudioDone,
+    SpeechOptions,
+    SpeechRequest,
+    SpeechWordTimestamps,
+    Usage,
+    WordTiming,
+)
 from .settings import ServerSettings
 from .voices import VoiceService
 

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from q3tts.audio import to_s16
-from q3tts.engine.request import StreamOptions
+from q3tts.engine import StreamOptions
 from q3tts.inputs.text import TextStream
 
 from .protocol import ApiError, SessionConfig, VoiceAddMessage

@@ -48,7 +48,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from q3tts.audio import to_s16
 from q3tts.config import generation_overrides
-from q3tts.engine.async_engine import AsyncEngine, RequestHandle
+from q3tts.engine import AsyncEngine, RequestHandle
 from q3tts.inputs.request import InputError, PreparedRequest
 
 from .metrics import Metrics
@@ -358,7 +358,7 @@ def build_service(tts, settings: ServerSettings, voice: str | None = None, instr
                   stream_idle_timeout: float = 30.0) -> WyomingService:
     """The engine (sized by settings, as `q3tts serve` sizes it), voices and serving of a Wyoming server; call it
     inside the event loop that will serve it."""
-    engine = AsyncEngine(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
+    engine = AsyncEngine.of(tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,
                                           max_queue=settings.max_queue, **settings.memory_budget))
     voices = VoiceService(tts, settings.voice_dir, settings.max_upload_bytes)
     try:

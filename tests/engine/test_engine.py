@@ -1,6 +1,7 @@
 """Engine equivalences on CPU fp32: batched == alone (sampling too, batched prefill too), streamed == offline,
 cancellation, a failing request in a batch."""
 
+import dataclasses
 from collections import Counter
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from q3tts.engine.engine import Engine
 from q3tts.engine.request import RequestStatus, StreamOptions
 from q3tts.models.talker import embed_prompt
+from tests.engine.steps import generate_codes, run_to_completion
 from tests.golden import fixtures as fx
 
 
@@ -27,7 +29,7 @@ def prepared_mix(tts, n_frames=12):
 
 def run_alone(tts, p, max_seq_len=256):
     eng = Engine(tts.ckpt, max_slots=1, max_seq_len=max_seq_len)
-    return eng.generate_codes([p])[0]
+    return generate_codes(eng, [p])[0]
 
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=10)
@@ -62,7 +64,7 @@ def test_batched_prefill_equals_alone(variant):
     handles = [eng.add_request(p) for p in ps]
     eng.step()  # one step admits all of them: one batched prefill
     assert sorted(h.slot for h in handles) == list(range(len(ps)))
-    eng.run_to_completion(handles)
+    run_to_completion(eng, handles)
     for h, a in zip(handles, alone):
         assert torch.equal(torch.stack(h.frames), a), h.request_id
 
@@ -78,9 +80,9 @@ def test_prefill_batch_equals_single_prefills(variant):
     for i, ((pre, trail), p) in enumerate(zip(embeds, ps)):
         single = Engine(tts.ckpt, max_slots=1, max_seq_len=256).runner
         assert single.prefill_batch(0, [pre], [trail], [p.params]) == [codes0[i]]
-        assert torch.equal(single.last_hidden[0], batched.last_hidden[i])
+        assert torch.equal(single.slots.last_hidden[0], batched.slots.last_hidden[i])
         L = pre.shape[0]
-        assert batched.position_cpu[i] == L and int(batched.position[i]) == L
+        assert batched.slots.position_cpu[i] == L and int(batched.slots.position[i]) == L
         assert torch.equal(single.kv[:, :, 0, :, :L], batched.kv[:, :, i, :, :L])
 
 
@@ -124,13 +126,14 @@ def test_a_few_admitted_together_replay_their_prefill_graphs_each_as_alone(monke
         single = with_prefill_replays(Engine(tts.ckpt, max_slots=1, max_seq_len=256).runner, monkeypatch)
         assert single.prefill_batch(0, pre[i:i + 1], trail[i:i + 1], params[i:i + 1]) == [codes0[i]]
         L, S = pre[i].shape[0], trail[i].shape[0]
-        assert torch.equal(single.last_hidden[0], runner.last_hidden[1 + i])
+        rs, ss = runner.slots, single.slots
+        assert torch.equal(ss.last_hidden[0], rs.last_hidden[1 + i])
         assert torch.equal(single.kv[:, :, 0, :, :L], runner.kv[:, :, 1 + i, :, :L])
-        assert runner.position_cpu[1 + i] == L and int(runner.position[1 + i]) == L
-        assert torch.equal(single.trailing[0, :S], runner.trailing[1 + i, :S]) and int(runner.trailing_len[1 + i]) == S
-        for name, t in runner.params.items():
-            assert t[1 + i] == single.params[name][0], name
-        assert runner.seed[1 + i] == single.seed[0] and runner.topk_ok_cpu[1 + i] == single.topk_ok_cpu[0]
+        assert rs.position_cpu[1 + i] == L and int(rs.position[1 + i]) == L
+        assert torch.equal(ss.trailing[0, :S], rs.trailing[1 + i, :S]) and int(rs.trailing_len[1 + i]) == S
+        for f in dataclasses.fields(rs.sampling):
+            assert getattr(rs.sampling, f.name)[1 + i] == getattr(ss.sampling, f.name)[0], f.name
+        assert rs.seed[1 + i] == ss.seed[0] and rs.topk_ok_cpu[1 + i] == ss.topk_ok_cpu[0]
     # one more than PREFILL_GRAPH_MAX_REQUESTS, or graphs=False: one batched forward, no replay
     five = (pre + pre[:1], trail + trail[:1], params + params[:1])
     for args, kw in ((five, {}), ((pre, trail, params), {"graphs": False})):
@@ -138,7 +141,7 @@ def test_a_few_admitted_together_replay_their_prefill_graphs_each_as_alone(monke
             g.replays = 0
         runner.prefill_batch(0, *args, **kw)
         assert not any(g.replays for g in runner.prefill_graphs.values())
-        assert runner.last_code0[:4].tolist() == codes0  # (CPU: the batched forward is bit-identical too)
+        assert runner.slots.last_code0[:4].tolist() == codes0  # (CPU: the batched forward is bit-identical too)
 
 
 def test_a_too_long_request_is_refused_and_the_others_run_as_alone():
@@ -153,7 +156,7 @@ def test_a_too_long_request_is_refused_and_the_others_run_as_alone():
     handles += [eng.add_request(p) for p in ok[1:]]
     eng.step()
     assert sorted(h.slot for h in handles) == [0, 1, 2] and eng.scheduler.queue_depth == 0
-    eng.run_to_completion(handles)
+    run_to_completion(eng, handles)
     for h, a in zip(handles, alone):
         assert h.status.reason == "length" and torch.equal(torch.stack(h.frames), a), h.request_id
     assert eng.scheduler.num_running == 0 and len(eng.scheduler.free_slots) == 4
@@ -173,7 +176,7 @@ def test_batched_equals_alone_with_staggered_arrivals_and_a_cancel():
     eng.step()
     eng.step()
     eng.abort("victim")
-    eng.run_to_completion(handles + [victim])
+    run_to_completion(eng, handles + [victim])
     assert victim.status == RequestStatus.FINISHED_ABORTED and victim.num_frames < 12
     for h, a in zip(handles, alone):
         got = torch.stack(h.frames)
@@ -184,7 +187,7 @@ def test_batched_equals_alone_with_staggered_arrivals_and_a_cancel():
 def stream_alone(tts, p, opts):
     eng = Engine(tts.ckpt, max_slots=1, max_seq_len=256)
     req = eng.add_request(p, opts)
-    chunks = eng.run_to_completion([req])
+    chunks = run_to_completion(eng, [req])
     return torch.stack(req.frames), np.concatenate([c.audio for c in chunks])
 
 
@@ -203,7 +206,7 @@ def test_voice_clone_mix_streamed_staggered_with_a_cancel():
     chunks += eng.step()
     eng.abort("victim")
     handles.append(eng.add_request(ps[2], opts))  # x-vector: takes the victim's slot and vocoder row, fresh
-    chunks += eng.run_to_completion(handles + [victim])
+    chunks += run_to_completion(eng, handles + [victim])
     audio = {h.request_id: [] for h in handles}
     for c in chunks:
         audio.get(c.request_id, []).append(c.audio)
@@ -276,16 +279,19 @@ def test_attending_to_the_end_of_the_cache_compiles_nothing_new():
     compiled apart before. Its greedy codes equal the uncompiled engine's (fp32: compiled kernels differ from eager
     ones by rounding only, ~1e-6 relative, far below the random tiny model's logit gaps)."""
     import torch._dynamo.utils
-    tts = fx.tts("cv06")
+
+    from q3tts import TTS
+    # a TTS of its own: compile_layers compiles its talker's layers in place, which the shared fx.tts must not keep
+    tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cpu", dtype=torch.float32)
     eng = Engine(tts.ckpt, max_slots=1, max_seq_len=128, compile=True)
-    warm = eng.generate_codes(tts.prepare_custom_voice("Hi.", "ryan", **dict(GREEDY, max_new_tokens=80)))[0]
+    warm = generate_codes(eng, tts.prepare_custom_voice("Hi.", "ryan", **dict(GREEDY, max_new_tokens=80)))[0]
     assert warm.shape[0] > 64, "the first request's frames must attend to the end of the cache too"
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     long = tts.prepare_custom_voice("A sentence long enough to pass sixty-four prompt positions, so the prefill "
                                     "attends to the end of this small cache. " * 3, "ryan", **GREEDY)
     L = len(long[0].layout)
     assert eng.runner.kv_span(L) == eng.runner.max_len and not eng.runner.eager_prefill(1, L), L
-    codes = eng.generate_codes(long)[0]
+    codes = generate_codes(eng, long)[0]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
     assert torch.equal(codes, run_alone(tts, long[0], max_seq_len=128))
 
@@ -297,7 +303,6 @@ def test_code_predictor_steps_reuse_the_layers_compiled_for_the_talker():
     compiles the layer twice (1 position, 2 positions). With its own layout of constant inputs (one broadcast RoPE
     table and mask, not inference tensors, a cache of exactly 16 positions) the code predictor's steps compiled
     their own variant too. Random weights: only the compiled variants are counted."""
-    import dataclasses
 
     from q3tts.engine.runner import ModelRunner
     from q3tts.models.layers import DecoderLayer

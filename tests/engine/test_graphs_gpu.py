@@ -5,6 +5,7 @@ import torch
 
 from q3tts import TTS
 from q3tts.engine.engine import Engine
+from tests.engine.steps import generate_codes, run_to_completion
 from tests.golden import fixtures as fx
 
 pytestmark = pytest.mark.gpu
@@ -12,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 def codes_with(tts, prepared, graphs: bool, max_slots=4):
     eng = Engine(tts.ckpt, max_slots=max_slots, max_seq_len=256, use_cuda_graphs=graphs)
-    return eng.generate_codes(prepared)
+    return generate_codes(eng, prepared)
 
 
 def test_graph_equals_eager_fp32_120_frames():
@@ -47,7 +48,7 @@ def test_mixed_sampling_parameters_inside_the_graph():
 @pytest.fixture(scope="module")
 def real06(tmp_path_factory):
     """TTS of a random 0.6B-CustomVoice checkpoint at the real dimensions, bf16."""
-    from bench.make_checkpoint import make
+    from q3tts.randomckpt import make_checkpoint as make
     path = tmp_path_factory.mktemp("real06") / "ck"
     make("0.6B-CustomVoice", path)
     return TTS.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
@@ -97,7 +98,7 @@ def test_nothing_compiles_after_warm_up(real06):
         reqs = [eng.add_request(tts.prepare_custom_voice(" ".join((words * 8)[: 2 + 7 * i]), "ryan",
                                                          max_new_tokens=6)[0], StreamOptions(1, 4))
                 for i in range(group)]
-        eng.run_to_completion(reqs)
+        run_to_completion(eng, reqs)
         assert all(r.status.reason in ("stop", "length") and r.stream_done for r in reqs)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
 
@@ -118,7 +119,7 @@ def test_long_prompts_compile_nothing_after_warm_up(real06):
                                                          max_new_tokens=4)[0]) for _ in range(n)]
         L = max(len(r.prepared.layout) for r in reqs)
         assert n * H * L * eng.runner.kv_span(L) > ATTN_SCORES_CHUNK, L
-        eng.run_to_completion(reqs)
+        run_to_completion(eng, reqs)
         assert all(r.status.reason in ("stop", "length") for r in reqs)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
 
@@ -130,6 +131,6 @@ def test_paged_graphs_equal_contiguous_eager_fp32():
     p = tts.prepare_custom_voice(["One, greedy.", "Two, a longer text with more words in it.", "Three."],
                                  ["vivian", "ryan", "serena"], do_sample=False, subtalker_dosample=False,
                                  max_new_tokens=81)
-    paged = Engine(tts.ckpt, max_slots=4, max_seq_len=256, kv_block_size=16).generate_codes(p)
+    paged = generate_codes(Engine(tts.ckpt, max_slots=4, max_seq_len=256, kv_block_size=16), p)
     for a, b in zip(paged, codes_with(tts, p, False)):
         assert torch.equal(a, b)

@@ -7,7 +7,13 @@ import torch
 import q3tts.engine.engine as engine_mod
 from q3tts.engine.engine import Engine
 from q3tts.engine.request import RequestStatus, StreamOptions
-from tests.engine.test_engine import prepared_lengths, prepared_mix, run_alone, stream_alone
+from tests.engine.steps import run_to_completion
+from tests.engine.test_engine import (
+    prepared_lengths,
+    prepared_mix,
+    run_alone,
+    stream_alone,
+)
 from tests.golden import fixtures as fx
 
 BS = 16  # small blocks: the tiny models' prompts (30-100 positions) and 12 frames cross several
@@ -25,7 +31,7 @@ def test_paged_batched_prefill_equals_contiguous_alone(variant):
     alone = [run_alone(tts, p) for p in ps]
     eng = paged(tts, 4)
     handles = [eng.add_request(p) for p in ps]
-    eng.run_to_completion(handles)
+    run_to_completion(eng, handles)
     for h, a in zip(handles, alone):
         assert torch.equal(torch.stack(h.frames), a), h.request_id
     s = eng.scheduler
@@ -49,7 +55,7 @@ def test_paged_staggered_arrivals_a_cancel_and_a_tight_pool(monkeypatch):
     eng.step()
     eng.step()
     eng.abort("victim")
-    eng.run_to_completion(handles + [victim])
+    run_to_completion(eng, handles + [victim])
     assert victim.status == RequestStatus.FINISHED_ABORTED
     for h, a in zip(handles, alone):
         assert torch.equal(torch.stack(h.frames), a), h.request_id
@@ -63,7 +69,7 @@ def test_paged_streamed_audio_equals_alone():
     alone = [stream_alone(tts, p, opts) for p in ps]
     eng = paged(tts, 3)
     handles = [eng.add_request(p, opts) for p in ps]
-    chunks = eng.run_to_completion(handles)
+    chunks = run_to_completion(eng, handles)
     for h, (codes, wav) in zip(handles, alone):
         assert torch.equal(torch.stack(h.frames), codes)
         got = torch.cat([torch.from_numpy(c.audio) for c in chunks if c.request_id == h.request_id]).numpy()
@@ -82,7 +88,7 @@ def test_a_full_pool_fails_the_newest_stream_and_the_others_finish(monkeypatch):
     first = eng.add_request(ps[0])
     eng.step()
     second = eng.add_request(ps[1])
-    eng.run_to_completion([first, second])
+    run_to_completion(eng, [first, second])
     assert second.status == RequestStatus.FINISHED_ERROR and "out of KV-cache memory" in second.error
     assert first.status.reason == "length" and torch.equal(torch.stack(first.frames), alone)
     assert len(eng.scheduler.free_blocks) == eng.runner.num_blocks - 1

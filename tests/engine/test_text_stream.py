@@ -15,6 +15,7 @@ import torch
 from q3tts.engine.async_engine import AsyncEngine
 from q3tts.engine.engine import Engine
 from q3tts.engine.request import RequestStatus, StreamOptions
+from tests.engine.steps import generate_codes, run_to_completion
 from tests.golden import fixtures as fx
 from tests.inputs.test_text import split
 
@@ -97,7 +98,7 @@ def test_streamed_texts_batched_beside_ordinary_requests():
     _, text_b, pb, codes_b, wav_b = prepared_stream("cv06", "dialect_dylan_auto_stream")
     greedy = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=14)
     whole = tts.prepare_custom_voice(["A whole text beside them.", "你好。"], ["vivian", "serena"], **greedy)
-    alone = [Engine(tts.ckpt, max_slots=1, max_seq_len=256).generate_codes([w])[0] for w in whole]
+    alone = [generate_codes(Engine(tts.ckpt, max_slots=1, max_seq_len=256), [w])[0] for w in whole]
     eng = Engine(tts.ckpt, max_slots=4, max_seq_len=256)
     w0 = eng.add_request(whole[0], StreamOptions(2, 8))
     for _ in range(3):
@@ -176,7 +177,7 @@ def test_bad_text_streams_fail_alone_and_free_their_slots():
     ok = small.add_request(tts.prepare_custom_voice("Fine.", "vivian", **greedy)[0], StreamOptions(1, 4))
     bad = small.add_request(p, StreamOptions(1, 4))
     p.text.append("word " * 100)
-    chunks = small.run_to_completion([ok, bad])
+    chunks = run_to_completion(small, [ok, bad])
     assert bad.status == RequestStatus.FINISHED_ERROR and "too long" in bad.error
     assert ok.status.reason == "length" and [c.error for c in chunks if c.request_id == bad.request_id][-1]
     assert small.scheduler.num_running == 0
@@ -204,5 +205,5 @@ def test_a_row_waiting_for_text_does_not_hold_up_the_others():
     threading.Timer(0.05, lambda: (woke.set(), p.text.append(" more"))).start()
     assert eng.wake.wait(5) and woke.is_set() and eng.has_work()
     p.text.close()
-    eng.run_to_completion([waiting])
+    run_to_completion(eng, [waiting])
     assert waiting.status.finished and waiting.num_frames == 9

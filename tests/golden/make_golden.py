@@ -159,12 +159,11 @@ REF_TEXTS = ["Okay. Yeah. I resent you.", "这是一段参考音频的文本。"
 def run_inside(only: list[str] | None) -> None:
     import numpy as np
     import torch
+    from qwen_tts import Qwen3TTSModel, VoiceClonePromptItem
+    from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
+    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
     from safetensors.torch import save_file
     from transformers import AutoProcessor
-
-    from qwen_tts import Qwen3TTSModel, VoiceClonePromptItem
-    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration
-    from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
 
     spec = importlib.util.spec_from_file_location("randomckpt", ROOT / "q3tts" / "randomckpt.py")
     rc = importlib.util.module_from_spec(spec)

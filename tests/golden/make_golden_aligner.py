@@ -151,10 +151,9 @@ class Windowed:
 def run_inside() -> None:
     import numpy as np
     import torch
-    from safetensors.torch import save_file
-
     from qwen_asr import Qwen3ForcedAligner
     from qwen_asr.core.transformers_backend import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
+    from safetensors.torch import save_file
 
     spec = importlib.util.spec_from_file_location("randomckpt", ROOT / "q3tts" / "randomckpt.py")
     rc = importlib.util.module_from_spec(spec)

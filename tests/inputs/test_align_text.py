@@ -6,8 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from q3tts.inputs.align_text import (InputError, WordTime, aligner_language, fix_timestamps, prompt_text, split_words,
-                                     word_times)
+from q3tts.inputs.align_text import (
+    InputError,
+    WordTime,
+    aligner_language,
+    fix_timestamps,
+    prompt_text,
+    split_words,
+    word_times,
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "golden" / "fixtures" / "aligner" / "aligner.json"
 

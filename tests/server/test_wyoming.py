@@ -21,15 +21,14 @@ import pytest
 
 pytest.importorskip("wyoming", reason="pip install -e '.[wyoming]'")
 
-from wyoming.audio import AudioChunk, AudioStart, AudioStop  # noqa: E402
+from wyoming.audio import AudioChunk, AudioStart  # noqa: E402
 from wyoming.client import AsyncTcpClient  # noqa: E402
 from wyoming.error import Error  # noqa: E402
 from wyoming.event import Event  # noqa: E402
 from wyoming.info import Describe, Info  # noqa: E402
 from wyoming.ping import Ping, Pong  # noqa: E402
 from wyoming.server import AsyncTcpServer  # noqa: E402
-from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop,  # noqa: E402
-                         SynthesizeStopped, SynthesizeVoice)
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice  # noqa: E402
 
 from q3tts.server.wyoming import WyomingHandler, build_service, model_language  # noqa: E402
 from tests.golden import fixtures as fx  # noqa: E402

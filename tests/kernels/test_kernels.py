@@ -187,7 +187,7 @@ def test_sample_top_kernel_draws_as_sample_topk(V):
     assert not kernels.sample_top_applies(args[0], cap)  # many rows: torch.topk's path
     vals, nsel = torch.empty(2, B, cap, device="cuda")
     idx = torch.empty(B, cap, device="cuda", dtype=torch.long)
-    kernels._top_rank[(B, V // kernels.TOP_RANK_ROWS)](args[0], args[5], vals, idx, nsel, V, CAP=cap,
+    kernels.sampling._top_rank[(B, V // kernels.TOP_RANK_ROWS)](args[0], args[5], vals, idx, nsel, V, CAP=cap,
                                                        BI=kernels.TOP_RANK_ROWS, BJ=kernels.TOP_RANK_COLS, PDL=False)
     ref_vals, ref_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
     assert torch.equal(vals.cpu(), ref_vals[:, :cap]) and torch.equal(idx.cpu(), ref_idx[:, :cap])

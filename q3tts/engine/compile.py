@@ -1,9 +1,9 @@
-"""Where torch.compile keeps what it compiles, so that a restart reuses it.
+"""The compile policy (what torch.compile compiles, with which Inductor settings) and where its caches live.
 
 Inductor's FX graph cache and the AOTAutograd cache (both on by default in torch 2.13) and, on CUDA, the
 Triton kernels of the graphs live under TORCHINDUCTOR_CACHE_DIR, by default /tmp/torchinductor_<user>: lost on
-reboot and in a fresh container, so every start of the server compiled everything again (244 s on an H100,
-~120 s with that cache warm). q3tts points it at a per-user directory that survives, unless the user chose one:
+reboot and in a fresh container, so every start of the server compiled everything again (BENCHMARKS.md: start-up).
+q3tts points it at a per-user directory that survives, unless the user chose one:
 
     compile_cache argument (a directory, or False: leave torch's defaults)
     > $Q3TTS_COMPILE_CACHE (a directory, or "off")
@@ -18,14 +18,65 @@ Dynamo's tracing is not cached: a warm start still traces every compiled functio
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import torch
 
+from ..models.layers import DecoderLayer
+from ..sampling import sample, sample_topk, talker_logits_rules
+
 ENV = "Q3TTS_COMPILE_CACHE"
 OFF = ("0", "off", "false", "no", "none")
 log = logging.getLogger("q3tts.engine")
+
+
+def want_compile(device: torch.device, flag: bool | None) -> bool:
+    """Default: on for CUDA (set Q3TTS_COMPILE=0 to disable), off on CPU."""
+    if flag is not None:
+        return flag
+    env = os.environ.get("Q3TTS_COMPILE")
+    return env == "1" if env is not None else device.type == "cuda"
+
+
+def compile_layers(talker: torch.nn.Module) -> None:
+    """torch.compile each decoder layer's forward (fuses norms, RoPE and the attention glue into a few kernels).
+    One compiled function serves every layer instance; batch and length are dynamic, so a handful of compilations
+    cover all graph buckets."""
+    import torch._dynamo
+    import torch._inductor.config
+    import torch.fx.experimental._config as fx_config
+    # room for the layer's variants (batch buckets x spans x the code predictor's steps)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    # NOTE(compile): no duck shaping: two sizes equal at compile time would share one symbol, so a prefill whose span
+    # (64) equalled the head dim (64) was compiled for that span only, and every longer prompt recompiled
+    fx_config.use_duck_shape = False
+    # NOTE(compile): float attributes (the norms' eps) as constants: else Dynamo first makes them symbolic floats,
+    # finds Inductor cannot keep them so, and restarts the whole trace
+    torch._dynamo.config.specialize_float = True
+    # NOTE(compile): no matmul padding: Inductor's pad_mm pass guards the attended span, so longer spans compiled
+    # every layer variant again; the dims it would pad are multiples of 64 already
+    torch._inductor.config.shape_padding = False
+    # NOTE(pdl): Inductor's own kernels stay out of programmatic dependent launch (triton.enable_pdl); only the
+    # engine's kernels (q3tts.kernels) use it. An Inductor kernel waits only for the buffers its graph's previous
+    # node wrote while ours let the next kernel start early (bf16 graph and eager codes parted with PDL in part of
+    # the graphs); Inductor's static launcher cannot launch PDL kernels (slower warm starts); and the frame time
+    # did not change beyond the machines' spread (BENCHMARKS.md).
+    fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
+    for m in talker.modules():
+        if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
+            m.forward = functools.partial(fwd, m)
+
+
+def compile_model(talker: torch.nn.Module, on: bool) -> tuple:
+    """The runner's compiled functions: with `on`, the talker's layers compiled in place (compile_layers) and
+    (sample, sample_topk, talker_logits_rules) compiled with dynamic batch; else the plain samplers."""
+    fns = (sample, sample_topk, talker_logits_rules)
+    if not on:
+        return fns
+    compile_layers(talker)
+    return tuple(torch.compile(f, dynamic=True) for f in fns)
 
 
 def default_compile_cache() -> str:

@@ -46,6 +46,7 @@ def test_errors_name_accepted_values():
 
 def test_voice_prompt_size_and_codes_checked():
     import torch
+
     from q3tts import VoiceClonePromptItem
     tts = fx.tts("base06")
     D = tts.cfg.talker.hidden_size

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from q3tts.engine.compile_cache import default_compile_cache, describe_counts, use_compile_cache
+from q3tts.engine.compile import (
+    default_compile_cache,
+    describe_counts,
+    use_compile_cache,
+)
 from q3tts.server.settings import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,8 +73,8 @@ CHILD = """
 import json, torch
 torch.set_num_threads(1)
 from q3tts.config import DecoderLayerConfig
-from q3tts.engine.compile_cache import compile_counts, use_compile_cache
-from q3tts.engine.runner import compile_layers
+from q3tts.engine.compile import compile_counts, use_compile_cache
+from q3tts.engine.compile import compile_layers
 from q3tts.models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 use_compile_cache()  # from Q3TTS_COMPILE_CACHE
 cfg = DecoderLayerConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -1,0 +1,106 @@
+"""CUDA-graph capture, shared by the runner's frames and prefills (`capture_runner`) and the vocoder's calls.
+
+Each owner warms its functions up on a side stream (compilation, allocations, cuBLAS handles), then captures
+them largest first into one shared memory pool with Python's cycle collector paused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..kernels import MAX_ROWS
+from ..sampling import SamplingParams
+from .compile import compile_counts
+
+log = logging.getLogger("q3tts.engine")
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cycle collector paused for a loop of CUDA-graph captures, after one collection.
+    - Paused: a collection during a capture can free an engine dropped earlier, whose graphs then reset mid-capture
+      and invalidate it (seen in the GPU tests, which build engine after engine in one process).
+    - Once per loop, not per capture: with Dynamo and Inductor loaded a collection is slow, and a start-up captures
+      about a hundred graphs."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def side_stream() -> Iterator[None]:
+    """Warm-ups before a capture run on a side stream that the current stream then waits for."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """One CUDA graph of fn() in the memory pool `pool` (None: a new one) -> (graph, fn's result)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = fn()
+    return g, out
+
+
+@torch.inference_mode()
+def capture_runner(runner) -> int:
+    """Capture one graph per (batch bucket up to the allocated rows, length bucket up to max_len, sampler) of a
+    ModelRunner's frame, and one per padded prompt length of its single-request prefill. Must run while no request
+    is active: the warm-up replays write into the rows they cover (all state is reset afterwards)."""
+    keys = runner.graph_keys()
+    lens = runner.prefill_graph_lens
+    # one warm-up frame per (batch bucket, sampler), at its shortest span: the spans share every compiled variant
+    # (the span is a dynamic size), and each frame launched from Python is slow. Paged: every key (a longer span
+    # compiled a variant of its own there, inside a capture)
+    warm = {}
+    for B, n, c in sorted(keys):
+        warm.setdefault((B, c) if runner.block_table is None else (B, n, c), (B, n, c))
+    with side_stream():
+        runner.warm_up_frames(list(warm.values()))
+        for L in lens:
+            runner._prefill_into_scratch(L)
+    compiled = compile_counts()
+    with gc_paused():
+        for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
+            runner.graphs[key], _ = capture(lambda: runner._frame(*key), runner._pool)  # noqa: B023 (called at once)
+            runner._pool = runner.graphs[key].pool()
+        for L in lens:
+            runner.prefill_graphs[L], _ = capture(lambda: runner._prefill_into_scratch(L), runner._pool)  # noqa: B023
+    # a variant compiled inside a capture (a span that needed its own) is a bug: it ran no warm-up, and its kernels
+    # were tuned while capturing
+    now = compile_counts()
+    runner.compiled_while_capturing = now["fx_hit"] + now["fx_miss"] - compiled["fx_hit"] - compiled["fx_miss"]
+    if runner.compiled_while_capturing:
+        log.warning("%d graphs compiled while capturing CUDA graphs", runner.compiled_while_capturing)
+    # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call), and for <= and >
+    # MAX_ROWS tokens in all (the skinny GEMM or cuBLAS): compile the four now, not while the first burst of
+    # requests waits. Long prompts run uncompiled (eager_prefill).
+    D, dev, dt = runner.cfg.hidden_size, runner.device, runner.dtype
+    for n in (1, 2)[: runner.num_rows]:
+        for L in (8, 5 * MAX_ROWS):
+            runner.prefill_batch(0, [torch.zeros(L, D, device=dev, dtype=dt)] * n,
+                                 [torch.zeros(2, D, device=dev, dtype=dt)] * n,
+                                 [SamplingParams()] * n, graphs=n == 1)  # 2 rows: the batched forward
+    # and a prompt past the last prefill graph's length, alone: its forward launched from Python straight into its
+    # row, as each of a few (in batch-invariant mode, any number of) long newcomers runs
+    L = max(lens, default=0) + 1
+    if L < runner.max_len and runner.block_table is None and not runner.eager_prefill(1, L):
+        runner.prefill_batch(0, [torch.zeros(L, D, device=dev, dtype=dt)], [torch.zeros(2, D, device=dev, dtype=dt)],
+                             [SamplingParams()])
+    torch.cuda.synchronize()
+    runner.slots.reset()  # the warm-ups wrote garbage into free rows
+    torch.cuda.empty_cache()  # the warm-ups' blocks (cached on their side stream, where nothing else reuses them)
+    return len(runner.graphs)

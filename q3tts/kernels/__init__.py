@@ -1,0 +1,34 @@
+"""The engine's Triton kernels for decoding: skinny GEMMs (y = x @ w.T for a handful of rows: a decode step, rows =
+batch <= 16); for one stream, a decoder layer pass in a few launches (gemv_ex: GEMVs that carry the RMSNorms, the
+SiLU gate and the residual adds; decode_attention: one token's attention from q|k|v to the output); the sampling
+noise of a frame in one launch (frame_noise_cuda) and top-k sampling in two (sample_top).
+
+Why: one decode frame runs 103 decoder layers at one row each, and cuBLAS picks poor kernels for such shapes
+(BENCHMARKS.md: the skinny GEMMs against cuBLAS). The kernels stream the weight once with fp32 accumulation; the result
+can differ from cuBLAS's in the last bf16 bit (different summation order), as cuBLAS's own kernels differ
+between batch sizes.
+
+`linear` dispatches: these kernels on CUDA in bf16/fp16 for <= MAX_ROWS rows and divisible sizes;
+F.linear everywhere else (CPU, fp32, prefill, big batches). Q3TTS_SKINNY_GEMM=0 turns every kernel here off.
+
+The kernels live by consumer: gemm (linears, one-row layer GEMVs), attention (decode attention), sampling (noise,
+top-k), vocoder (SnakeBeta joins); common holds what they share.
+"""
+
+from .attention import ATTN_FUSED_MAX_SPAN, decode_attention, decode_attention_applies
+from .common import ENABLED, MAX_ROWS, pdl, triton
+from .gemm import GEMV_EX_LAUNCH, gemv_ex, gemv_ex_applies, linear, quant_linear
+from .sampling import (
+                       TOP_KERNEL_MAX_ROWS,
+                       TOP_RANK_COLS,
+                       TOP_RANK_ROWS,
+                       frame_noise_cuda,
+                       sample_top,
+                       sample_top_applies,
+)
+from .vocoder import snake_beta, snake_join
+
+__all__ = ["ATTN_FUSED_MAX_SPAN", "ENABLED", "GEMV_EX_LAUNCH", "MAX_ROWS", "TOP_KERNEL_MAX_ROWS", "TOP_RANK_COLS",
+           "TOP_RANK_ROWS", "decode_attention", "decode_attention_applies", "frame_noise_cuda", "gemv_ex",
+           "gemv_ex_applies", "linear", "pdl", "quant_linear", "sample_top", "sample_top_applies", "snake_beta",
+           "snake_join", "triton"]

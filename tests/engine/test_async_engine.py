@@ -1,0 +1,69 @@
+"""One loop steps an Engine: the Python API and the server submit through the same AsyncEngine, at the same time,
+and each gets what it gets alone."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from q3tts.engine.async_engine import AsyncEngine
+from q3tts.engine.request import StreamOptions
+from tests.golden import fixtures as fx
+
+GREEDY = dict(do_sample=False, subtalker_dosample=False)
+
+
+def test_a_tts_call_and_the_server_share_one_loop_and_get_what_they_get_alone():
+    tts = fx.tts("cv06")
+
+    first_api_chunk = []
+
+    def api_call():  # the Python API, from a thread of its own
+        chunks = []
+        for c in tts.generate_custom_voice_stream("A call from the Python API.", "vivian", max_new_tokens=24,
+                                                  first_chunk_frames=1, chunk_frames=4, **GREEDY):
+            first_api_chunk.append(time.perf_counter())
+            chunks.append(c)
+        return np.concatenate([c.audio for c in chunks]), tts.generate_custom_voice(
+            "Offline, beside the stream.", "ryan", max_new_tokens=12, **GREEDY)[0][0]
+
+    def server_request():
+        return tts.prepare_custom_voice("The server streams this one meanwhile.", "ryan", max_new_tokens=40,
+                                        **GREEDY)[0]
+
+    server = AsyncEngine.of(tts.engine)
+    assert tts.driver is server  # the API's calls go through the server's loop
+    with pytest.raises(RuntimeError, match="another AsyncEngine"):
+        AsyncEngine(tts.engine)
+
+    last = [0.0]
+
+    async def serve(during=None):
+        chunks = []
+        async for c in server.generate(server_request(), StreamOptions(1, 4)):
+            chunks.append(c)
+            last[0] = time.perf_counter()
+            if during is not None and len(chunks) == 1:  # the API call starts while this stream runs
+                during.start()
+        return chunks
+
+    alone_stream, alone_offline = api_call()
+    alone_server = asyncio.run(serve())
+
+    out = {}
+    first_api_chunk.clear()
+    api = threading.Thread(target=lambda: out.update(api=api_call()))
+    together_server = asyncio.run(serve(during=api))
+    api.join(timeout=600)
+    assert not api.is_alive()
+    assert first_api_chunk[0] < last[0]  # they ran at the same time
+    stream, offline = out["api"]
+    np.testing.assert_array_equal(stream, alone_stream)
+    np.testing.assert_array_equal(offline, alone_offline)
+    np.testing.assert_array_equal(np.concatenate([c.audio for c in together_server]),
+                                  np.concatenate([c.audio for c in alone_server]))
+    assert together_server[-1].is_last and together_server[-1].finish_reason in ("stop", "length")
+    s = tts.engine.scheduler
+    assert s.num_running == 0 and s.queue_depth == 0
