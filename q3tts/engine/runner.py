@@ -27,7 +27,7 @@ from ..inputs.request import InputError, PreparedRequest
 from ..kernels import linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker, embed_prompt
-from ..sampling import SamplingParams, sample, uniform_noise
+from ..sampling import SamplingParams, uniform_noise
 from .compile import compile_model, use_compile_cache, want_compile
 from .depth import DepthLoop
 from .graphs import capture_runner
@@ -81,8 +81,6 @@ class ModelRunner:
         # torch's compile cache directory (None: torch's default, or no compile), set before anything compiles
         self.compile_cache = use_compile_cache(compile_cache) if self.compiled else None
         self._sample, self._sample_topk, self._rules = compile_model(talker, self.compiled)
-        if invariant.ENABLED:  # NOTE(invariant): eager torch reduces each row alone (sorts, softmax, cumsum);
-            self._sample = sample  # Inductor compiles 1 row and n rows apart, and may reduce them differently
         self.depth = DepthLoop(talker, S, (self._sample, self._sample_topk), self.compiled)
 
     # ------------------------------------------------------------------ slots
@@ -146,10 +144,9 @@ class ModelRunner:
                       params: list[SamplingParams], graphs: bool = True) -> list[int]:
         """Admit N requests into rows [lo, lo+N); returns their code 0 of frame 0.
         prefills: N x [L_i, D] prompt embeddings, trailings: N x [S_i, D]; each passed check_prompt.
-        On CUDA up to PREFILL_GRAPH_MAX_REQUESTS prompts (contiguous cache), any number in batch-invariant mode, are
-        prefilled one after another, each exactly as alone (its bucket's captured prefill graph where there is one);
-        else one talker forward prefills them all (graphs=False: always, outside batch-invariant mode, for the
-        warm-up of its compiled variants)."""
+        On CUDA up to PREFILL_GRAPH_MAX_REQUESTS prompts (contiguous cache; any number in batch-invariant mode) are
+        prefilled one by one, each as alone (its bucket's prefill graph if captured); else (and with graphs=False, the
+        warm-up of the compiled variants) in one batched forward."""
         N, D, s = len(prefills), self.cfg.hidden_size, self.slots
         lens = [p.shape[0] for p in prefills]
         cuda = self.device.type == "cuda"  # NOTE(invariant): graphs and eager prefill alike (each prompt alone)
@@ -285,18 +282,14 @@ class ModelRunner:
             graph.replay()
         else:
             self._frame(B, n, capped)
-        for i in range(B):
-            s.position_cpu[i] += active[i]
+        s.position_cpu[:B] = [p + a for p, a in zip(s.position_cpu[:B], active)]
         codes = self.frame_codes[:B].clone()  # stays on the device for the vocoder (the buffer is reused)
         return FrameResult(codes, s.last_code0[:B].tolist())  # the one sync per frame
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_keys(self) -> list[tuple[int, int, bool]]:
         """(batch bucket, length bucket, capped sampler): one CUDA graph each."""
-        lens, n = [], MIN_KV_SPAN
-        while n <= self.max_len:
-            lens.append(n)
-            n *= 2
+        lens = [MIN_KV_SPAN << i for i in range(self.max_len.bit_length()) if MIN_KV_SPAN << i <= self.max_len]
         return [(B, n, c) for B in self.batch_buckets for n in lens for c in (True, False)]
 
     def alloc_prefill_scratch(self) -> None:
