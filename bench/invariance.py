@@ -163,6 +163,15 @@ def requests(tts, n: int, frames: int):
     return ps
 
 
+def generate_codes(eng, ps) -> list[torch.Tensor]:
+    """Codes [T_i, K] of each request, stepping an engine this script alone owns (no AsyncEngine loop on it)."""
+    reqs = [eng.add_request(p) for p in ps]
+    while any(not r.status.finished for r in reqs):
+        if eng.wait_for_work():
+            eng.step()
+    return [torch.stack(r.frames).cpu() for r in reqs]
+
+
 def staggered(eng, ps, gap: int) -> list[torch.Tensor]:
     reqs, pending, steps = [], list(ps), 0
     while pending or any(not r.status.finished for r in reqs):
@@ -203,11 +212,11 @@ def check_engine(model: str, frames: int, n: int) -> None:
     eng = tts.engine
     row(model, "engine built (s)", f"{time.perf_counter() - t0:.1f}")
     ps = requests(tts, n, frames)
-    alone = [eng.generate_codes([p])[0] for p in ps]
-    row(model, "codes: alone == batch of 3", count(alone[:3], eng.generate_codes(ps[:3])))
-    row(model, f"codes: alone == batch of {n}", count(alone, eng.generate_codes(ps)))
+    alone = [generate_codes(eng, [p])[0] for p in ps]
+    row(model, "codes: alone == batch of 3", count(alone[:3], generate_codes(eng, ps[:3])))
+    row(model, f"codes: alone == batch of {n}", count(alone, generate_codes(eng, ps)))
     row(model, f"codes: alone == {n} staggered (one every 3 frames)", count(alone, staggered(eng, ps, 3)))
-    row(model, "codes: alone == batch of 4 reversed", count(alone[:4][::-1], eng.generate_codes(ps[:4][::-1])))
+    row(model, "codes: alone == batch of 4 reversed", count(alone[:4][::-1], generate_codes(eng, ps[:4][::-1])))
     wav_alone = [tts.decode([c])[0].tobytes() for c in alone[:8]]
     wav_all = [w.tobytes() for w in tts.decode(alone[:8])]
     row(model, "offline PCM: decoded alone == 8 together", f"{sum(a == b for a, b in zip(wav_alone, wav_all))}/8")
@@ -215,7 +224,7 @@ def check_engine(model: str, frames: int, n: int) -> None:
     s_batch = streamed(tts, ps[:3])
     row(model, "streamed PCM: alone == batch of 3", f"{sum(a == b for a, b in zip(s_alone, s_batch))}/3 identical")
     eager = Engine(tts.ckpt, max_slots=4, max_seq_len=512, use_cuda_graphs=False, batch_invariant=True)
-    row(model, "codes: graphs alone == eager batch of 3", count(alone[:3], eager.generate_codes(ps[:3])))
+    row(model, "codes: graphs alone == eager batch of 3", count(alone[:3], generate_codes(eager, ps[:3])))
     del eager, eng, tts
     torch.cuda.empty_cache()
 

@@ -70,10 +70,10 @@ def test_graph_equals_eager_bf16_real_dims(real06, batch):
         prepared += tts.prepare_custom_voice(texts[1], "aiden", seed=5, max_new_tokens=61)
     try:
         graphs = Engine(tts.ckpt, max_slots=4, max_seq_len=256, use_cuda_graphs=True, batch_invariant=True)
-        alone = [graphs.generate_codes([p])[0] for p in prepared]
-        batched = graphs.generate_codes(prepared)
-        eager = Engine(tts.ckpt, max_slots=4, max_seq_len=256, use_cuda_graphs=False,
-                       batch_invariant=True).generate_codes(prepared)
+        alone = [generate_codes(graphs, [p])[0] for p in prepared]
+        batched = generate_codes(graphs, prepared)
+        eager = generate_codes(Engine(tts.ckpt, max_slots=4, max_seq_len=256, use_cuda_graphs=False,
+                                      batch_invariant=True), prepared)
     finally:
         invariant.set_enabled(False)  # process-wide: the other tests' engines run the default mode
     for i, (a, b, e) in enumerate(zip(alone, batched, eager)):

@@ -7,6 +7,7 @@ import torch
 
 from q3tts import TTS, invariant
 from q3tts.engine.engine import Engine
+from tests.engine.steps import generate_codes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -26,7 +27,7 @@ def inv(request, tmp_path_factory):
     tts = TTS.from_pretrained(path, device="cuda", dtype=torch.bfloat16, max_batch_size=16, max_seq_len=512,
                               batch_invariant=True)
     ps = requests(tts, 16, 24)
-    alone = [tts.engine.generate_codes([p])[0] for p in ps]
+    alone = [generate_codes(tts.engine, [p])[0] for p in ps]
     yield tts, ps, alone
     invariant.set_enabled(False)  # process-wide: the other modules' engines run the default mode
 
@@ -37,9 +38,9 @@ def test_codes_alone_equal_batched_and_staggered(inv):
     from bench.invariance import staggered
     tts, ps, alone = inv
     eng = tts.engine
-    assert identical(alone[:3], eng.generate_codes(ps[:3])) == []
-    assert identical(alone, eng.generate_codes(ps)) == []
-    assert identical(alone[:5][::-1], eng.generate_codes(ps[:5][::-1])) == []
+    assert identical(alone[:3], generate_codes(eng, ps[:3])) == []
+    assert identical(alone, generate_codes(eng, ps)) == []
+    assert identical(alone[:5][::-1], generate_codes(eng, ps[:5][::-1])) == []
     assert identical(alone, staggered(eng, ps, 3)) == []
 
 
@@ -47,7 +48,7 @@ def test_eager_frames_equal_graphs(inv):
     """The engine without CUDA graphs (frames launched from Python) gives the captured frames' codes, batched."""
     tts, ps, alone = inv
     eager = Engine(tts.ckpt, max_slots=4, max_seq_len=512, use_cuda_graphs=False, batch_invariant=True)
-    assert identical(alone[:4], eager.generate_codes(ps[:4])) == []
+    assert identical(alone[:4], generate_codes(eager, ps[:4])) == []
 
 
 def test_pcm_alone_equals_batched(inv):
