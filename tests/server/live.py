@@ -137,3 +137,13 @@ def speak(client: openai.OpenAI, text: str = "Hello from the server tests.", fmt
                                    instructions=instructions,
                                    extra_body={"max_new_tokens": max_new_tokens, **GREEDY, **extra})
     return r.content
+
+
+def pieces(text: str, rng) -> list[str]:
+    """text cut anywhere (mid-word) into pieces of 1-3 characters, as a streaming client may send it."""
+    out, i = [], 0
+    while i < len(text):
+        k = rng.randint(1, 3)
+        out.append(text[i:i + k])
+        i += k
+    return out

@@ -15,7 +15,7 @@ from websockets.sync.client import connect
 
 from tests.golden import fixtures as fx
 
-from .live import GREEDY, SPF
+from .live import GREEDY, SPF, pieces
 
 
 def ws_url(server, query=""):
@@ -38,15 +38,6 @@ def utterance(ws, timeout=60):
             return start, bytes(pcm), m, other
         else:
             other.append(m)
-
-
-def pieces(text, rng):
-    out, i = [], 0
-    while i < len(text):
-        k = rng.randint(1, 3)
-        out.append(text[i:i + k])
-        i += k
-    return out
 
 
 def test_text_over_the_socket_equals_the_official_whole_text(cv_server):

@@ -33,7 +33,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from q3tts.server.wyoming import WyomingHandler, build_service, model_language  # noqa: E402
 from tests.golden import fixtures as fx  # noqa: E402
 
-from .live import SR  # noqa: E402
+from .live import SR, pieces  # noqa: E402
 
 TOL = 1e-4 + 0.5 / 32767  # float32 audio within 1e-4 of the official (test_parity.py), then rounded to int16
 
@@ -122,15 +122,6 @@ def audio(events: list[Event]) -> np.ndarray:
 
 def official(name: str, variant: str = "cv06") -> np.ndarray:
     return fx.outputs(variant)[f"{name}.wav.0"].numpy()
-
-
-def pieces(text, rng):
-    out, i = [], 0
-    while i < len(text):
-        k = rng.randint(1, 3)
-        out.append(text[i:i + k])
-        i += k
-    return out
 
 
 def test_describe(wyo):
