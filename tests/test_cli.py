@@ -196,15 +196,13 @@ def _data_frames(path) -> int:
         return 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
-def test_interrupted_say_keeps_a_valid_wav(tmp_path, sig):
-    out = tmp_path / "long.wav"
-    # 2000 frames: minutes on CPU, so the run is stopped long before it ends
-    p = _cli(say_args(out, "A long text that is interrupted.", frames=2000), stdout=subprocess.DEVNULL,
-             stderr=subprocess.PIPE)
+def _interrupt(args, out, sig):
+    """Run the CLI with args, send sig once the WAV at out holds 3 frames (chunks of 1 and 2 frames written:
+    chunks double from 1 frame); -> (the process, its stderr bytes)."""
+    p = _cli(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 240
-        while _data_frames(out) < 3 * 1920:  # chunks of 1 and 2 frames written (chunks double from 1 frame)
+        while _data_frames(out) < 3 * 1920:
             assert p.poll() is None and time.time() < deadline, "no audio written"
             time.sleep(0.05)
         p.send_signal(sig)
@@ -213,6 +211,14 @@ def test_interrupted_say_keeps_a_valid_wav(tmp_path, sig):
         if p.poll() is None:
             p.kill()
             p.wait()
+    return p, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupted_say_keeps_a_valid_wav(tmp_path, sig):
+    out = tmp_path / "long.wav"
+    # 2000 frames: minutes on CPU, so the run is stopped long before it ends
+    p, err = _interrupt(say_args(out, "A long text that is interrupted.", frames=2000), out, sig)
     n = _data_frames(out)
     size = os.path.getsize(out)
     # a valid file: the header's sizes cover whole frames that are all in the file
@@ -346,19 +352,8 @@ def test_say_splits_a_text_of_several_sentences(tmp_path, capsys):
 
 def test_interrupted_split_say_keeps_a_valid_wav(tmp_path):
     out = tmp_path / "long.wav"
-    p = _cli(say_args(out, "A long text. Of several sentences, all of them. Interrupted early!", frames=2000),
-             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.time() + 240
-        while _data_frames(out) < 3 * 1920:
-            assert p.poll() is None and time.time() < deadline, "no audio written"
-            time.sleep(0.05)
-        p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    p, err = _interrupt(say_args(out, "A long text. Of several sentences, all of them. Interrupted early!",
+                                 frames=2000), out, signal.SIGINT)
     n = _data_frames(out)
     assert n >= 3 * 1920 and n % 1920 == 0 and os.path.getsize(out) == 44 + 2 * n and n < 2000 * 1920
     assert p.returncode == 130 and f"interrupted: kept {n / 24000:.2f} s of audio" in err.decode()
