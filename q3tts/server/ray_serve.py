@@ -17,7 +17,7 @@ as fast as the others. Serve's proxy measures each replica's count (probed, then
 Autoscaling (--max-replicas > --replicas): Serve's autoscaler sums the requests running on and waiting for the
 replicas and asks for ceil(sum / target_ongoing_requests) replicas, between the two bounds; AUTOSCALING holds the
 rest of its settings, stated rather than left to Serve's defaults. Set target_ongoing_requests to the streams one
-replica serves without stalls (bench/load.py's knee on that GPU), below its slots: at the slots a replica is added
+replica serves without stalls (bench/load/load.py's knee on that GPU), below its slots: at the slots a replica is added
 only once requests queue, by when its streams have long been stalling. A new replica takes its start-up time (model
 load, compile, warm-up) before it serves, so the target must leave that much headroom at the rate's growth.
 

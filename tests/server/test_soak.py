@@ -1,4 +1,4 @@
-"""bench/soak.py against a live tiny-checkpoint server for a minute (CPU): twice its capacity, 20% of streams
+"""bench/load/soak.py against a live tiny-checkpoint server for a minute (CPU): twice its capacity, 20% of streams
 dropped mid-stream, 5% cancelled before their first audio, bursts. Nothing fails, nothing leaks.
 
 Q3TTS_SOAK_S sets the duration (default 60 s)."""
@@ -27,7 +27,7 @@ def server(tmp_path_factory):
 
 def test_soak_at_twice_capacity(server, tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "bench.soak", "--url", server.base_url, "--duration", str(DURATION_S),
+    cmd = [sys.executable, "-m", "bench.load.soak", "--url", server.base_url, "--duration", str(DURATION_S),
            "--load", "2", "--disconnect", "0.2", "--cancel", "0.05", "--burst-every", str(DURATION_S / 4),
            "--burst-size", "2", "--min-frames", "4", "--max-frames", "40", "--warmup", str(DURATION_S / 6),
            "--poll", "0.5", "--out", str(out)]

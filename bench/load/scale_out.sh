@@ -2,16 +2,16 @@
 # Ray Serve scale-out, one device call on a host with G GPUs (nvidia-h100-x4 / h200-x4: G = 4; x2: G = 2): one
 # replica per GPU; the same per-replica load on G, ..., 2, 1 replicas (closed loop: 32 streams per replica; open
 # loop: 3 requests/s per replica of 10 s audio, 15 s), then an autoscaling step test (1 -> G replicas, target
-# 32 streams per replica, arrivals stepping 2, 4, 8 requests/s, 20 s each). bench/scale_out.py does the work.
+# 32 streams per replica, arrivals stepping 2, 4, 8 requests/s, 20 s each). bench/load/scale_out.py does the work.
 #
-#   bash bench/scale_deps.sh              # here, once: .scratch/raywhl/ (Ray + server deps for cp312, packed)
-#   run: kind nvidia-h100-x4, carry [".scratch/raywhl"], timeout_s 600, command: bash bench/scale_out.sh
+#   bash bench/load/ray_deps.sh              # here, once: .scratch/raywhl/ (Ray + server deps for cp312, packed)
+#   run: kind nvidia-h100-x4, carry [".scratch/raywhl"], timeout_s 600, command: bash bench/load/scale_out.sh
 #
 # Time: the replicas start once, in parallel (each loads and compiles its engine on its own GPU: the first start
 # on a fresh machine is the long part), then fewer replicas are the same warm ones; everything is bounded by
 # LIMIT so that one call of 9 minutes holds it with the start-up; the results are written after every level,
 # so a cut run keeps what it measured. Results in $OUT (default
-# /tmp/out): scale_out.json, scale_out.md (the table), every bench.load JSON, the logs.
+# /tmp/out): scale_out.json, scale_out.md (the table), every bench.load.load JSON, the logs.
 #
 # Knobs (environment): COMPILE (1: torch.compile, as `q3tts serve` does by default on CUDA, the production
 # setting; 0: CUDA graphs without compile, faster start, slower frames; on a CPU 0), PORT (8000), REPLICAS
@@ -20,11 +20,11 @@
 # STEP_S (20), TARGET (32), SETTLE_S (30), CLIENT_CPUS (the last 4 CPUs), PROCESSES (4 client processes), CKPT
 # (a checkpoint directory instead of a fresh random 0.6B), DEVICE (cuda; cpu for a smoke run), REPLICA_CPUS (the
 # server's CPUs / G - 1: Ray sets each replica's OMP threads to it), ROUTER (least-ongoing | power-of-two), LIMIT
-# (seconds for bench.scale_out; default 525 s from the script's start less what came before it).
+# (seconds for bench.load.scale_out; default 525 s from the script's start less what came before it).
 #
 # A CPU smoke run (tiny checkpoint, 2 replicas pretending to be GPUs), as validated on the dev machine:
 #   DEVICE=cpu CKPT=<tiny checkpoint> GPUS=2 REPLICAS=2,1 SLOTS=4 PER_REPLICA=2 RATE=1 DURATION=3 MAXTOK=24 \
-#   MAXSEQ=256 AUTO_RATES=1,3 STEP_S=6 TARGET=2 CLIENT_CPUS= PROCESSES=2 REPLICA_CPUS=0.5 bash bench/scale_out.sh
+#   MAXSEQ=256 AUTO_RATES=1,3 STEP_S=6 TARGET=2 CLIENT_CPUS= PROCESSES=2 REPLICA_CPUS=0.5 bash bench/load/scale_out.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the hosts' rule (KINDS.md)
@@ -54,12 +54,12 @@ fi
 AUTO=${AUTO_RATES-2,4,8}
 echo "checkpoint ready after $(( $(date +%s) - T0 )) s"
 LIMIT=${LIMIT:-$(( 525 - ($(date +%s) - T0) ))}  # the call's 9 minutes, less what came before; SIGINT saves
-timeout --signal=INT --kill-after=10 "$LIMIT" python3 -m bench.scale_out --ckpt "$CKPT" --device "$DEVICE" \
+timeout --signal=INT --kill-after=10 "$LIMIT" python3 -m bench.load.scale_out --ckpt "$CKPT" --device "$DEVICE" \
   --replicas "$REPLICAS" --slots "${SLOTS:-64}" --max-seq-len "${MAXSEQ:-1024}" --max-new-tokens "${MAXTOK:-126}" \
   --streams-per-replica "${PER_REPLICA:-32}" --rate-per-replica "${RATE:-3}" --duration "${DURATION:-15}" \
   ${AUTO:+--autoscale-rates "$AUTO"} --step-s "${STEP_S:-20}" --settle-s "${SETTLE_S:-30}" --target-ongoing "${TARGET:-32}" \
   --replica-cpus "${REPLICA_CPUS:-$(( (N - 4) / G > 2 ? (N - 4) / G - 1 : 1 ))}" --router "${ROUTER:-least-ongoing}" --processes "${PROCESSES:-4}" \
   ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --port "${PORT:-8000}" --out "$OUT" 2> "$OUT/scale_out.log"
-echo "bench.scale_out: exit $? after $(( $(date +%s) - T0 )) s"
+echo "bench.load.scale_out: exit $? after $(( $(date +%s) - T0 )) s"
 tail -5 "$OUT/scale_out.log"
 cat "$OUT/scale_out.md" 2>/dev/null

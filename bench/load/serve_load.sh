@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Server load benchmark on the GPU machine: q3tts serve (0.6B random weights) + bench.load at 1/4/16/64 streams.
+# Server load benchmark on the GPU machine: q3tts serve (0.6B random weights) + bench.load.load at 1/4/16/64 streams.
 # The server's Python deps travel as cp312 packages unpacked into .scratch/serverdeps (carry it).
 set -x
 export PYTHONPATH=$PWD/.scratch/serverdeps:$PWD
@@ -13,7 +13,7 @@ python3 -m q3tts.cli serve --model /tmp/ckpt06 --max-concurrent ${SLOTS:-64} --m
 SP=$!
 for i in $(seq 300); do curl -sf localhost:8000/ready && break; kill -0 $SP 2>/dev/null || { tail -30 $OUT/serve.log; exit 1; }; sleep 1; done
 echo "ready after $(( $(date +%s) - t0 )) s"
-timeout 400 python3 -m bench.load --url http://127.0.0.1:8000 --concurrency ${CONC:-1,4,16,64} --requests ${REQS:-0} --max-new-tokens 126 --out $OUT/load.json 2> $OUT/load.err >/dev/null
+timeout 400 python3 -m bench.load.load --url http://127.0.0.1:8000 --concurrency ${CONC:-1,4,16,64} --requests ${REQS:-0} --max-new-tokens 126 --out $OUT/load.json 2> $OUT/load.err >/dev/null
 cat $OUT/load.err
 curl -s localhost:8000/metrics > $OUT/metrics.txt
 kill $SP; sleep 2

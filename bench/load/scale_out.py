@@ -1,13 +1,13 @@
 """Ray Serve scale-out on one host: the same per-replica load on R = G, ..., 2, 1 replicas, then an autoscaling
-step test; one JSON and a table. Run by bench/scale_out.sh (one device call); on a CPU with --device cpu.
+step test; one JSON and a table. Run by bench/load/scale_out.sh (one device call); on a CPU with --device cpu.
 
-    python -m bench.scale_out --ckpt /tmp/ck06 --device cuda --replicas 4,2,1 --client-cpus 60-63 --out /tmp/out
+    python -m bench.load.scale_out --ckpt /tmp/ck06 --device cuda --replicas 4,2,1 --client-cpus 60-63 --out /tmp/out
 
 One Ray and one Serve application for the whole run, so that the replicas start (load, compile, warm up) once, in
 parallel: it is deployed from a Serve config (q3tts.server.ray_serve:build_app, as `serve deploy` and KubeRay do)
 with the most replicas first, then the config's replica count is lowered (a change Serve applies in place: it stops
 the surplus replicas, the rest keep serving untouched; a redeploy from Python code would restart them all), so
-every R is measured on replicas that are already warm; each level lists the replica ids it saw. Per R, bench/load.py
+every R is measured on replicas that are already warm; each level lists the replica ids it saw. Per R, bench/load/load.py
 (its own process, pinned to --client-cpus, --processes client processes) runs
   - closed loop: --streams-per-replica x R streams, one utterance each;
   - open loop: Poisson arrivals at --rate-per-replica x R per second for --duration s;
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.load import parse_cpus
+from bench.load.load import parse_cpus
 
 
 def _pids_under(root: int) -> list[int]:
@@ -164,8 +164,8 @@ def wait_replicas(url: str, n: int, timeout: float, before: float | None) -> flo
 
 
 def run_load(a, out: Path, name: str, args: list[str], timeout: float) -> dict:
-    """bench.load in its own process (pinned by --client-cpus) while the proxy's and its own CPU are sampled."""
-    cmd = [sys.executable, "-m", "bench.load", "--url", a.url, "--no-server-metrics", "--no-warmup",
+    """bench.load.load in its own process (pinned by --client-cpus) while the proxy's and its own CPU are sampled."""
+    cmd = [sys.executable, "-m", "bench.load.load", "--url", a.url, "--no-server-metrics", "--no-warmup",
            "--max-new-tokens", str(a.max_new_tokens), "--processes", str(a.processes), "--out", str(out / f"{name}.json"),
            *(["--client-cpus", a.client_cpus] if a.client_cpus else []), *args]
     with open(out / f"{name}.err", "w") as err:
@@ -182,7 +182,7 @@ def run_load(a, out: Path, name: str, args: list[str], timeout: float) -> dict:
                 proc.wait()
         cpu = sampler.result()
     if rc != 0:
-        return {"error": f"bench.load exit {rc}: {(out / f'{name}.err').read_text()[-2000:]}", "cpu": cpu}
+        return {"error": f"bench.load.load exit {rc}: {(out / f'{name}.err').read_text()[-2000:]}", "cpu": cpu}
     return {**json.loads((out / f"{name}.json").read_text()), "cpu_cores": cpu}
 
 

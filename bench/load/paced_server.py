@@ -1,7 +1,7 @@
 """The server's HTTP side under many streams, on any machine: `q3tts serve` with the model's work replaced by time.
 
-    python -m bench.paced_server --port 8000 --slots 256 --decode-ms 6.8 --vocode-ms 4.0 --prefill-ms 5 &
-    python -m bench.load --url http://127.0.0.1:8000 --concurrency 64,128,256 --max-new-tokens 126
+    python -m bench.load.paced_server --port 8000 --slots 256 --decode-ms 6.8 --vocode-ms 4.0 --prefill-ms 5 &
+    python -m bench.load.load --url http://127.0.0.1:8000 --concurrency 64,128,256 --max-new-tokens 126
 
 Everything from the socket to the engine's step is the real code: uvicorn, the middleware, validation, the text
 processor, AsyncEngine, the Engine's scheduling, prompt embedding (a tiny random model on the CPU), chunking and

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Ray Serve scale-out on one host: `q3tts serve --replicas 2` (a local Ray, one GPU per replica) against one
-# `q3tts serve` on one GPU, the same random 0.6B checkpoint and bench/load.py load (64 and 128 streams, 10 s
+# `q3tts serve` on one GPU, the same random 0.6B checkpoint and bench/load/load.py load (64 and 128 streams, 10 s
 # of audio each); prints aggregate audio s/s both ways. One device call on a 2-GPU machine (nvidia-h200-x2):
 #
-#   bash bench/ray_deps.sh                   # here, once: .scratch/raydeps.tar.xz (Ray + server deps, cp312)
-#   run: kind nvidia-h200-x2, carry [".scratch/raydeps.tar.xz"], timeout_s 600, command: bash bench/ray_load.sh
+#   bash bench/load/ray_deps.sh              # here, once: .scratch/raywhl/ (Ray + server deps for cp312, packed)
+#   run: kind nvidia-h200-x2, carry [".scratch/raywhl"], timeout_s 600, command: bash bench/load/ray_load.sh
 #
 # Knobs (environment): CONC (64,128), SLOTS (64: --max-concurrent of each server), MAXTOK (126: frames + 1),
 # REPLICAS (2), CKPT (a checkpoint directory instead of a fresh random 0.6B one), DEVICE (cuda; cpu for a
@@ -12,8 +12,8 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-if [ -f .scratch/raydeps.tar.xz ]; then  # the GPU machine has no Ray: the bundle goes first on the path
-  tar -C /tmp -xJf .scratch/raydeps.tar.xz && export PYTHONPATH=/tmp/raydeps:${PYTHONPATH:-} || exit 1
+if [ -f .scratch/raywhl/raydeps.tar.xz ]; then  # the GPU machine has no Ray: the bundle goes first on the path
+  tar -C /tmp -xJf .scratch/raywhl/raydeps.tar.xz && export PYTHONPATH=/tmp/raydeps:${PYTHONPATH:-} || exit 1
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 CONC=${CONC:-64,128}; SLOTS=${SLOTS:-64}; MAXTOK=${MAXTOK:-126}; REPLICAS=${REPLICAS:-2}; DEVICE=${DEVICE:-cuda}
@@ -38,7 +38,7 @@ wait_ready() {  # port pid log: until /ready is 200 (for Ray: from every replica
 }
 
 load() {  # port name
-  timeout 240 python3 -m bench.load --url "http://127.0.0.1:$1" --concurrency "$CONC" --max-new-tokens "$MAXTOK" \
+  timeout 240 python3 -m bench.load.load --url "http://127.0.0.1:$1" --concurrency "$CONC" --max-new-tokens "$MAXTOK" \
       --no-server-metrics --out "$OUT/$2.json" 2> "$OUT/$2.err" > /dev/null
   cat "$OUT/$2.err"
 }

@@ -1,7 +1,7 @@
 """Streaming-text benchmark: simulated LLMs feed a running `q3tts serve` token by token over the WebSocket.
 
     q3tts serve --model /tmp/ckpt-0.6B --max-concurrent 32 &
-    python -m bench.text_stream --url ws://127.0.0.1:8000 --rates 15,50,200 --sessions 1,32 --out text.json
+    python -m bench.load.text_stream --url ws://127.0.0.1:8000 --rates 15,50,200 --sessions 1,32 --out text.json
 
 For each (tokens per second R, sessions S): S sessions at once, each speaking `--utterances` utterances in a
 row; an utterance's text (~4 characters a token, as an LLM's) is sent one token every 1/R s, then input.done.
@@ -21,7 +21,7 @@ import time
 
 from websockets.asyncio.client import connect
 
-from bench.load import summary
+from bench.load.load import summary
 
 SR = 24000
 TEXT = ("Voice agents speak an answer while the language model is still writing it, so the speech starts after "

@@ -1,7 +1,7 @@
 """Soak test for a running `q3tts serve`: minutes at twice its capacity, with disconnects, cancels and bursts.
 
     q3tts serve --model /tmp/ckpt-0.6B --max-concurrent 16 &
-    python -m bench.soak --url http://127.0.0.1:8000 --duration 600 --out soak.json
+    python -m bench.load.soak --url http://127.0.0.1:8000 --duration 600 --out soak.json
 
 Capacity is the server's engine slots (q3tts_max_slots on /metrics, i.e. --max-concurrent); `--load 2`
 runs 2 x slots streaming clients back to back. Each request (streaming pcm) is one of:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak on the GPU machine: q3tts serve (0.6B-CustomVoice, real-size random weights) + bench.soak for
+# Soak on the GPU machine: q3tts serve (0.6B-CustomVoice, real-size random weights) + bench.load.soak for
 # ${SOAK_S:-600} s at twice the server's capacity (SLOTS engine slots, 2 x SLOTS streaming clients), 20% of
 # streams dropped mid-stream, 5% cancelled before their first audio, bursts of SLOTS every 60 s.
 # Prints soak's table; soak.json (per-request records, /metrics samples) and the server log go to $OUT.
@@ -20,7 +20,7 @@ SP=$!
 for i in $(seq 300); do curl -sf localhost:8000/ready && break; kill -0 $SP 2>/dev/null || { tail -30 $OUT/serve.log; exit 1; }; sleep 1; done
 echo "ready after $(( $(date +%s) - t0 )) s"
 # 10..150 frames (0.8..12 s of audio) per request; memory counts from 60 s on (compile + graphs warmed)
-timeout $(( ${SOAK_S:-600} + 120 )) python3 -m bench.soak --url http://127.0.0.1:8000 --duration ${SOAK_S:-600} \
+timeout $(( ${SOAK_S:-600} + 120 )) python3 -m bench.load.soak --url http://127.0.0.1:8000 --duration ${SOAK_S:-600} \
   --load 2 --disconnect 0.2 --cancel 0.05 --burst-every 60 --burst-size $SLOTS --min-frames 10 --max-frames 150 \
   --warmup 60 --poll 2 --strict-no-5xx --out $OUT/soak.json
 RC=$?

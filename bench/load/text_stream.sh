@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Streaming-text benchmark on the GPU machine: q3tts serve (0.6B-CustomVoice, real-size random weights, compiled)
-# + bench.text_stream (simulated LLMs over the WebSocket) at RATES tokens/s and SESSIONS sessions.
+# + bench.load.text_stream (simulated LLMs over the WebSocket) at RATES tokens/s and SESSIONS sessions.
 # The server's Python deps travel as cp312 packages unpacked into .scratch/serverdeps (carry it).
 set -x
 export PYTHONPATH=$PWD/.scratch/serverdeps:$PWD PYTHONUNBUFFERED=1
@@ -13,7 +13,7 @@ python3 -m q3tts.cli serve --model /tmp/ckpt06 --max-concurrent ${SLOTS:-32} --m
 SP=$!
 for i in $(seq 400); do curl -sf localhost:8000/ready && break; kill -0 $SP 2>/dev/null || { tail -30 $OUT/serve-text.log; exit 1; }; sleep 1; done
 echo "ready after $(( $(date +%s) - t0 )) s"
-timeout ${TIMEOUT:-400} python3 -m bench.text_stream --url ws://127.0.0.1:8000 --rates ${RATES:-15,50,200} \
+timeout ${TIMEOUT:-400} python3 -m bench.load.text_stream --url ws://127.0.0.1:8000 --rates ${RATES:-15,50,200} \
   --sessions ${SESSIONS:-1,32} --utterances ${UTTS:-3} --out $OUT/text_stream.json
 kill $SP; sleep 2
 grep -ciE "traceback" $OUT/serve-text.log; tail -3 $OUT/serve-text.log

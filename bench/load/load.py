@@ -1,9 +1,9 @@
 """Load benchmark for a running `q3tts serve` (or Ray Serve's proxy): streaming clients, JSON results.
 
     q3tts serve --model /tmp/ckpt-0.6B --max-concurrent 64 &
-    python -m bench.load --url http://127.0.0.1:8000 --concurrency 1,4,16,64 --out bench/results/load.json
-    python -m bench.load --url ... --rate 10,20 --duration 30 --seed 0           # open loop (Poisson arrivals)
-    python -m bench.load --url ... --concurrency 256 --processes 4 --client-cpus 12-15
+    python -m bench.load.load --url http://127.0.0.1:8000 --concurrency 1,4,16,64 --out bench/results/load.json
+    python -m bench.load.load --url ... --rate 10,20 --duration 30 --seed 0           # open loop (Poisson arrivals)
+    python -m bench.load.load --url ... --concurrency 256 --processes 4 --client-cpus 12-15
 
 Two kinds of level:
 - closed loop (`--concurrency C`): C clients each send `--requests` requests back to back;
@@ -209,7 +209,7 @@ def pin(cpus: list[int] | None) -> list[int] | None:
     try:
         os.sched_setaffinity(0, cpus)
     except OSError as e:  # CPUs not in this machine or container
-        print(f"bench.load: cannot pin to CPUs {cpus}: {e}", file=sys.stderr)
+        print(f"bench.load.load: cannot pin to CPUs {cpus}: {e}", file=sys.stderr)
         return None
     return sorted(os.sched_getaffinity(0))
 
@@ -275,10 +275,10 @@ def run_processes(jobs: list[dict], cpus: list[int] | None) -> list[dict]:
             except queue.Empty:
                 dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"bench.load: a client process died (exit {dead[0]})") from None
+                    raise RuntimeError(f"bench.load.load: a client process died (exit {dead[0]})") from None
                 continue
             if "fatal" in res:
-                raise RuntimeError(f"bench.load: client process {i} failed: {res['fatal']}")
+                raise RuntimeError(f"bench.load.load: client process {i} failed: {res['fatal']}")
             got[i] = res
     finally:
         for p in procs:

