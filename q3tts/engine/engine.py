@@ -231,7 +231,7 @@ class Engine:
         for src, dst in sched.moves:
             self.runner.move_slot(src, dst)
         if sched.blocks:
-            self.runner.set_blocks([(r.slot, r.blocks) for r in sched.blocks if not r.status.finished])
+            self.runner.slots.set_blocks([(r.slot, r.blocks) for r in sched.blocks if not r.status.finished])
         for req in sched.aborted:
             self._release_vocoder(req)  # nothing more is decoded for it
         if not sched.prefill:

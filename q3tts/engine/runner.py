@@ -92,14 +92,6 @@ class ModelRunner:
             self.kv[:, :, dst, :, :n] = self.kv[:, :, src, :, :n]
         self.slots.move(src, dst)
 
-    def set_blocks(self, rows: list[tuple[int, list[int]]]) -> None:
-        """Paged: (slot, its blocks in position order) -> the slots' block table rows (the rest -> scratch)."""
-        if not rows:
-            return
-        W = self.block_table.shape[1]
-        table = torch.tensor([blocks + [0] * (W - len(blocks)) for _, blocks in rows])
-        self.block_table[torch.tensor([s for s, _ in rows], device=self.device)] = table.to(self.device)
-
     def _kv_ctx(self, r: slice, write_pos: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, AttnContext]:
         """The cache the talker gets for rows r (their rows; paged: the pool) and its AttnContext."""
         if self.block_table is None:

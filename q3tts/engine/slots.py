@@ -116,6 +116,14 @@ class Slots:
         self.position_cpu[dst] = self.position_cpu[src]
         self.topk_ok_cpu[dst] = self.topk_ok_cpu[src]
 
+    def set_blocks(self, rows: list[tuple[int, list[int]]]) -> None:
+        """Paged: (slot, its blocks in position order) -> the slots' block table rows (the rest -> scratch)."""
+        if not rows:
+            return
+        W = self.block_table.shape[1]
+        table = torch.tensor([blocks + [0] * (W - len(blocks)) for _, blocks in rows])
+        self.block_table[torch.tensor([s for s, _ in rows], device=self.device)] = table.to(self.device)
+
     def reset(self) -> None:
         """Every row back to its initial state (after warm-ups wrote into free rows)."""
         for t, fill, _ in self._fields:

@@ -26,6 +26,8 @@ def test_write_move_reset():
         assert torch.equal(t[0], src if moves else dst)
     assert s.active[0] and s.position_cpu[0] == 5 and s.topk_ok_cpu[0] is False
     assert s.block_table[2].tolist() == [0, 0]  # the vacated row points at the scratch block
+    s.set_blocks([(1, [5]), (2, [6, 7])])
+    assert s.block_table.tolist() == [[3, 4], [5, 0], [6, 7]]  # a short row's rest points at the scratch block
     s.reset()
     assert all(torch.equal(t, f) for (t, _, _), f in zip(s._fields, fresh))
     assert s.position_cpu == [0, 0, 0] and s.topk_ok_cpu == [True] * 3 and s.active_cpu == [True] * 3
