@@ -42,20 +42,31 @@ SEED = 1234
 
 
 # --------------------------------------------------------------------------- the oracle venv
-def ensure_venv() -> Path:
-    py = VENV / "bin" / "python"
+# modules qwen_tts imports only for its 25 Hz tokenizer: empty stubs (CPU torch 2.13 has no torchaudio)
+TTS_STUBS = {f: "# stub: only qwen_tts's 25 Hz tokenizer uses this module\n" for f in (
+    "torchaudio/__init__.py", "torchaudio/compliance/__init__.py", "torchaudio/compliance/kaldi.py", "sox.py",
+    "onnxruntime.py")}
+
+
+def ensure_venv(venv: Path = VENV, pins: list[str] = ORACLE_PINS, oracle: str = "qwen-tts==0.1.1",
+                optional: tuple[str, ...] = (), stubs: dict[str, str] = TTS_STUBS) -> Path:
+    """An isolated oracle environment, made once: the pins, the oracle package without its dependencies, then the
+    optional packages (allowed to fail); stubs ({path under site-packages: text}) are written where that module is
+    missing. Returns its python. Shared by every make_golden*.py."""
+    py = venv / "bin" / "python"
     if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", *ORACLE_PINS], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "qwen-tts==0.1.1"], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", *pins], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", oracle], check=True)
+        for pkg in optional:
+            subprocess.run([str(py), "-m", "pip", "install", "-q", pkg], check=False)
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    stub = "# stub: only qwen_tts's 25 Hz tokenizer uses this module\n"
-    (site / "torchaudio" / "compliance").mkdir(parents=True, exist_ok=True)
-    for f in ("torchaudio/__init__.py", "torchaudio/compliance/__init__.py", "torchaudio/compliance/kaldi.py",
-              "sox.py", "onnxruntime.py"):
-        if not (site / f).exists():
-            (site / f).write_text(stub)
+    for f, text in stubs.items():
+        path = site / f
+        if not path.exists() and not path.with_suffix("").is_dir():  # (a package of that name is the real one)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
     return py
 
 

@@ -34,31 +34,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_golden import ensure_venv  # noqa: E402 (the oracle venv, made as the TTS fixtures' is)
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "fixtures" / "aligner"
 REFERENCE = ROOT / "q3tts" / "reference"
 VENV = ROOT / ".oracle-venv-asr"
 ORACLE_PINS = ["torch==2.13.0", "transformers==4.57.6", "accelerate==1.12.0", "librosa", "soundfile"]
-OPTIONAL = ["soynlp==0.0.493", "nagisa==0.2.11"]  # Korean / Japanese word splitting
+# Korean / Japanese word splitting; nagisa builds DyNet from source where no wheel fits: may fail, then Japanese is
+# skipped (qwen_asr imports nagisa at module level: a stub stands in)
+OPTIONAL = ("soynlp==0.0.493", "nagisa==0.2.11")
+STUBS = {"nagisa.py": "# stub: nagisa did not install; Japanese cases are skipped\nSTUB = True\n"}
 SEED = 4321
 TWEAKS = {"timestamp_embed_scale": 0.02}
-
-
-def ensure_venv() -> Path:
-    py = VENV / "bin" / "python"
-    if not py.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", *ORACLE_PINS], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "qwen-asr==0.0.6"], check=True)
-        for pkg in OPTIONAL:  # nagisa builds DyNet from source where no wheel fits: may fail, then Japanese is skipped
-            subprocess.run([str(py), "-m", "pip", "install", "-q", pkg], check=False)
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
-    if not (site / "nagisa").exists() and not (site / "nagisa.py").exists():
-        # qwen_asr imports nagisa at module level; without it only Japanese splitting is unavailable
-        (site / "nagisa.py").write_text("# stub: nagisa did not install; Japanese cases are skipped\nSTUB = True\n")
-    return py
 
 
 def tiny_config() -> dict:
@@ -236,7 +226,7 @@ def main() -> None:
     if args.inside:
         run_inside()
         return
-    py = ensure_venv()
+    py = ensure_venv(VENV, ORACLE_PINS, "qwen-asr==0.0.6", OPTIONAL, STUBS)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     subprocess.run([str(py), __file__, "--inside"], check=True, env=env)
 
