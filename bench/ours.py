@@ -145,8 +145,8 @@ def main(argv=None):
         sync()
         t0 = time.perf_counter()
         it = tts.generate_custom_voice_stream(TEXT, **kw)  # default schedule: 1, 2, 4, 8, 16, 16, ... frames
-        first = next(it)
-        sync()
+        first = next(it)  # its audio is on the host: the engine made it and copied it before handing it over
+        # (no device sync here: the engine's thread has gone on to launch the next frame, which a sync would wait for)
         t_first = time.perf_counter() - t0
         total = len(first.audio) + sum(len(c.audio) for c in it)
         sync()
