@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import os
 import queue
 import threading
 import time
@@ -27,6 +28,7 @@ from .engine import AudioChunk, Engine, EngineCounters
 from .request import EngineRequest, StreamOptions
 
 _OWNER_LOCK = threading.Lock()
+_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))  # gives up the GIL and the core (Windows: none)
 _RUNNING: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
 
 
@@ -113,8 +115,13 @@ class AsyncEngine:
                 continue
             for c in chunks:
                 self._deliver(c.request_id, c)
-            for rid in [rid for rid, r in self._offline.items() if r.status.finished]:
+            done = [rid for rid, r in self._offline.items() if r.status.finished]
+            for rid in done:
                 self._deliver(rid, self._offline.pop(rid))
+            if chunks or done:
+                # NOTE(handoff): a consumer woken by a delivery needs the GIL and a core, which this thread, going on
+                # into the next step, holds until it blocks (a device sync) or is made to switch: give both up once
+                _yield_cpu()
 
     def _deliver(self, request_id: str, item: object) -> None:
         sink = self._sinks.get(request_id)
