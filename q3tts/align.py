@@ -26,7 +26,15 @@ from .config import read_json
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, load_thinker, parse_aligner_config
-from .models.audio_encoder import SAMPLE_RATE, log_mel, mel_filters, tokens_after_cnn, valid_frames
+from .models.audio_encoder import (
+    SAMPLE_RATE,
+    Ragged,
+    log_mel,
+    mel_filters,
+    reflect_rows,
+    tokens_after_cnn,
+    valid_frames,
+)
 from .weights import resolve_model_dir
 
 __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
@@ -156,46 +164,48 @@ class ForcedAligner:
                  enumerate(zip(audio, per["sample_rate"], per["text"], per["language"]))]
         return self._run(items, rows_alone)
 
-    def _features(self, items: list[_Item], rows_alone: bool) -> list[torch.Tensor]:
-        """Per row its log-mel [mel, F_i] in the model dtype. NOTE(aligner): the official batch zero-pads the
-        waveforms to the longest before the mel, so a shorter row's last frames (and its log floor) see the padding
-        and its features depend on its batch; rows_alone computes each row as a batch of one instead."""
-        if rows_alone and len(items) > 1:
-            return [f for it in items for f in self._features([it], False)]
-        L = max(it.wav.shape[0] for it in items)
-        wavs = torch.zeros(len(items), L)
-        for i, it in enumerate(items):
-            wavs[i, :it.wav.shape[0]] = torch.from_numpy(it.wav)
-        mel = log_mel(wavs.to(self.device), self._filters)  # [B, mel, L // 160] fp32
-        return [mel[i, :, :valid_frames(it.wav.shape[0], L)].to(self.dtype) for i, it in enumerate(items)]
+    def _features(self, items: list[_Item], rows_alone: bool) -> tuple[torch.Tensor, list[int]]:
+        """The batch's log-mel [B, mel, F] in the model dtype (one STFT for all rows, on the aligner's device) and
+        each row's frame count. NOTE(aligner): the official batch zero-pads the waveforms to the longest before the
+        mel, so a shorter row's last frames (and its log floor) see the padding and its features depend on its
+        batch; rows_alone gives every row the frames it has alone (its own reflect padding and floor)."""
+        if rows_alone:
+            wavs, frames = reflect_rows([it.wav for it in items])
+            mel = log_mel(torch.from_numpy(wavs).to(self.device), self._filters, frames, center=False)
+        else:
+            L = max(it.wav.shape[0] for it in items)
+            wavs = np.zeros((len(items), L), np.float32)
+            for i, it in enumerate(items):
+                wavs[i, :it.wav.shape[0]] = it.wav
+            mel = log_mel(torch.from_numpy(wavs).to(self.device), self._filters)  # [B, mel, L // 160] fp32
+            frames = [valid_frames(it.wav.shape[0], L) for it in items]
+        return mel.to(self.dtype), frames
 
     def _run(self, items: list[_Item], rows_alone: bool = False) -> list[list[WordTime]]:
         with self._lock:
             return self._forward(items, rows_alone)
 
     def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
-        """One forward for the batch."""
-        feats = self._features(items, rows_alone)
-        audio = self.thinker.audio_tower(feats)  # per row [N_i, D]
+        """One forward for the batch: every row's prompt packed end to end, one host sync (the classes)."""
+        mel, frames = self._features(items, rows_alone)
+        audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
         rows = []
-        for it, f in zip(items, feats):
+        for it, f in zip(items, frames):
             words_ids = self.tokenizer.encode(prompt_text(it.words).split("<|audio_end|>", 1)[1])
-            rows.append([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f.shape[1])
+            rows.append([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
                         + [self._ids["<|audio_end|>"]] + words_ids)
-        S = max(map(len, rows))
-        ids = torch.zeros(len(rows), S, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-        ids = ids.to(self.device)
-        lengths = torch.tensor([len(r) for r in rows], device=self.device)
-        logits = self.thinker(ids, lengths, audio)  # [B, S, classify_num]
-        classes = logits.argmax(-1).cpu()
-        out = []
+        ids = np.concatenate(rows)  # [N]
+        select = np.flatnonzero(ids == self.cfg.timestamp_token_id)  # the timestamp slots, row after row
+        logits = self.thinker(torch.from_numpy(ids).to(self.device), Ragged.of([len(r) for r in rows], self.device),
+                              audio, torch.from_numpy(select).to(self.device))  # [M, classify_num]
+        classes = logits.argmax(-1).cpu().numpy()
+        out, at = [], 0
         seg = np.float32(self.cfg.timestamp_segment_time)
-        for i, it in enumerate(items):
-            slots = classes[i][ids[i].cpu() == self.cfg.timestamp_token_id].numpy()
+        for it, r in zip(items, rows):
+            n = int(np.count_nonzero(np.asarray(r) == self.cfg.timestamp_token_id))
             # ms as the official computes them: int class x float32 segment time
-            out.append(word_times(it.words, [float(np.float32(c) * seg) for c in slots]))
+            out.append(word_times(it.words, [float(np.float32(c) * seg) for c in classes[at:at + n]]))
+            at += n
         return out
 
 

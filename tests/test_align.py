@@ -81,9 +81,9 @@ def test_features_and_prompt_ids_equal_the_official(name):
     captured = {}
     orig = a.thinker.forward
 
-    def spy(ids, lengths, audio):
-        captured["ids"] = ids[0, :int(lengths[0])]
-        return orig(ids, lengths, audio)
+    def spy(ids, rows, audio, select):
+        captured["ids"] = ids[:rows.lengths[0]]
+        return orig(ids, rows, audio, select)
 
     a.thinker.forward = spy
     try:
@@ -91,6 +91,20 @@ def test_features_and_prompt_ids_equal_the_official(name):
     finally:
         del a.thinker.forward
     assert captured["ids"].tolist() == TENSORS[f"{name}.0.input_ids"].tolist()
+
+
+def test_rows_alone_features_are_each_rows_own_in_one_pass():
+    """The batch's log-mel in one STFT (each row reflect-padded at its own ends, floored over its own frames) equals
+    each row's log-mel alone."""
+    from q3tts.models.audio_encoder import log_mel
+    a = aligner()
+    items = [a._item(*audio(n), "hi", "English", -1) for n in CASES["batch"]["audio"]]
+    assert len({it.wav.shape[0] for it in items}) > 1
+    mel, frames = a._features(items, rows_alone=True)
+    for i, it in enumerate(items):
+        alone = log_mel(torch.from_numpy(it.wav)[None], a._filters)[0]
+        assert frames[i] == alone.shape[1] == it.wav.shape[0] // 160
+        torch.testing.assert_close(mel[i, :, :frames[i]], alone, atol=1e-6, rtol=0)
 
 
 def test_batched_rows_equal_the_official_alone_where_no_padding_reaches_them():
@@ -172,9 +186,10 @@ def test_raw_timestamp_classes_equal_the_official(name):
     captured = {}
     orig = a.thinker.forward
 
-    def spy(ids, lengths, audio):
-        logits = orig(ids, lengths, audio)
-        captured["classes"] = [logits[i].argmax(-1)[ids[i] == a.cfg.timestamp_token_id] for i in range(len(ids))]
+    def spy(ids, rows, audio, select):
+        logits = orig(ids, rows, audio, select)  # [M, classes] at the timestamp slots, row after row
+        per_row = [int((r == a.cfg.timestamp_token_id).sum()) for r in ids.split(rows.lengths)]
+        captured["classes"] = logits.argmax(-1).split(per_row)
         return logits
 
     a.thinker.forward = spy
