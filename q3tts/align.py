@@ -25,10 +25,11 @@ from .audio import resample, to_mono
 from .config import read_json
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
 from .inputs.prompt import TextTokenizer
-from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, load_thinker, parse_aligner_config
+from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
 from .models.audio_encoder import (
     SAMPLE_RATE,
     Ragged,
+    encoder_layer,
     log_mel,
     mel_filters,
     reflect_rows,
@@ -49,8 +50,13 @@ class _Item:
 class ForcedAligner:
     """Audio + its transcript -> the time of every word."""
 
-    def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path):
+    def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path,
+                 compile: bool = False):
         self.thinker, self.tokenizer, self.cfg, self.model_dir = thinker, tokenizer, cfg, model_dir
+        self.compiled = compile
+        if compile:  # one compiled function per layer kind serves every layer; token counts and batch are dynamic
+            thinker.layer_fn = torch.compile(lm_layer, dynamic=True, fullgraph=True)
+            thinker.audio_tower.layer_fn = torch.compile(encoder_layer, dynamic=True, fullgraph=True)
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._filters = torch.from_numpy(mel_filters(cfg.audio.num_mel_bins)).to(self.device, torch.float32)
@@ -64,7 +70,7 @@ class ForcedAligner:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None) -> "ForcedAligner":
+                        dtype: torch.dtype | str | None = None, compile: bool = False) -> "ForcedAligner":
         """Load a forced-aligner checkpoint (hub id or local directory in the official layout).
 
         Args:
@@ -72,13 +78,15 @@ class ForcedAligner:
                 and the tokenizer files.
             device: default CUDA when available, else CPU.
             dtype: default bf16 on CUDA, fp32 on CPU.
+            compile: torch.compile the decoder and encoder layers (norms, RoPE, the attention glue and the MLP's
+                activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
         cfg = parse_aligner_config(read_json(d / "config.json"))
-        return cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d)
+        return cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile)
 
     @property
     def supported_languages(self) -> list[str] | None:

@@ -51,7 +51,10 @@ def expected(case: dict) -> list[list[WordTime]]:
 
 
 def run_case(case: dict):
-    a = aligner()
+    return run_case_with(aligner(), case)
+
+
+def run_case_with(a: ForcedAligner, case: dict):
     items = [audio(n) for n in case["audio"]]
     if len(items) == 1:
         return [a.align(items[0][0], items[0][1], case["text"][0], case["language"][0])]
@@ -249,3 +252,23 @@ def test_bf16_runs_and_times_the_same_words():
     assert [w.word for w in got] == [w.word for w in expected(case)[0]]
     assert all(w.start_s <= w.end_s for w in got)
     assert [w.start_s for w in got] == sorted(w.start_s for w in got)
+
+
+@pytest.mark.slow
+def test_compiled_layers_time_the_words_as_eager():
+    """compile=True (the fast path benchmarked on the GPU): torch.compile'd encoder and decoder layers give the
+    official's raw classes, for one utterance and a batch of three lengths (dynamic token counts: no recompile
+    needed for the second shape to be right)."""
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", compile=True)
+    from q3tts.models.aligner import lm_layer
+    assert a.compiled and a.thinker.layer_fn is not lm_layer
+    for name in ("en", "batch"):
+        assert run_case_with(a, CASES[name]) == expected(CASES[name])
+    eager = aligner()
+    items = [audio(n) for n in CASES["batch"]["audio"]]
+    args = ([w for w, _ in items], [sr for _, sr in items], CASES["batch"]["text"], CASES["batch"]["language"])
+    with torch.inference_mode():
+        its = [eager._item(*x, -1) for x in zip(*args)]
+        mel, frames = eager._features(its, rows_alone=True)
+        torch.testing.assert_close(a.thinker.audio_tower(mel, frames), eager.thinker.audio_tower(mel, frames),
+                                   atol=1e-5, rtol=1e-5)
