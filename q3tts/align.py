@@ -44,7 +44,20 @@ __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
 @dataclass(slots=True)
 class _Item:
     words: list[str]
-    wav: np.ndarray  # mono float32 at 16 kHz, in [-1, 1]
+    wav: np.ndarray  # mono float32 at sample_rate; once prepared: at 16 kHz, in [-1, 1]
+    sample_rate: int
+    prepared: bool = False
+
+    def ready(self) -> "_Item":
+        """Resampled to 16 kHz and brought into [-1, 1]: the CPU part of an item, after its checks (the worker does it
+        on its own thread, not on the submitting caller's)."""
+        if not self.prepared:
+            wav = resample(self.wav, self.sample_rate, SAMPLE_RATE)
+            peak = float(np.max(np.abs(wav))) if wav.size else 0.0
+            if peak > 1.0:  # as the official: int-scaled or clipping input is brought back into [-1, 1]
+                wav = wav / peak
+            self.wav, self.sample_rate, self.prepared = np.clip(wav, -1.0, 1.0).astype(np.float32), SAMPLE_RATE, True
+        return self
 
 
 class ForcedAligner:
@@ -107,7 +120,8 @@ class ForcedAligner:
                              + ", ".join(x.capitalize() for x in langs))
         return split_words(text, language)
 
-    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int) -> _Item:
+    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True) -> _Item:
+        """Checked (ValueError naming the problem) and, with ready, prepared for the pass (_Item.ready)."""
         what = f"item {i}: " if i >= 0 else ""
         words = self.words(text, language, what)
         if isinstance(audio, torch.Tensor):
@@ -128,14 +142,11 @@ class ForcedAligner:
         if wav.shape[0] / sr > self.max_seconds:
             raise ValueError(f"{what}audio of {wav.shape[0] / sr:.1f} s is longer than this aligner's "
                              f"{self.max_seconds:g} s ({self.cfg.classify_num} timestamp classes); align it in parts")
-        wav = resample(wav, sr, SAMPLE_RATE)
-        peak = float(np.max(np.abs(wav))) if wav.size else 0.0
-        if peak > 1.0:  # as the official: int-scaled or clipping input is brought back into [-1, 1]
-            wav = wav / peak
-        wav = np.clip(wav, -1.0, 1.0).astype(np.float32)
-        if wav.shape[0] < 2 * 160:  # shorter than two mel frames: the reflect-padded STFT is undefined
-            raise ValueError(f"{what}audio of {wav.shape[0] / SAMPLE_RATE * 1000:.0f} ms is too short to align")
-        return _Item(words, wav)
+        if int(np.ceil(wav.shape[0] * (float(SAMPLE_RATE) / sr))) < 2 * 160:  # the length resample() gives
+            # shorter than two mel frames: the reflect-padded STFT is undefined
+            raise ValueError(f"{what}audio of {wav.shape[0] / sr * 1000:.0f} ms is too short to align")
+        item = _Item(words, wav, sr)
+        return item.ready() if ready else item
 
     # ------------------------------------------------------------------ the pass
     @torch.inference_mode()
@@ -238,7 +249,7 @@ class AlignerWorker:
 
     def submit(self, audio: Any, sample_rate: int, text: str, language: str) -> Future:
         """A Future of the utterance's [WordTime]; ValueError at once for bad input."""
-        item = self.aligner._item(audio, sample_rate, text, language, -1)
+        item = self.aligner._item(audio, sample_rate, text, language, -1, ready=False)  # resampled on the thread
         fut: Future = Future()
         with self._cond:
             if self._closed:
@@ -270,7 +281,7 @@ class AlignerWorker:
                 continue
             try:
                 with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
-                    words = self.aligner._run([it for it, _ in batch], rows_alone=True)
+                    words = self.aligner._run([it.ready() for it, _ in batch], rows_alone=True)
                     if self._stream is not None:
                         self._stream.synchronize()
             except BaseException as e:  # noqa: BLE001 - the callers get the error; the worker lives on

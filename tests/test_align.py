@@ -242,6 +242,21 @@ def test_worker_batches_callers_and_fails_bad_items_alone():
         worker.close()
 
 
+def test_worker_checks_at_submit_and_resamples_on_its_thread():
+    """submit() only checks (a bad item fails at once, too-short audio included, judged by its resampled length);
+    the resampling waits for the worker's thread and gives the same samples as align()'s own preparation."""
+    a = aligner()
+    wav, sr = audio(CASES["en_24k"]["audio"][0])
+    assert sr != 16000
+    deferred = a._item(wav, sr, "hello there", "English", -1, ready=False)
+    assert not deferred.prepared and deferred.sample_rate == sr
+    now = a._item(wav, sr, "hello there", "English", -1)
+    assert now.prepared and np.array_equal(deferred.ready().wav, now.wav) and deferred.sample_rate == 16000
+    with pytest.raises(ValueError, match="too short"):
+        a._item(np.zeros(478, np.float32), 24000, "hi", "English", -1, ready=False)  # 319 samples at 16 kHz
+    a._item(np.zeros(479, np.float32), 24000, "hi", "English", -1, ready=False).ready()  # 320: two frames
+
+
 def test_bf16_runs_and_times_the_same_words():
     """bf16 (the CUDA default) on the CPU: the same words in order, non-decreasing times (bf16 rounding may move
     an argmax, so no time equality is claimed), RoPE frequencies kept in fp32."""
