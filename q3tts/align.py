@@ -99,7 +99,21 @@ class ForcedAligner:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
         cfg = parse_aligner_config(read_json(d / "config.json"))
-        return cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile)
+        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile)
+        if compile:
+            aligner.warmup()
+        return aligner
+
+    def warmup(self) -> None:
+        """Compile now, not in a caller's first pass (compiling holds the interpreter for seconds: a server's streams
+        would stall behind it). A batch of one and a batch of two rows, one longer than an attention window: the
+        shapes that torch.compile specializes (sizes 1 and more); other sizes reuse these graphs."""
+        rng = np.random.default_rng(0)
+        window_s = self.cfg.audio.n_window_infer * 160 / SAMPLE_RATE
+        wav = lambda s: (0.1 * rng.standard_normal(int(s * SAMPLE_RATE))).astype(np.float32)  # noqa: E731
+        self.align(wav(1.5), SAMPLE_RATE, "one two", "English")
+        self.align([wav(1.5), wav(min(window_s + 3, self.max_seconds))], SAMPLE_RATE, ["one two", "three four"],
+                   "English", rows_alone=True)
 
     @property
     def supported_languages(self) -> list[str] | None:
