@@ -1,16 +1,21 @@
 """The forced aligner's cost: one utterance at a time, and 64 utterances at once (as 64 finishing streams would ask).
 
-    python -m bench.aligner --size real --out bench/results/aligner-h100.json          # H100: real dimensions
-    python -m bench.aligner --size tiny --utterances 4 --seconds 2 --repeats 2         # CPU smoke run
+    python3 -m bench.make_checkpoint --model 0.6B-CustomVoice --out /tmp/ck06 && \
+    python3 -m bench.aligner --utterances 64 --seconds 5 --repeats 3 --tts /tmp/ck06 --out /tmp/aligner.json
+                                                       # GPU: eager vs compiled, share of synthesis, streams beside it
+    python3 -m bench.aligner --size tiny --utterances 4 --seconds 2 --repeats 1 --tts DIR --streams 2   # CPU dry run
 
 A random-weight checkpoint in the official layout (q3tts/randomckpt.py) at the real dimensions of
 Qwen/Qwen3-ForcedAligner-0.6B (as third-party ports state them: its config.json is not in our reference set; weight
 values do not change speed), or the tiny one of the golden fixtures. The utterances are synthetic audio (tones and
-noise at 24 kHz, as the engine outputs) with a transcript of 3 words a second. Figures per configuration: median
-wall time of `align` over --repeats runs after a warm-up, for one utterance and for a batch of --utterances (each
-row alone, as the server's AlignerWorker runs them), and milliseconds of aligner time per second of audio.
-With --tts DIR (a TTS checkpoint, e.g. from bench/make_checkpoint.py), the same call also times synthesizing the
-batch with the engine, so the aligner's share of synthesis time is measured on the same device.
+noise at 24 kHz, as the engine outputs) with a transcript of 3 words a second. Per variant (--variants: eager, and
+compiled = ForcedAligner(compile=True)), the median wall time over --repeats runs after a warm-up of: one utterance
+and the batch of --utterances (each row alone, as the server's AlignerWorker runs them) through align() (with the CPU
+preparation: checks and soxr resampling, which the worker does on its own thread) and through the device pass alone
+(prepared items); load_s includes the compiled variant's compilations. With --tts DIR (a TTS checkpoint, e.g. from
+bench/make_checkpoint.py), the same call times synthesizing the batch (the aligner's share of it, whole and pass
+only), then --streams synthesis streams at once, alone and beside an AlignerWorker kept busy with the batch (the last
+variant): first audio and the stall of a player that starts at each stream's first chunk.
 """
 
 from __future__ import annotations
@@ -187,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                   words_per_utterance=len(texts[0].split()), utterances=a.utterances, repeats=a.repeats)
     aligners = {}
     for v in variants:
+        t0 = time.perf_counter()
         aligners[v] = ForcedAligner.from_pretrained(ckpt, device=device, dtype=dtype, compile=v == "compiled")
-        r = measure_aligner(aligners[v], wavs, texts, sr, a.repeats, device)
+        load = time.perf_counter() - t0  # compiled: the warm-up's compilations included
+        r = dict(load_s=round(load, 2), **measure_aligner(aligners[v], wavs, texts, sr, a.repeats, device))
         r["aligner_ms_per_audio_second"] = round(r["batch_ms"] / audio_s, 3)
         result[v] = r
     if a.tts:
