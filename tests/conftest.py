@@ -27,7 +27,7 @@ def real_checkpoint(tmp_path_factory):
     import fcntl
     import os
 
-    from q3tts.randomckpt import make_checkpoint
+    from q3tts import randomckpt
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
@@ -36,6 +36,6 @@ def real_checkpoint(tmp_path_factory):
         with open(f"{out}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (out / "bench_checkpoint.json").exists():  # written last
-                make_checkpoint(model, out)
+                randomckpt.make_checkpoint(model, out)
         return out
     return path
