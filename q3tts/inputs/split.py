@@ -191,6 +191,18 @@ def _pack(text: str, parts: list[tuple[int, int]], max_chars: int) -> list[tuple
 
 def _merge_tiny(text: str, parts: list[tuple[int, int]], max_chars: int, min_chars: int) -> list[tuple[int, int]]:
     """Each part shorter than min_chars joins the next one (the last joins the previous), if the result fits."""
+    out, carry = _merge_open(text, parts, max_chars, min_chars)
+    if carry is not None:
+        if out and weight(text[out[-1][0]:carry[1]]) <= max_chars:
+            out[-1] = (out[-1][0], carry[1])
+        else:
+            out.append(carry)
+    return out
+
+
+def _merge_open(text: str, parts: list[tuple[int, int]], max_chars: int,
+                min_chars: int) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+    """_merge_tiny before the text's end: (the parts made so far, the tiny part still waiting for the next one)."""
     out: list[tuple[int, int]] = []
     carry: tuple[int, int] | None = None
     for a, b in parts:
@@ -204,12 +216,7 @@ def _merge_tiny(text: str, parts: list[tuple[int, int]], max_chars: int, min_cha
             carry = (a, b)
         else:
             out.append((a, b))
-    if carry is not None:
-        if out and weight(text[out[-1][0]:carry[1]]) <= max_chars:
-            out[-1] = (out[-1][0], carry[1])
-        else:
-            out.append(carry)
-    return out
+    return out, carry
 
 
 # --------------------------------------------------------------------------- streamed text
@@ -224,11 +231,11 @@ class SplitStream:
         s = SplitStream("sentence")
         s.append("Dr. Smith paid $3.")  ->  []          ("3." may be "3.50"; the segment may still grow)
         s.append("50. Then he left! And")  ->  ["Dr. Smith paid $3.50."]
-        s.close()  ->  ["Then he left! And"]           (its rest: at a flush, "And" is a tiny fragment and joins)
+        s.close()  ->  ["Then he left! And"]           ("And" is a tiny fragment at the end: it joins)
 
     A cut is known once a non-space character follows it (the next word decides "3." + "5", "Dr." + "Smith";
-    another mark or a closing quote extends the run). The segment before the last known cut is held back: a
-    tiny fragment after it joins it when the text ends there. NOTE(wsform): a run of more than `max_pending`
+    another mark or a closing quote extends the run). A segment is held back until min_chars of text follow its
+    end: a tiny fragment at the text's end joins the segment before it. NOTE(wsform): a run of more than `max_pending`
     characters without a known cut is split there as if the text ended (bounded memory and work per piece;
     split_text would cut such a run at clauses or words); below that bound the segments equal split_text's.
     """
@@ -244,6 +251,7 @@ class SplitStream:
         self.base = 0  # in text: where the span holding the first segment not handed out begins
         self.done = 0  # in text: the end of the last segment handed out
         self.last = -1  # in text: the last non-space character
+        self.held = False  # a complete part waits for min_chars of text after it
 
     def append(self, piece: str) -> list[str]:
         """Add text; the segments it completes (often none)."""
@@ -256,7 +264,7 @@ class SplitStream:
             return self._cut(final=True)
         # a new cut needs a mark (or a closer ending a run, or a paragraph break) after the old last character
         start = max(last, self.base)
-        if any(c in _CANDIDATES for c in self.text[start:self.last]):
+        if self.held or any(c in _CANDIDATES for c in self.text[start:self.last]):
             return self._cut(final=False)
         return []
 
@@ -276,9 +284,15 @@ class SplitStream:
         parts = [p for a, b in spans for p in _fit(text, a, b, self.max_chars, self.abbrevs) if p[0] >= self.done]
         # the span holding `done` is fitted as before: its parts not handed out start at `done`
         assert not parts or not text[self.done:parts[0][0]].strip(), (parts[0], self.done)
-        out = _merge_tiny(text, parts, self.max_chars, self.min_chars)
-        if not final:
-            out = out[:-1]  # the last may still take a tiny fragment that follows
+        if final:
+            out = _merge_tiny(text, parts, self.max_chars, self.min_chars)
+        else:
+            # NOTE(wsform): a tiny fragment at the text's end joins the part before it, so that part is final only
+            # once min_chars of text follow the cut: then whatever follows makes a part of its own or joins forward
+            out, _ = _merge_open(text, parts, self.max_chars, self.min_chars)
+            self.held = bool(out) and weight(text[stop:]) < self.min_chars
+            if self.held:
+                out = out[:-1]
         if not out:
             return []
         segs = [text[a:b].strip() for a, b in out]

@@ -135,15 +135,15 @@ def test_streamed_pieces_give_split_texts_segments(text, granularity, max_chars,
 def test_a_segment_is_handed_out_once_its_end_is_known():
     s = SplitStream("sentence")
     assert s.append("Dr. Smith paid $3.") == []  # "3." may be "3.50"
-    assert s.append("50. Then he") == []  # the first may still take a tiny fragment that follows
-    assert s.append(" left quietly! And the") == ["Dr. Smith paid $3.50."]
+    assert s.append("50. Then") == []  # the first may still take a tiny fragment at the end ("Then.")
+    assert s.append(" he left quietly! And the") == ["Dr. Smith paid $3.50."]  # min_chars follow its end
     assert s.close() == ["Then he left quietly! And the"]  # "And the" (tiny) joins its neighbour at the end
     c = SplitStream("clause")
     out = [seg for piece in "The first one is here, the second one follows; and then more text.".split(" ")
            for seg in c.append(piece + " ")]
     assert out + c.close() == split_text("The first one is here, the second one follows; and then more text.",
                                          "clause")
-    assert out == ["The first one is here,"]
+    assert out == ["The first one is here,", "the second one follows;"]  # "and then more text." at the close
 
 
 def test_a_long_run_without_a_known_cut_is_cut_at_max_pending():
