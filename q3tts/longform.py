@@ -283,8 +283,8 @@ class AsyncSegments:
 
     prepare(i) -> segment i's PreparedRequest, or None when there is none (the text ended); it may wait for the
     text (a WebSocket's streamed text: q3tts.longform.SegmentFeed). `first`: segment 0, prepared already (its
-    arguments checked before an HTTP response starts); then a full queue refuses segment 0 (QueueFullError) and
-    a later segment waits for room; without it every segment waits for room."""
+    arguments checked before an HTTP response starts). A full queue refuses segment 0 (QueueFullError, raised by
+    chunks()); a later segment waits for room."""
 
     def __init__(self, engine: AsyncEngine, prepare: Callable[[int], Awaitable[PreparedRequest | None]],
                  joiner: Joiner, options: StreamOptions, window: int | None = None,
@@ -313,8 +313,8 @@ class AsyncSegments:
                         self.live[i] = self.engine.submit(p, self.options, f"{self.joiner.request_id}-{i}",
                                                           self.joiner.start)
                         break
-                    except QueueFullError:  # other clients filled the queue: an HTTP request's first segment is
-                        if i == 0 and self.first is not None:  # refused (503), a later one waits for room
+                    except QueueFullError:  # other clients filled the queue: the first segment is refused (an
+                        if i == 0:  # HTTP 503, a WebSocket error), a later one waits for room
                             raise
                         await asyncio.sleep(0.05)
                 self.ready.put_nowait(i)

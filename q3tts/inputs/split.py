@@ -170,7 +170,7 @@ def _char_cuts(text: str, a: int, b: int, max_chars: int) -> list[tuple[int, int
     out, start, w = [], a, 0
     for i in range(a, b):
         cw = 0 if text[i].isspace() else (CJK_WEIGHT if _CJK.match(text[i]) else 1)
-        if w + cw > max_chars and w > 0:
+        if w + cw > max_chars and w > 0 and cw:  # (a space weighs nothing: it stays with the piece before it)
             out.append((start, i))
             start, w = i, 0
         w += cw
