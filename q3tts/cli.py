@@ -388,8 +388,8 @@ def cmd_warmup(argv: list[str]) -> int:
     those flags (compiled: every torch.compile variant and CUDA graph) and run its warm-up request; --save writes
     what was compiled to FILE (q3tts.engine.artifact: bake it into an image on a GPU builder), --load starts from
     such a file (as `q3tts serve --load-artifact FILE`). Prints one JSON line: times and compile-cache counts."""
-    import json
     import logging
+    import shutil
     import time
 
     t0 = time.perf_counter()
@@ -406,6 +406,19 @@ def cmd_warmup(argv: list[str]) -> int:
     settings = parse_args(rest + (["--load-artifact", own.load] if own.load else []))
     _check_device(settings.device)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .engine.artifact import own_triton_cache
+    triton_tmp = own_triton_cache() if own.save else None
+    try:
+        return _warmup(settings, own.save, t0)
+    finally:
+        if triton_tmp:
+            shutil.rmtree(triton_tmp, ignore_errors=True)
+
+
+def _warmup(settings, save: str | None, t0: float) -> int:
+    import json
+    import time
+
     from .api import TTS
     from .engine import compile_counts
     from .engine.artifact import save_artifact
@@ -433,14 +446,14 @@ def cmd_warmup(argv: list[str]) -> int:
     for _ in tts.stream(prepared, first_chunk_frames=1, chunk_frames=4):
         pass
     after = compile_counts()
-    out = {"ready_s": round(time.perf_counter() - t0, 2), "engine_s": round(t_engine - t0, 2),
+    out = {"ready_s": round(time.perf_counter() - t0, 2), "engine_built_s": round(t_engine - t0, 2),
            "compiled": after["fx_miss"] - counts["fx_miss"], "from_cache": after["fx_hit"] - counts["fx_hit"],
-           "artifact_loaded": engine.artifact is not None if own.load else None,
+           "artifact_loaded": engine.artifact is not None if settings.compile_artifact else None,
            "compile_cache": engine.runner.compile_cache}
-    if own.save:
-        header = save_artifact(own.save, tts.ckpt, {"max_slots": engine.runner.num_rows,
-                                                    "max_seq_len": engine.runner.max_len})
-        out.update(saved=own.save, bytes=os.path.getsize(own.save), sections=dict(header["sections"]))
+    if save:
+        header = save_artifact(save, tts.ckpt, {"max_slots": engine.runner.num_rows,
+                                                "max_seq_len": engine.runner.max_len})
+        out.update(saved=save, bytes=os.path.getsize(save), sections=dict(header["sections"]))
     print(json.dumps(out), flush=True)
     return 0
 

@@ -74,12 +74,32 @@ def _triton_version() -> str | None:
 
 
 def triton_cache_dir() -> str | None:
-    """The directory Triton compiles the engine's kernels into ($TRITON_CACHE_DIR, else Triton's default)."""
+    """The directory Triton compiles the engine's kernels into ($TRITON_CACHE_DIR, else Triton's own default);
+    None without Triton."""
     try:
-        from triton.runtime.cache import default_cache_dir
+        import triton  # noqa: F401
     except ImportError:
         return None
-    return os.environ.get("TRITON_CACHE_DIR") or default_cache_dir()
+    if os.environ.get("TRITON_CACHE_DIR", "").strip():
+        return os.environ["TRITON_CACHE_DIR"].strip()
+    try:  # Triton >= 3.4
+        from triton import knobs
+        return knobs.cache.dir
+    except (ImportError, AttributeError):
+        from triton.runtime.cache import default_cache_dir
+        return default_cache_dir()
+
+
+def own_triton_cache() -> str | None:
+    """For a start that saves an artifact: a fresh Triton cache directory ($TRITON_CACHE_DIR, set before any kernel
+    compiles) unless the user chose one, so that the artifact holds this start's kernels, not every kernel the
+    machine ever compiled. Returns it (None: the user's is kept)."""
+    if os.environ.get("TRITON_CACHE_DIR", "").strip():
+        return None
+    import tempfile
+    path = tempfile.mkdtemp(prefix="q3tts-triton-")
+    os.environ["TRITON_CACHE_DIR"] = path
+    return path
 
 
 def save_artifact(path: str | os.PathLike, ckpt, built: dict | None = None) -> dict:

@@ -79,7 +79,8 @@ class Engine:
         many as the budget holds) instead of max_seq_len positions per slot from the start. compile_cache: where
         torch.compile's caches live (q3tts.engine.compile: default a per-user directory that survives
         restarts; False: torch's). compile_artifact: a file from `q3tts warmup --save` loaded into that cache
-        before anything compiles (q3tts.engine.artifact). batch_invariant: q3tts.invariant's switch, set for the process (None: as it is)."""
+        before anything compiles (q3tts.engine.artifact). batch_invariant: q3tts.invariant's switch, set for the
+        process (None: as it is)."""
         if batch_invariant is not None:
             invariant.set_enabled(batch_invariant)
         t0, counts = time.perf_counter(), compile_counts()
