@@ -202,6 +202,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
         ap.error("--kv-block-size must be 0 or a power of two up to 64")
     if s.gpu_memory is not None and not s.gpu_memory > 0:
         ap.error("--gpu-memory must be > 0 (GB)")
+    if s.compile_artifact and not os.path.isfile(s.compile_artifact):  # (refused before the model loads)
+        ap.error(f"--load-artifact {s.compile_artifact}: no such file (write one with `q3tts warmup --save FILE`)")
     try:
         generation_overrides(s.generation_config)  # refused here, before the model loads
     except ValueError as e:
