@@ -385,7 +385,8 @@ def cmd_wyoming(argv: list[str]) -> int:
 
 def cmd_warmup(argv: list[str]) -> int:
     """`q3tts warmup [--save FILE | --load FILE] [serve's flags]`: build the engine `q3tts serve` would build with
-    those flags (compiled: every torch.compile variant and CUDA graph) and run its warm-up request; --save writes
+    those flags (on CUDA compiled: every torch.compile variant and CUDA graph; on a CPU with Q3TTS_COMPILE=1) and run
+    its warm-up request; --save writes
     what was compiled to FILE (q3tts.engine.artifact: bake it into an image on a GPU builder), --load starts from
     such a file (as `q3tts serve --load-artifact FILE`). Prints one JSON line: times and compile-cache counts."""
     import logging
@@ -423,13 +424,16 @@ def _warmup(settings, save: str | None, t0: float) -> int:
     from .engine import compile_counts
     from .engine.artifact import save_artifact
     counts = compile_counts()
-    tts = TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype, compile=True,
+    tts = TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,  # compile: as serve's
                               quantization=settings.quantization, compile_cache=settings.compile_cache,
                               compile_artifact=settings.compile_artifact,
                               generation_config=settings.generation_config)
     invariant = {"batch_invariant": True} if settings.batch_invariant else {}
     engine = tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,  # as create_app
                               max_queue=settings.max_queue, **invariant, **settings.memory_budget)
+    if save and not engine.runner.compiled:
+        raise ValueError(f"nothing to save: torch.compile is off on {tts.device} (on a CPU by default: "
+                         "Q3TTS_COMPILE=1 turns it on, for `q3tts serve` as well)")
     t_engine = time.perf_counter()
     kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}  # as serve's warm-up
     if tts.tts_model_type == "custom_voice":
