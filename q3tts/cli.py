@@ -388,7 +388,8 @@ def cmd_warmup(argv: list[str]) -> int:
     those flags (on CUDA compiled: every torch.compile variant and CUDA graph; on a CPU with Q3TTS_COMPILE=1) and run
     its warm-up request; --save writes
     what was compiled to FILE (q3tts.engine.artifact: bake it into an image on a GPU builder), --load starts from
-    such a file (as `q3tts serve --load-artifact FILE`). Prints one JSON line: times and compile-cache counts."""
+    such a file (as `q3tts serve --load-artifact FILE`; exit status 1 if it did not apply here). Prints one JSON
+    line: times and compile-cache counts."""
     import logging
     import shutil
     import time
@@ -459,7 +460,7 @@ def _warmup(settings, save: str | None, t0: float) -> int:
                                                 "max_seq_len": engine.runner.max_len})
         out.update(saved=save, bytes=os.path.getsize(save), sections=dict(header["sections"]))
     print(json.dumps(out), flush=True)
-    return 0
+    return 1 if out["artifact_loaded"] is False else 0  # --load: a file that did not apply fails the check
 
 
 def main(argv: list[str] | None = None) -> int:
