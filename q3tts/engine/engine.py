@@ -32,6 +32,7 @@ import torch
 from .. import invariant
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
+from .artifact import load_artifact
 from .compile import compile_counts, describe_counts
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
@@ -71,13 +72,15 @@ class Engine:
                  max_queue: int = 256, use_cuda_graphs: bool | None = None, compile: bool | None = None,
                  gpu_memory_utilization: float | None = None, gpu_memory: float | None = None,
                  kv_block_size: int | None = None, compile_cache: str | bool | None = None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, compile_artifact: str | None = None):
         """max_slots / max_seq_len None: fitted to the memory budget (q3tts.engine.memory.size_engine): a fraction
         of the GPU (gpu_memory_utilization, default 0.9; on a CPU of the host memory available, default 0.5) or
         gpu_memory GB. kv_block_size (e.g. 64): a paged KV cache, whose blocks follow the positions streams use (as
         many as the budget holds) instead of max_seq_len positions per slot from the start. compile_cache: where
         torch.compile's caches live (q3tts.engine.compile: default a per-user directory that survives
-        restarts; False: torch's). batch_invariant: q3tts.invariant's switch, set for the process (None: as it is)."""
+        restarts; False: torch's). compile_artifact: a file from `q3tts warmup --save` loaded into that cache
+        before anything compiles (q3tts.engine.artifact). batch_invariant: q3tts.invariant's switch, set for the
+        process (None: as it is)."""
         if batch_invariant is not None:
             invariant.set_enabled(batch_invariant)
         t0, counts = time.perf_counter(), compile_counts()
@@ -87,6 +90,11 @@ class Engine:
         self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
                                   use_cuda_graphs=use_cuda_graphs, compile=compile, block_size=kv_block_size,
                                   num_blocks=num_blocks, compile_cache=compile_cache)
+        self.artifact = None  # the loaded compiled artifact's header (None: none, or it did not apply)
+        if compile_artifact and self.runner.compiled:  # (nothing has compiled yet: torch.compile is lazy)
+            self.artifact = load_artifact(compile_artifact, ckpt)
+        elif compile_artifact:
+            log.warning("compiled artifact %s unused: torch.compile is off", compile_artifact)
         self.runner.capture_graphs()
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0)
