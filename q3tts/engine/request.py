@@ -60,6 +60,8 @@ class EngineRequest:
     text_fed: int = 0  # streamed text: trailing text tokens handed to its row so far
     text_done: bool = False  # streamed text: all of it (and tts_eos) handed over
     stream_done: bool = False  # its last chunk has been emitted
+    first_sent_at: float | None = None  # streaming: when its first chunk was emitted (perf_counter): playback starts
+    audio_sent_s: float = 0.0  # streaming: seconds of audio emitted so far
     error: str | None = None
 
     @property
@@ -84,6 +86,11 @@ class EngineRequest:
     def next_position(self) -> int:
         """The cache position its next frame writes (the prefill wrote 0..L-1; frame k writes L + k)."""
         return self.num_prompt_tokens + self.num_frames
+
+    def slack(self, now: float) -> float | None:
+        """Seconds of emitted audio its listener has not played yet at `now` (a player that started at the first
+        chunk; < 0: it stalled); None before the first chunk (and for offline requests)."""
+        return None if self.first_sent_at is None else self.audio_sent_s - (now - self.first_sent_at)
 
     def next_chunk_size(self) -> int:
         s = self.stream
