@@ -13,8 +13,9 @@ Offline requests (stream=None) only collect codes; the caller decodes them with 
 for parity. Streaming requests get AudioChunks from the exact stateful decoder (q3tts.engine.vocoder).
 
 Deadline-aware streaming (q3tts.engine.deadline, on by default): the scheduler admits newcomers as the running
-streams' slack allows, and the chunks that are due go nearest deadline first, a stream about to run dry with
-whatever frames it has; the step's phases are measured into the policy's moving averages after every step.
+streams' slack allows, and the chunks that are due go nearest deadline first (a stream about to run dry at once,
+several of its chunks together if it was left waiting); the step's phases are measured into the policy's moving
+averages after every step. A stream's audio is cut into the same chunks whatever the timing: the same bits.
 
 Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
 then every newly committed text token is handed to its row; frame k runs once token k is there (or the
@@ -38,7 +39,7 @@ from .. import invariant
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
 from .compile import compile_counts, describe_counts
-from .deadline import DeadlinePolicy
+from .deadline import DeadlinePolicy, chunk_cut, full_chunks
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
@@ -267,42 +268,25 @@ class Engine:
             self.vocoder.close(req.vocoder_row)
             req.vocoder_row = None
 
-    def _plan_chunks(self, reqs: list[EngineRequest]) -> list[tuple[EngineRequest, int]]:
-        """(request, frames) of the chunks to decode now: by deadline (the policy), or full chunks while running
-        and the remainder at the end."""
-        if self.policy is not None:
-            return self.policy.plan_chunks(reqs, time.perf_counter())
-        plan = []
-        for r in reqs:
-            last = r.status.finished
-            if r.status == RequestStatus.FINISHED_ABORTED:
-                n = 0  # nothing more is decoded for a cancelled request
-            else:
-                pending = r.num_frames - r.frames_vocoded
-                n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
-            if n > 0 or last:
-                plan.append((r, n))
-        return plan
-
     def _vocode(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
-        """Decode the chunks that are due (_plan_chunks), in that order; each advances its request's playback clock."""
-        work, meta = [], []
-        for r, n in self._plan_chunks(reqs):
+        """Decode the chunks that are due (by deadline with the policy, else full chunks), in that order; each
+        advances its request's playback clock."""
+        work, sizes, meta = [], [], []
+        plan = (self.policy.plan_chunks(reqs, time.perf_counter(), self.scheduler.queue_depth)
+                if self.policy is not None else full_chunks(reqs))
+        for r, n in plan:
             if n > 0:
                 work.append((r.vocoder_row, torch.stack(r.frames[r.frames_vocoded: r.frames_vocoded + n])))
+                sizes.append(chunk_cut(r.stream, r.frames_vocoded, n))
             meta.append((r, n, r.status.finished))
-        decoded = iter(self.vocoder.decode(work))
+        decoded = iter(self.vocoder.decode(work, sizes))
         now = time.perf_counter()
         chunks = []
         for r, n, last in meta:
             audio = next(decoded) if n > 0 else np.zeros(0, dtype=np.float32)
             chunks.append(AudioChunk(r.request_id, audio, self.ckpt.sample_rate, r.frames_vocoded, n, last,
                                      r.status.reason if last else None, now - r.arrival_time, r.error))
-            r.frames_vocoded += n
-            r.chunks_emitted += 1
-            if n > 0 and r.first_sent_at is None:
-                r.first_sent_at = now
-            r.audio_sent_s += len(audio) / self.ckpt.sample_rate
+            r.sent(n, len(audio) / self.ckpt.sample_rate, now)
             if last:
                 self._release_vocoder(r)
                 r.stream_done = True

@@ -87,6 +87,14 @@ class EngineRequest:
         """The cache position its next frame writes (the prefill wrote 0..L-1; frame k writes L + k)."""
         return self.num_prompt_tokens + self.num_frames
 
+    def sent(self, n: int, audio_s: float, now: float) -> None:
+        """A chunk of n frames (audio_s seconds) was emitted at `now`: its playback clock starts at the first."""
+        self.frames_vocoded += n
+        self.chunks_emitted += 1
+        if n > 0 and self.first_sent_at is None:
+            self.first_sent_at = now
+        self.audio_sent_s += audio_s
+
     def slack(self, now: float) -> float | None:
         """Seconds of emitted audio its listener has not played yet at `now` (a player that started at the first
         chunk; < 0: it stalled); None before the first chunk (and for offline requests)."""
