@@ -33,7 +33,9 @@ class RequestStatus(enum.IntEnum):
 class StreamOptions:
     """Chunk k holds min(chunk_frames, first_chunk_frames * 2**k) frames: the first one small for time to
     first audio, then doubling, so each chunk's audio outlasts the making of the next (no stall) while
-    the vocoder is called a few times per second, not once per frame."""
+    the vocoder is called a few times per second, not once per frame. The audio is always cut into these chunks;
+    with the deadline policy (q3tts.engine.deadline) one emitted AudioChunk may hold several of them (a first one
+    grown by load, a stream left waiting), never part of one but the last."""
 
     first_chunk_frames: int = 1  # frames in the first audio chunk (80 ms each)
     chunk_frames: int = 16  # the largest chunk

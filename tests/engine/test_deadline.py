@@ -290,3 +290,50 @@ def test_slack_is_audio_sent_less_time_since_the_first_chunk():
     r.sent(4, 0.32, 1.1)
     assert r.first_sent_at == 1.0 and r.frames_vocoded == 6 and r.chunks_emitted == 3
     assert r.slack(1.3) == pytest.approx(0.48 - 0.3)
+
+
+# ---------------------------------------------------------------------------------------------- on the engine
+class FixedTimes(StepTimes):
+    """Step times set once by the test: the engine's measurements of this machine are ignored."""
+
+    def record(self, *args) -> None:
+        pass
+
+
+def _stream_all(deadline: bool, slow_step_s: float = 0.0) -> dict:
+    import numpy as np
+    import torch
+
+    from q3tts.engine.engine import Engine
+    from tests.engine.steps import run_to_completion
+    from tests.golden import fixtures as fx
+
+    tts = fx.tts("cv06")
+    eng = Engine(tts.ckpt, max_slots=3, max_seq_len=256, deadline=deadline)
+    if deadline:  # steps taken to be long whatever this machine does: first sends grow, every row is urgent
+        eng.policy.times = FixedTimes()
+        StepTimes.record(eng.policy.times, slow_step_s, 1, slow_step_s, None)
+    texts = [("Deadlines keep every stream ahead.", "vivian", 0), ("A second one, sampled.", "ryan", 7),
+             ("Third.", "dylan", 3), ("A fourth waits for a slot.", "serena", 1)]
+    reqs = [eng.add_request(tts.prepare_custom_voice(t, v, "English", seed=s, max_new_tokens=20)[0], StreamOptions(1, 4))
+            for t, v, s in texts]
+    chunks = run_to_completion(eng, reqs)
+    by = {r.request_id: [c for c in chunks if c.request_id == r.request_id] for r in reqs}
+    return {rid: (np.concatenate([c.audio for c in cs]), [c.num_frames for c in cs],
+                  torch.stack(next(r for r in reqs if r.request_id == rid).frames))
+            for rid, cs in by.items()}
+
+
+def test_the_engine_streams_the_same_codes_and_bits_with_deadlines():
+    """The same requests through the engine with the old plan and with deadlines on steps taken as long: the first
+    sends and the grouping differ, the codes and every audio sample do not (whole chunks, each cut on its own)."""
+    import numpy as np
+    import torch
+
+    old, new = _stream_all(False), _stream_all(True, slow_step_s=0.2)
+    assert old.keys() == new.keys()
+    for rid in old:
+        assert torch.equal(old[rid][2], new[rid][2]), rid
+        np.testing.assert_array_equal(old[rid][0], new[rid][0])
+    assert any(new[rid][1] != old[rid][1] for rid in old)  # grouped otherwise: 1 + 2 frames first, as one chunk
+    assert all(new[rid][1][0] >= 3 or sum(new[rid][1]) < 3 for rid in new)
