@@ -1,16 +1,21 @@
 """The forced aligner's cost: one utterance at a time, and 64 utterances at once (as 64 finishing streams would ask).
 
-    python -m bench.aligner --size real --out bench/results/aligner-h100.json          # H100: real dimensions
-    python -m bench.aligner --size tiny --utterances 4 --seconds 2 --repeats 2         # CPU smoke run
+    python3 -m bench.make_checkpoint --model 0.6B-CustomVoice --out /tmp/ck06 && \
+    python3 -m bench.aligner --utterances 64 --seconds 5 --repeats 3 --tts /tmp/ck06 --out /tmp/aligner.json
+                                                       # GPU: eager vs compiled, share of synthesis, streams beside it
+    python3 -m bench.aligner --size tiny --utterances 4 --seconds 2 --repeats 1 --tts DIR --streams 2   # CPU dry run
 
 A random-weight checkpoint in the official layout (q3tts/randomckpt.py) at the real dimensions of
 Qwen/Qwen3-ForcedAligner-0.6B (as third-party ports state them: its config.json is not in our reference set; weight
 values do not change speed), or the tiny one of the golden fixtures. The utterances are synthetic audio (tones and
-noise at 24 kHz, as the engine outputs) with a transcript of 3 words a second. Figures per configuration: median
-wall time of `align` over --repeats runs after a warm-up, for one utterance and for a batch of --utterances (each
-row alone, as the server's AlignerWorker runs them), and milliseconds of aligner time per second of audio.
-With --tts DIR (a TTS checkpoint, e.g. from bench/make_checkpoint.py), the same call also times synthesizing the
-batch with the engine, so the aligner's share of synthesis time is measured on the same device.
+noise at 24 kHz, as the engine outputs) with a transcript of 3 words a second. Per variant (--variants: eager, and
+compiled = ForcedAligner(compile=True)), the median wall time over --repeats runs after a warm-up of: one utterance
+and the batch of --utterances (each row alone, as the server's AlignerWorker runs them) through align() (with the CPU
+preparation: checks and soxr resampling, which the worker does on its own thread) and through the device pass alone
+(prepared items); load_s includes the compiled variant's compilations. With --tts DIR (a TTS checkpoint, e.g. from
+bench/make_checkpoint.py), the same call times synthesizing the batch (the aligner's share of it, whole and pass
+only), then --streams synthesis streams at once, alone and beside an AlignerWorker kept busy with the batch (the last
+variant): first audio and the stall of a player that starts at each stream's first chunk.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,20 +78,86 @@ def utterance(seconds: float, sr: int, seed: int) -> tuple[np.ndarray, str]:
     return wav.astype(np.float32), " ".join(words).capitalize() + "."
 
 
-def timed(fn, repeats: int, device: torch.device) -> float:
-    """Median seconds of fn() over repeats, after one warm-up call."""
+def timed(fn, repeats: int, device: torch.device) -> tuple[float, float]:
+    """(median seconds of fn() over repeats, seconds of the warm-up call before them)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
     fn()
     sync()
+    first = time.perf_counter() - t0
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), first
+
+
+def measure_aligner(aligner: ForcedAligner, wavs: list, texts: list[str], sr: int, repeats: int,
+                    device: torch.device) -> dict:
+    """One utterance alone and the whole batch (each row alone, as the AlignerWorker runs them), each through
+    align() (CPU preparation included: checks, soxr resampling) and through the device pass only (prepared items)."""
+    one, first = timed(lambda: aligner.align(wavs[0], sr, texts[0], "English"), repeats, device)
+    batch, _ = timed(lambda: aligner.align(wavs, sr, texts, "English", rows_alone=True), repeats, device)
+    t0 = time.perf_counter()
+    items = [aligner._item(w, sr, t, "English", i) for i, (w, t) in enumerate(zip(wavs, texts))]
+    prep = time.perf_counter() - t0
+    one_pass, _ = timed(lambda: aligner._run(items[:1]), repeats, device)
+    batch_pass, _ = timed(lambda: aligner._run(items, rows_alone=True), repeats, device)
+    ms = lambda x: round(x * 1000, 2)  # noqa: E731
+    return dict(first_call_s=round(first, 2), one_utterance_ms=ms(one), one_utterance_pass_ms=ms(one_pass),
+                batch_ms=ms(batch), batch_prep_ms=ms(prep), batch_pass_ms=ms(batch_pass),
+                batch_ms_per_utterance=round(batch * 1000 / len(wavs), 3))
+
+
+def streams_beside(tts, worker, texts: list[str], wavs: list, sr: int, num_streams: int, frames: int) -> dict:
+    """num_streams synthesis streams at once (a player per stream starting at its first chunk), with the aligner
+    worker kept busy aligning wavs meanwhile (worker given) or idle: first audio and the players' stall."""
+    from concurrent.futures import ThreadPoolExecutor
+    speaker = (tts.get_supported_speakers() or [None])[0]
+    done = threading.Event()
+
+    def one(i: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        first = play_end = None
+        stall = 0.0
+        for c in tts.generate_custom_voice_stream(texts[i % len(texts)], speaker=speaker, language="English",
+                                                  do_sample=False, subtalker_dosample=False, max_new_tokens=frames,
+                                                  first_chunk_frames=1, chunk_frames=8):
+            now, dur = time.perf_counter(), c.audio.shape[-1] / c.sample_rate
+            if first is None:
+                first, play_end = now - t0, now + dur
+            else:
+                stall += max(0.0, now - play_end)
+                play_end = max(now, play_end) + dur
+        return first, stall
+
+    aligned = [0]
+
+    def keep_aligning():
+        while not done.is_set():
+            futs = [worker.submit(w, sr, t, "English") for w, t in zip(wavs, texts)]
+            for f in futs:
+                f.result()
+                aligned[0] += 1
+
+    bg = threading.Thread(target=keep_aligning, daemon=True) if worker is not None else None
+    if bg:
+        bg.start()
+        time.sleep(0.05)  # the aligner is running when the streams start
+    with ThreadPoolExecutor(num_streams) as ex:
+        res = list(ex.map(one, range(num_streams)))
+    done.set()
+    if bg:
+        bg.join()
+    firsts = sorted(f for f, _ in res)
+    return dict(streams=num_streams, first_audio_p50_ms=round(firsts[len(firsts) // 2] * 1000, 1),
+                first_audio_max_ms=round(firsts[-1] * 1000, 1),
+                stall_max_ms=round(max(s for _, s in res) * 1000, 1),
+                stall_total_ms=round(sum(s for _, s in res) * 1000, 1), utterances_aligned_meanwhile=aligned[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,36 +168,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--utterances", type=int, default=64, help="the batch: utterances aligned at once")
     ap.add_argument("--seconds", type=float, default=5.0, help="audio per utterance")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--variants", default="eager,compiled",
+                    help="aligner variants to time, comma-separated: eager, compiled (ForcedAligner compile=True)")
     ap.add_argument("--tts", default=None, help="also time synthesizing the batch with this TTS checkpoint")
+    ap.add_argument("--streams", type=int, default=16,
+                    help="with --tts: synthesis streams timed alone and beside a busy aligner worker (0: skip)")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     a = ap.parse_args(argv)
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    if not variants or set(variants) - {"eager", "compiled"}:
+        ap.error(f"--variants: accepted eager, compiled; got {a.variants!r}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ckpt = Path(a.checkpoint) if a.checkpoint else make_checkpoint(
         a.size, Path(tempfile.mkdtemp(prefix="q3tts-aligner-bench-")), dtype)
-    aligner = ForcedAligner.from_pretrained(ckpt, device=device, dtype=dtype)
     sr = 24000
     items = [utterance(a.seconds, sr, i) for i in range(a.utterances)]
     wavs, texts = [w for w, _ in items], [t for _, t in items]
-
-    one = timed(lambda: aligner.align(wavs[0], sr, texts[0], "English"), a.repeats, device)
-    batch = timed(lambda: aligner.align(wavs, sr, texts, "English", rows_alone=True), a.repeats, device)
     audio_s = a.seconds * a.utterances
     result = dict(bench="aligner", size=a.size if not a.checkpoint else str(ckpt), device=str(device),
                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   dtype=str(dtype).removeprefix("torch."), seconds_per_utterance=a.seconds,
-                  words_per_utterance=len(texts[0].split()), utterances=a.utterances, repeats=a.repeats,
-                  one_utterance_ms=round(one * 1000, 2), batch_ms=round(batch * 1000, 2),
-                  batch_ms_per_utterance=round(batch * 1000 / a.utterances, 3),
-                  aligner_ms_per_audio_second=round(batch * 1000 / audio_s, 3))
+                  words_per_utterance=len(texts[0].split()), utterances=a.utterances, repeats=a.repeats)
+    aligners = {}
+    for v in variants:
+        t0 = time.perf_counter()
+        aligners[v] = ForcedAligner.from_pretrained(ckpt, device=device, dtype=dtype, compile=v == "compiled")
+        load = time.perf_counter() - t0  # compiled: the warm-up's compilations included
+        r = dict(load_s=round(load, 2), **measure_aligner(aligners[v], wavs, texts, sr, a.repeats, device))
+        r["aligner_ms_per_audio_second"] = round(r["batch_ms"] / audio_s, 3)
+        result[v] = r
     if a.tts:
         from q3tts import TTS
+        from q3tts.align import AlignerWorker
         tts = TTS.from_pretrained(a.tts, device=device, max_batch_size=a.utterances)
         speaker = (tts.get_supported_speakers() or [None])[0]
         frames = int(a.seconds * 12.5) + 1
         kw = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=frames)
-        synth = timed(lambda: tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), **kw), 1, device)
-        result.update(synthesis_ms=round(synth * 1000, 1), aligner_share_of_synthesis=round(batch / synth, 4))
+        synth, _ = timed(lambda: tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), **kw), 1, device)
+        result["synthesis_ms"] = round(synth * 1000, 1)
+        for v in variants:
+            r = result[v]
+            r["share_of_synthesis"] = round(r["batch_ms"] / result["synthesis_ms"], 4)
+            r["pass_share_of_synthesis"] = round(r["batch_pass_ms"] / result["synthesis_ms"], 4)
+        if a.streams:
+            result["streams_alone"] = streams_beside(tts, None, texts, wavs, sr, a.streams, frames)
+            worker = AlignerWorker(aligners[variants[-1]])
+            try:
+                result[f"streams_beside_{variants[-1]}_aligner"] = streams_beside(tts, worker, texts, wavs, sr,
+                                                                                  a.streams, frames)
+            finally:
+                worker.close()
     line = json.dumps(result)
     print(line)
     if a.out:

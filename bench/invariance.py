@@ -1,14 +1,20 @@
 """Batch invariance on a GPU: is a request's output the same alone as beside others? Prints a table last.
 
     python -m bench.invariance --models 0.6B-CustomVoice,1.7B-CustomVoice --frames 40
+    python -m bench.invariance --models 1.7B-Base,1.7B-VoiceDesign --frames 24 --skip-kernels
 
 Checks, bf16, random weights at the real dimensions (bench.make_checkpoint: no early EOS, so lengths are exact):
 - kernels (q3tts.invariant): each row of matmul / rms_norm / attention / embed_sum computed in a batch == alone
   (attention also over a longer span than the row's own); their distance from an fp32 / eager reference;
 - the vocoder's decode_step, default mode: a row decoded alone vs among 16 (whether cuDNN/cuBLAS follow the batch);
-- the engine in batch-invariant mode: 16 requests of mixed lengths, speakers and sampling parameters, codes alone ==
-  in a batch of 3 == of 16 == admitted staggered; eager (no graphs) == graphs for 3; streamed PCM alone == in a
-  batch of 3 (the streaming vocoder); offline PCM (TTS.decode) alone == decoded together.
+- the engine in batch-invariant mode, any model type (CustomVoice speakers, VoiceDesign instructions, Base voice
+  clones: ICL and x-vector only): --batch requests of mixed lengths, voices and sampling parameters, codes alone ==
+  in a batch of 3 == of --batch == admitted staggered; a streamed text whose row sits out frames waiting for its
+  words beside the others == its whole text alone; eager (no graphs) == graphs for 3; streamed PCM alone == in a
+  batch of 3 (the streaming vocoder); offline PCM (TTS.decode, with ICL references) alone == decoded together.
+
+The steps are this script's own loop over an engine it alone owns (generate_codes, staggered, parked), as the tests'
+(tests/engine/steps.py, which a benchmark does not import): the product's one loop is q3tts.engine.AsyncEngine.
 """
 
 from __future__ import annotations
@@ -142,10 +148,38 @@ def probe_gemm() -> None:
     invariant.set_enabled(False)
 
 
-def requests(tts, n: int, frames: int):
-    words = ("Every request should sound the same whether it runs alone or beside sixty three others on a busy "
-             "server, with any seed, speaker and sampling parameters.").split()
-    speakers = tts.get_supported_speakers()
+WORDS = ("Every request should sound the same whether it runs alone or beside sixty three others on a busy "
+         "server, with any seed, speaker and sampling parameters.").split()
+INSTRUCTS = ("A calm, low narrator.", "A bright young voice, speaking fast.", "An old man, slowly and softly.")
+
+
+def clone_voices(tts) -> list:
+    """A Base model's voice-clone prompts: ICL with a short and a longer reference (reference codes in the prompt, the
+    reference's audio in front of the decoder), and an x-vector-only one. Synthetic references: random weights."""
+    import numpy as np
+    t = np.arange(int(3.2 * 24000)) / 24000
+    wave = (0.2 * np.sin(2 * np.pi * 170 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    short = tts.create_voice_clone_prompt((wave[:36000], 24000), ref_text="A short reference.")
+    long = tts.create_voice_clone_prompt((wave[::-1].copy(), 24000), ref_text="A longer reference, with a pause.")
+    xvec = tts.create_voice_clone_prompt((wave, 24000), x_vector_only_mode=True)
+    return short + long + xvec
+
+
+def prepare(tts, text, i: int, voices=None, **kw):
+    """Request i's voice for any model type: a speaker (CustomVoice), an instruction (VoiceDesign) or voices[i % 3]
+    (Base: clone_voices)."""
+    kind = tts.tts_model_type
+    if kind == "custom_voice":
+        speakers = tts.get_supported_speakers()
+        return tts.prepare_custom_voice(text, speakers[i % len(speakers)], "English", **kw)
+    if kind == "voice_design":
+        return tts.prepare_voice_design(text, INSTRUCTS[i % len(INSTRUCTS)], "English", **kw)
+    return tts.prepare_voice_clone(text, "English", voice_clone_prompt=[voices[i % len(voices)]], **kw)
+
+
+def requests(tts, n: int, frames: int, voices=None):
+    """n requests of frames..frames+12 frames, mixed texts, voices and samplers (greedy, top-k, the uncapped sampler,
+    top-p) and both layouts (all text in the prompt; the streamed-text layout: one text token per frame)."""
     ps = []
     for i in range(n):
         kw = dict(max_new_tokens=frames + 1 + 3 * (i % 5), seed=100 + i)
@@ -157,10 +191,51 @@ def requests(tts, n: int, frames: int):
         elif kind == 2:
             kw.update(top_k=0, top_p=0.8, repetition_penalty=1.3)  # the uncapped sampler
         else:
-            kw.update(subtalker_top_k=5, top_p=0.9, non_streaming_mode=False)  # streamed-text layout
-        text = " ".join(words[: 3 + (7 * i) % len(words)])
-        ps += tts.prepare_custom_voice(text, speakers[i % len(speakers)], "English", **kw)
+            kw.update(subtalker_top_k=5, top_p=0.9)
+        ps += prepare(tts, " ".join(WORDS[: 3 + (7 * i) % len(WORDS)]), i, voices, non_streaming_mode=kind != 3, **kw)
     return ps
+
+
+def streamed_text(tts, voices=None, frames: int = 40):
+    """(the same seeded request twice: its whole text, and text=None to stream the text into), its text's pieces
+    (1-3 characters, cut mid-word). A Base model's takes the x-vector clone: an ICL prompt lays the text over its
+    reference frames, so it waits for as many text tokens as they are frames (more than this text has)."""
+    import random
+    text = "Parked rows wait for words that an LLM types slowly, then speak them."
+    i = 1 if voices is None else next(j for j, v in enumerate(voices) if v.x_vector_only_mode)
+    kw = dict(max_new_tokens=frames + 1, seed=7, top_k=20, subtalker_temperature=0.9, non_streaming_mode=False)
+    whole, = prepare(tts, text, i, voices, **kw)
+    fed, = prepare(tts, None, i, voices, **kw)
+    rng, pieces, i = random.Random(0), [], 0
+    while i < len(text):
+        k = rng.randint(1, 3)
+        pieces.append(text[i:i + k])
+        i += k
+    return whole, fed, pieces
+
+
+def parked(eng, ps, fed, pieces: list[str], every: int = 3):
+    """ps admitted together beside `fed` (prepared with text=None), whose text arrives one piece every `every` steps
+    and is closed after the last: its row sits out the frames its next text token has not reached.
+    -> (codes of ps, codes of fed, the frames it sat out while other rows ran)."""
+    from q3tts.engine.request import RequestStatus
+    reqs = [eng.add_request(p) for p in ps]
+    req = eng.add_request(fed)
+    sat_out, steps, sent = 0, 0, 0
+    while not all(r.status.finished for r in [*reqs, req]):
+        if sent < len(pieces) and steps % every == 0:
+            fed.text.append(pieces[sent])
+            sent += 1
+            if sent == len(pieces):
+                fed.text.close()
+        steps += 1
+        if not eng.has_work():  # only more text can move it on
+            continue
+        mine, others = req.num_frames, sum(r.num_frames for r in reqs)
+        eng.step()
+        sat_out += (req.status == RequestStatus.RUNNING and req.num_frames == mine
+                    and sum(r.num_frames for r in reqs) > others)
+    return [torch.stack(r.frames).cpu() for r in reqs], torch.stack(req.frames).cpu(), sat_out
 
 
 def generate_codes(eng, ps) -> list[torch.Tensor]:
@@ -211,14 +286,21 @@ def check_engine(model: str, frames: int, n: int) -> None:
                               batch_invariant=True)
     eng = tts.engine
     row(model, "engine built (s)", f"{time.perf_counter() - t0:.1f}")
-    ps = requests(tts, n, frames)
+    voices = clone_voices(tts) if tts.tts_model_type == "base" else None
+    ps = requests(tts, n, frames, voices)
     alone = [generate_codes(eng, [p])[0] for p in ps]
     row(model, "codes: alone == batch of 3", count(alone[:3], generate_codes(eng, ps[:3])))
     row(model, f"codes: alone == batch of {n}", count(alone, generate_codes(eng, ps)))
     row(model, f"codes: alone == {n} staggered (one every 3 frames)", count(alone, staggered(eng, ps, 3)))
     row(model, "codes: alone == batch of 4 reversed", count(alone[:4][::-1], generate_codes(eng, ps[:4][::-1])))
-    wav_alone = [tts.decode([c])[0].tobytes() for c in alone[:8]]
-    wav_all = [w.tobytes() for w in tts.decode(alone[:8])]
+    whole, fed, pieces = streamed_text(tts, voices)
+    want = generate_codes(eng, [whole])[0]
+    others, got, sat_out = parked(eng, ps[:n - 1], fed, pieces)
+    row(model, f"streamed text (sat out {sat_out} frames) beside {n - 1} == whole text alone",
+        count([want, *alone[:n - 1]], [got, *others]))
+    refs = [p.ref_codes for p in ps[:8]]
+    wav_alone = [tts.decode([c], [r])[0].tobytes() for c, r in zip(alone[:8], refs)]
+    wav_all = [w.tobytes() for w in tts.decode(alone[:8], refs)]
     row(model, "offline PCM: decoded alone == 8 together", f"{sum(a == b for a, b in zip(wav_alone, wav_all))}/8")
     s_alone = [streamed(tts, [p])[0] for p in ps[:3]]
     s_batch = streamed(tts, ps[:3])
@@ -231,7 +313,7 @@ def check_engine(model: str, frames: int, n: int) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="0.6B-CustomVoice")
+    ap.add_argument("--models", default="0.6B-CustomVoice", help="comma-separated, of q3tts.randomckpt.MODELS")
     ap.add_argument("--frames", type=int, default=40)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--skip-kernels", action="store_true")

@@ -2,6 +2,8 @@
 decodes exactly the frames asked for). One JSON on stdout / --out.
 
     python -m bench.ours --ckpt /tmp/ck06 --frames 125 --repeats 3
+    Q3TTS_BATCH_INVARIANT=1 python -m bench.ours --ckpt /tmp/ck06 --frames 125 --repeats 3 --batch 16,64  # the
+        batch-invariant mode's cost: run it beside the same command without the variable, on one machine
 
 Measures, all with CUDA synchronisation around host clocks and a warm-up first:
 - single stream, non-streaming API end to end (prompt + prefill + frames + vocoder): real-time factor
@@ -101,6 +103,8 @@ def main(argv=None):
     res = {"engine": "q3tts", "compile": os.environ.get("Q3TTS_COMPILE", "default(on)"), "frames": N, "audio_s": N * 0.08, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     res["quantization"] = a.quantization or "none"
+    from q3tts import invariant
+    res["batch_invariant"] = invariant.enabled()  # Q3TTS_BATCH_INVARIANT=1: the mode's cost (README)
     if inductor:
         res["inductor"] = inductor
     batches = [int(b) for b in str(a.batch).split(",")]

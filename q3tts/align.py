@@ -25,8 +25,17 @@ from .audio import resample, to_mono
 from .config import read_json
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
 from .inputs.prompt import TextTokenizer
-from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, load_thinker, parse_aligner_config
-from .models.audio_encoder import SAMPLE_RATE, log_mel, mel_filters, tokens_after_cnn, valid_frames
+from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
+from .models.audio_encoder import (
+    SAMPLE_RATE,
+    Ragged,
+    encoder_layer,
+    log_mel,
+    mel_filters,
+    reflect_rows,
+    tokens_after_cnn,
+    valid_frames,
+)
 from .weights import resolve_model_dir
 
 __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
@@ -35,14 +44,32 @@ __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
 @dataclass(slots=True)
 class _Item:
     words: list[str]
-    wav: np.ndarray  # mono float32 at 16 kHz, in [-1, 1]
+    wav: np.ndarray  # mono float32 at sample_rate; once prepared: at 16 kHz, in [-1, 1]
+    sample_rate: int
+    prepared: bool = False
+
+    def ready(self) -> "_Item":
+        """Resampled to 16 kHz and brought into [-1, 1]: the CPU part of an item, after its checks (the worker does it
+        on its own thread, not on the submitting caller's)."""
+        if not self.prepared:
+            wav = resample(self.wav, self.sample_rate, SAMPLE_RATE)
+            peak = float(np.max(np.abs(wav))) if wav.size else 0.0
+            if peak > 1.0:  # as the official: int-scaled or clipping input is brought back into [-1, 1]
+                wav = wav / peak
+            self.wav, self.sample_rate, self.prepared = np.clip(wav, -1.0, 1.0).astype(np.float32), SAMPLE_RATE, True
+        return self
 
 
 class ForcedAligner:
     """Audio + its transcript -> the time of every word."""
 
-    def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path):
+    def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path,
+                 compile: bool = False):
         self.thinker, self.tokenizer, self.cfg, self.model_dir = thinker, tokenizer, cfg, model_dir
+        self.compiled = compile
+        if compile:  # one compiled function per layer kind serves every layer; token counts and batch are dynamic
+            thinker.layer_fn = torch.compile(lm_layer, dynamic=True, fullgraph=True)
+            thinker.audio_tower.layer_fn = torch.compile(encoder_layer, dynamic=True, fullgraph=True)
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._filters = torch.from_numpy(mel_filters(cfg.audio.num_mel_bins)).to(self.device, torch.float32)
@@ -56,7 +83,7 @@ class ForcedAligner:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None) -> "ForcedAligner":
+                        dtype: torch.dtype | str | None = None, compile: bool = False) -> "ForcedAligner":
         """Load a forced-aligner checkpoint (hub id or local directory in the official layout).
 
         Args:
@@ -64,13 +91,29 @@ class ForcedAligner:
                 and the tokenizer files.
             device: default CUDA when available, else CPU.
             dtype: default bf16 on CUDA, fp32 on CPU.
+            compile: torch.compile the decoder and encoder layers (norms, RoPE, the attention glue and the MLP's
+                activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
         cfg = parse_aligner_config(read_json(d / "config.json"))
-        return cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d)
+        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile)
+        if compile:
+            aligner.warmup()
+        return aligner
+
+    def warmup(self) -> None:
+        """Compile now, not in a caller's first pass (compiling holds the interpreter for seconds: a server's streams
+        would stall behind it). A batch of one and a batch of two rows, one longer than an attention window: the
+        shapes that torch.compile specializes (sizes 1 and more); other sizes reuse these graphs."""
+        rng = np.random.default_rng(0)
+        window_s = self.cfg.audio.n_window_infer * 160 / SAMPLE_RATE
+        wav = lambda s: (0.1 * rng.standard_normal(int(s * SAMPLE_RATE))).astype(np.float32)  # noqa: E731
+        self.align(wav(1.5), SAMPLE_RATE, "one two", "English")
+        self.align([wav(1.5), wav(min(window_s + 3, self.max_seconds))], SAMPLE_RATE, ["one two", "three four"],
+                   "English", rows_alone=True)
 
     @property
     def supported_languages(self) -> list[str] | None:
@@ -91,7 +134,8 @@ class ForcedAligner:
                              + ", ".join(x.capitalize() for x in langs))
         return split_words(text, language)
 
-    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int) -> _Item:
+    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True) -> _Item:
+        """Checked (ValueError naming the problem) and, with ready, prepared for the pass (_Item.ready)."""
         what = f"item {i}: " if i >= 0 else ""
         words = self.words(text, language, what)
         if isinstance(audio, torch.Tensor):
@@ -112,14 +156,11 @@ class ForcedAligner:
         if wav.shape[0] / sr > self.max_seconds:
             raise ValueError(f"{what}audio of {wav.shape[0] / sr:.1f} s is longer than this aligner's "
                              f"{self.max_seconds:g} s ({self.cfg.classify_num} timestamp classes); align it in parts")
-        wav = resample(wav, sr, SAMPLE_RATE)
-        peak = float(np.max(np.abs(wav))) if wav.size else 0.0
-        if peak > 1.0:  # as the official: int-scaled or clipping input is brought back into [-1, 1]
-            wav = wav / peak
-        wav = np.clip(wav, -1.0, 1.0).astype(np.float32)
-        if wav.shape[0] < 2 * 160:  # shorter than two mel frames: the reflect-padded STFT is undefined
-            raise ValueError(f"{what}audio of {wav.shape[0] / SAMPLE_RATE * 1000:.0f} ms is too short to align")
-        return _Item(words, wav)
+        if int(np.ceil(wav.shape[0] * (float(SAMPLE_RATE) / sr))) < 2 * 160:  # the length resample() gives
+            # shorter than two mel frames: the reflect-padded STFT is undefined
+            raise ValueError(f"{what}audio of {wav.shape[0] / sr * 1000:.0f} ms is too short to align")
+        item = _Item(words, wav, sr)
+        return item.ready() if ready else item
 
     # ------------------------------------------------------------------ the pass
     @torch.inference_mode()
@@ -156,46 +197,48 @@ class ForcedAligner:
                  enumerate(zip(audio, per["sample_rate"], per["text"], per["language"]))]
         return self._run(items, rows_alone)
 
-    def _features(self, items: list[_Item], rows_alone: bool) -> list[torch.Tensor]:
-        """Per row its log-mel [mel, F_i] in the model dtype. NOTE(aligner): the official batch zero-pads the
-        waveforms to the longest before the mel, so a shorter row's last frames (and its log floor) see the padding
-        and its features depend on its batch; rows_alone computes each row as a batch of one instead."""
-        if rows_alone and len(items) > 1:
-            return [f for it in items for f in self._features([it], False)]
-        L = max(it.wav.shape[0] for it in items)
-        wavs = torch.zeros(len(items), L)
-        for i, it in enumerate(items):
-            wavs[i, :it.wav.shape[0]] = torch.from_numpy(it.wav)
-        mel = log_mel(wavs.to(self.device), self._filters)  # [B, mel, L // 160] fp32
-        return [mel[i, :, :valid_frames(it.wav.shape[0], L)].to(self.dtype) for i, it in enumerate(items)]
+    def _features(self, items: list[_Item], rows_alone: bool) -> tuple[torch.Tensor, list[int]]:
+        """The batch's log-mel [B, mel, F] in the model dtype (one STFT for all rows, on the aligner's device) and
+        each row's frame count. NOTE(aligner): the official batch zero-pads the waveforms to the longest before the
+        mel, so a shorter row's last frames (and its log floor) see the padding and its features depend on its
+        batch; rows_alone gives every row the frames it has alone (its own reflect padding and floor)."""
+        if rows_alone:
+            wavs, frames = reflect_rows([it.wav for it in items])
+            mel = log_mel(torch.from_numpy(wavs).to(self.device), self._filters, frames, center=False)
+        else:
+            L = max(it.wav.shape[0] for it in items)
+            wavs = np.zeros((len(items), L), np.float32)
+            for i, it in enumerate(items):
+                wavs[i, :it.wav.shape[0]] = it.wav
+            mel = log_mel(torch.from_numpy(wavs).to(self.device), self._filters)  # [B, mel, L // 160] fp32
+            frames = [valid_frames(it.wav.shape[0], L) for it in items]
+        return mel.to(self.dtype), frames
 
     def _run(self, items: list[_Item], rows_alone: bool = False) -> list[list[WordTime]]:
         with self._lock:
             return self._forward(items, rows_alone)
 
     def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
-        """One forward for the batch."""
-        feats = self._features(items, rows_alone)
-        audio = self.thinker.audio_tower(feats)  # per row [N_i, D]
+        """One forward for the batch: every row's prompt packed end to end, one host sync (the classes)."""
+        mel, frames = self._features(items, rows_alone)
+        audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
         rows = []
-        for it, f in zip(items, feats):
+        for it, f in zip(items, frames):
             words_ids = self.tokenizer.encode(prompt_text(it.words).split("<|audio_end|>", 1)[1])
-            rows.append([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f.shape[1])
+            rows.append([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
                         + [self._ids["<|audio_end|>"]] + words_ids)
-        S = max(map(len, rows))
-        ids = torch.zeros(len(rows), S, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-        ids = ids.to(self.device)
-        lengths = torch.tensor([len(r) for r in rows], device=self.device)
-        logits = self.thinker(ids, lengths, audio)  # [B, S, classify_num]
-        classes = logits.argmax(-1).cpu()
-        out = []
+        ids = np.concatenate(rows)  # [N]
+        select = np.flatnonzero(ids == self.cfg.timestamp_token_id)  # the timestamp slots, row after row
+        logits = self.thinker(torch.from_numpy(ids).to(self.device), Ragged.of([len(r) for r in rows], self.device),
+                              audio, torch.from_numpy(select).to(self.device))  # [M, classify_num]
+        classes = logits.argmax(-1).cpu().numpy()
+        out, at = [], 0
         seg = np.float32(self.cfg.timestamp_segment_time)
-        for i, it in enumerate(items):
-            slots = classes[i][ids[i].cpu() == self.cfg.timestamp_token_id].numpy()
+        for it, r in zip(items, rows):
+            n = int(np.count_nonzero(np.asarray(r) == self.cfg.timestamp_token_id))
             # ms as the official computes them: int class x float32 segment time
-            out.append(word_times(it.words, [float(np.float32(c) * seg) for c in slots]))
+            out.append(word_times(it.words, [float(np.float32(c) * seg) for c in classes[at:at + n]]))
+            at += n
         return out
 
 
@@ -220,7 +263,7 @@ class AlignerWorker:
 
     def submit(self, audio: Any, sample_rate: int, text: str, language: str) -> Future:
         """A Future of the utterance's [WordTime]; ValueError at once for bad input."""
-        item = self.aligner._item(audio, sample_rate, text, language, -1)
+        item = self.aligner._item(audio, sample_rate, text, language, -1, ready=False)  # resampled on the thread
         fut: Future = Future()
         with self._cond:
             if self._closed:
@@ -252,7 +295,7 @@ class AlignerWorker:
                 continue
             try:
                 with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
-                    words = self.aligner._run([it for it, _ in batch], rows_alone=True)
+                    words = self.aligner._run([it.ready() for it, _ in batch], rows_alone=True)
                     if self._stream is not None:
                         self._stream.synchronize()
             except BaseException as e:  # noqa: BLE001 - the callers get the error; the worker lives on

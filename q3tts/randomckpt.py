@@ -219,7 +219,7 @@ def write_aligner_checkpoint(out_dir: str | Path, config: dict, shapes: dict, to
 
 # ---------------------------------------------------------------------------------- real dimensions
 REFERENCE = Path(__file__).resolve().parent / "reference"  # the real configs, shapes and tokenizer files
-MODELS = ("0.6B-CustomVoice", "1.7B-CustomVoice")
+MODELS = ("0.6B-CustomVoice", "1.7B-CustomVoice", "0.6B-Base", "1.7B-Base", "1.7B-VoiceDesign")
 DEFAULT_TWEAKS = {"eos_zero": True, "output_conv_scale": 0.015}
 
 

@@ -17,3 +17,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def real_checkpoint(tmp_path_factory):
+    """model (q3tts.randomckpt.MODELS) -> the directory of its random checkpoint at the real dimensions (GPU tests),
+    written once per run: under pytest-xdist the workers share the directory (a file lock: one writes, the others
+    wait), as writing one takes tens of seconds of CPU (1.7B: ~4 GB)."""
+    import fcntl
+    import os
+
+    from q3tts import randomckpt
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def path(model: str):
+        out = root / f"real-{model}"
+        with open(f"{out}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "bench_checkpoint.json").exists():  # written last
+                randomckpt.make_checkpoint(model, out)
+        return out
+    return path

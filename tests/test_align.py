@@ -51,7 +51,10 @@ def expected(case: dict) -> list[list[WordTime]]:
 
 
 def run_case(case: dict):
-    a = aligner()
+    return run_case_with(aligner(), case)
+
+
+def run_case_with(a: ForcedAligner, case: dict):
     items = [audio(n) for n in case["audio"]]
     if len(items) == 1:
         return [a.align(items[0][0], items[0][1], case["text"][0], case["language"][0])]
@@ -81,9 +84,9 @@ def test_features_and_prompt_ids_equal_the_official(name):
     captured = {}
     orig = a.thinker.forward
 
-    def spy(ids, lengths, audio):
-        captured["ids"] = ids[0, :int(lengths[0])]
-        return orig(ids, lengths, audio)
+    def spy(ids, rows, audio, select):
+        captured["ids"] = ids[:rows.lengths[0]]
+        return orig(ids, rows, audio, select)
 
     a.thinker.forward = spy
     try:
@@ -91,6 +94,20 @@ def test_features_and_prompt_ids_equal_the_official(name):
     finally:
         del a.thinker.forward
     assert captured["ids"].tolist() == TENSORS[f"{name}.0.input_ids"].tolist()
+
+
+def test_rows_alone_features_are_each_rows_own_in_one_pass():
+    """The batch's log-mel in one STFT (each row reflect-padded at its own ends, floored over its own frames) equals
+    each row's log-mel alone."""
+    from q3tts.models.audio_encoder import log_mel
+    a = aligner()
+    items = [a._item(*audio(n), "hi", "English", -1) for n in CASES["batch"]["audio"]]
+    assert len({it.wav.shape[0] for it in items}) > 1
+    mel, frames = a._features(items, rows_alone=True)
+    for i, it in enumerate(items):
+        alone = log_mel(torch.from_numpy(it.wav)[None], a._filters)[0]
+        assert frames[i] == alone.shape[1] == it.wav.shape[0] // 160
+        torch.testing.assert_close(mel[i, :, :frames[i]], alone, atol=1e-6, rtol=0)
 
 
 def test_batched_rows_equal_the_official_alone_where_no_padding_reaches_them():
@@ -172,9 +189,10 @@ def test_raw_timestamp_classes_equal_the_official(name):
     captured = {}
     orig = a.thinker.forward
 
-    def spy(ids, lengths, audio):
-        logits = orig(ids, lengths, audio)
-        captured["classes"] = [logits[i].argmax(-1)[ids[i] == a.cfg.timestamp_token_id] for i in range(len(ids))]
+    def spy(ids, rows, audio, select):
+        logits = orig(ids, rows, audio, select)  # [M, classes] at the timestamp slots, row after row
+        per_row = [int((r == a.cfg.timestamp_token_id).sum()) for r in ids.split(rows.lengths)]
+        captured["classes"] = logits.argmax(-1).split(per_row)
         return logits
 
     a.thinker.forward = spy
@@ -224,6 +242,21 @@ def test_worker_batches_callers_and_fails_bad_items_alone():
         worker.close()
 
 
+def test_worker_checks_at_submit_and_resamples_on_its_thread():
+    """submit() only checks (a bad item fails at once, too-short audio included, judged by its resampled length);
+    the resampling waits for the worker's thread and gives the same samples as align()'s own preparation."""
+    a = aligner()
+    wav, sr = audio(CASES["en_24k"]["audio"][0])
+    assert sr != 16000
+    deferred = a._item(wav, sr, "hello there", "English", -1, ready=False)
+    assert not deferred.prepared and deferred.sample_rate == sr
+    now = a._item(wav, sr, "hello there", "English", -1)
+    assert now.prepared and np.array_equal(deferred.ready().wav, now.wav) and deferred.sample_rate == 16000
+    with pytest.raises(ValueError, match="too short"):
+        a._item(np.zeros(478, np.float32), 24000, "hi", "English", -1, ready=False)  # 319 samples at 16 kHz
+    a._item(np.zeros(479, np.float32), 24000, "hi", "English", -1, ready=False).ready()  # 320: two frames
+
+
 def test_bf16_runs_and_times_the_same_words():
     """bf16 (the CUDA default) on the CPU: the same words in order, non-decreasing times (bf16 rounding may move
     an argmax, so no time equality is claimed), RoPE frequencies kept in fp32."""
@@ -234,3 +267,26 @@ def test_bf16_runs_and_times_the_same_words():
     assert [w.word for w in got] == [w.word for w in expected(case)[0]]
     assert all(w.start_s <= w.end_s for w in got)
     assert [w.start_s for w in got] == sorted(w.start_s for w in got)
+
+
+@pytest.mark.slow
+def test_compiled_layers_time_the_words_as_eager():
+    """compile=True (the fast path benchmarked on the GPU): torch.compile'd encoder and decoder layers give the
+    official's words and times in every parity case, and the warm-up at load leaves nothing to compile for the
+    batches that follow (a compile in a server's pass would hold the interpreter and stall the streams)."""
+    from torch._dynamo.utils import counters
+
+    from q3tts.models.aligner import lm_layer
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", compile=True)
+    assert a.compiled and a.thinker.layer_fn is not lm_layer
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for name in PARITY:
+        assert run_case_with(a, CASES[name]) == expected(CASES[name]), name
+    eager = aligner()
+    items = [a._item(*audio(n), "hi", "English", -1) for n in CASES["batch"]["audio"]]
+    mel, frames = eager._features(items, rows_alone=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(a.thinker.audio_tower(mel, frames), eager.thinker.audio_tower(mel, frames),
+                                   atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the warm-up

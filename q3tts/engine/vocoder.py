@@ -51,8 +51,12 @@ class StreamingVocoder:
         assert max_call_frames & (max_call_frames - 1) == 0 and max_call_frames >= max_piece
         self.code2wav, self.max_rows, self.max_piece = code2wav, max_rows, max_piece
         top = 1 << (max_rows - 1).bit_length()  # the rows bucket that holds every stream
-        # piece size -> the most rows one call decodes (a power of two)
-        self.call_rows = {1 << i: min(top, max_call_frames >> i) for i in range(max_piece.bit_length())}
+        # piece size -> the most rows one call decodes (a power of two).
+        # NOTE(invariant): batch-invariant mode (as it is at the build) decodes each request's piece in a call of its
+        # own (cuDNN and cuBLAS choose their algorithms, and with them the sums' order, by the number of rows), so
+        # only one-row calls are captured
+        self.call_rows = {1 << i: 1 if invariant.ENABLED else min(top, max_call_frames >> i)
+                          for i in range(max_piece.bit_length())}
         p = next(code2wav.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.K = code2wav.cfg.num_quantizers
@@ -109,9 +113,7 @@ class StreamingVocoder:
                 if j < len(cut):
                     groups[cut[j]].append(i)
             for size, group in groups.items():
-                # NOTE(invariant): batch-invariant mode decodes each request's piece in a call of its own (cuDNN and
-                # cuBLAS choose their algorithms, and with them the sums' order, by the number of rows)
-                step = 1 if invariant.ENABLED else self.call_rows[size]
+                step = self.call_rows[size]  # one row per call in batch-invariant mode
                 for items in (group[a: a + step] for a in range(0, len(group), step)):
                     codes = torch.stack([work[i][1][starts[i]: starts[i] + size].T for i in items])  # [n, K, size]
                     wav = self._call([work[i][0] for i in items], codes)

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import DecoderLayerConfig
 from ..weights import check_prefixes, load_module, read_tensors, safetensors_files
-from .audio_encoder import AudioEncoder, AudioEncoderConfig, parse_audio_encoder_config, sinusoids
-from .layers import AttnContext, DecoderLayer, RMSNorm, rope_cos_sin, rope_inv_freq
+from .audio_encoder import AudioEncoder, AudioEncoderConfig, Ragged, parse_audio_encoder_config, sinusoids
+from .layers import DecoderLayer, RMSNorm, apply_rope, fuse_projections, rope_cos_sin, rope_inv_freq
 
 
 @dataclass(slots=True)
@@ -67,6 +68,26 @@ class TextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def lm_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: Ragged) -> torch.Tensor:
+    """One Qwen3 decoder layer over every row's tokens packed: x [N, D], cos / sin [N, Dh] -> [N, D]. The projections
+    run on the N real tokens (q|k|v and gate|up fused: fuse_projections); attention on the right-padded form
+    [B, H, S, Dh], causal. NOTE(aligner): right padding makes is_causal exact for every real token (it sees only
+    positions before it, all real); a padding query's output is dropped by unpad."""
+    a, m = layer.self_attn, layer.mlp
+    H, Hkv, Dh = a.num_heads, a.num_kv_heads, a.head_dim
+    N = x.shape[0]
+    q, k, v = F.linear(layer.input_layernorm(x), a.qkv_weight).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+    q = apply_rope(a.q_norm(q.view(N, H, Dh)), cos, sin)  # [N, H, Dh]
+    k = apply_rope(a.k_norm(k.view(N, Hkv, Dh)), cos, sin)  # [N, Hkv, Dh]
+    B, S = rows.shape
+    qkv = rows.pad(torch.cat([q.reshape(N, H * Dh), k.reshape(N, Hkv * Dh), v], dim=-1))  # [B, S, (H+2Hkv) Dh]
+    q, k, v = (t.reshape(B, S, -1, Dh).transpose(1, 2) for t in qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, S, Dh]
+    x = x + F.linear(rows.unpad(out.transpose(1, 2).reshape(B, S, H * Dh)), a.o_proj.weight)
+    gate, up = F.linear(layer.post_attention_layernorm(x), m.gate_up_weight).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, m.down_proj.weight)
+
+
 class Thinker(nn.Module):
     """Names = checkpoint keys under `thinker.`."""
 
@@ -77,37 +98,33 @@ class Thinker(nn.Module):
         self.model = TextModel(cfg.text)
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.classify_num, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.text.head_dim, cfg.text.rope_theta), persistent=False)
+        self.layer_fn = lm_layer  # the owner may put a compiled lm_layer here (q3tts.align)
 
     def init_buffers(self) -> None:
         """(Re)compute the non-persistent tables on the module's device (after a meta build): the sinusoids in the
-        module's dtype, as the official casts them, the RoPE frequencies in fp32."""
+        module's dtype, as the official casts them, the RoPE frequencies in fp32; fuse the projections."""
         enc = self.audio_tower
         dev, dtype = enc.conv_out.weight.device, enc.conv_out.weight.dtype
         enc.positional_embedding = sinusoids(enc.cfg.max_source_positions, enc.cfg.d_model).to(dev, dtype)
         self.inv_freq = rope_inv_freq(self.cfg.text.head_dim, self.cfg.text.rope_theta).to(dev)
+        fuse_projections(self.model)
+        enc.fuse_qkv()
 
-    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor, audio: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids [B, S] (right-padded; row b has lengths[b] tokens, the audio_pad run of row b as long as
-        audio[b] [N_b, D]) -> logits [B, S, classify_num].
+    def forward(self, input_ids: torch.Tensor, rows: Ragged, audio: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+        """input_ids [N]: every row's prompt packed (rows.lengths tokens each), the audio_pad runs in order as long as
+        audio [N_audio, D] (each row's audio tokens, packed); select [M] int64: the packed positions to classify
+        -> logits [M, classify_num].
 
         NOTE(aligner): positions are 0..len-1 per row. The official pads on the left and counts positions from each
         row's first real token, and its multimodal RoPE carries one position on all 3 sections for this prompt:
         plain RoPE on the same positions.
         """
-        B, S = input_ids.shape
-        x = self.model.embed_tokens(input_ids)  # [B, S, D]
-        is_audio = input_ids == self.cfg.audio_token_id
-        x = x.masked_scatter(is_audio[..., None], torch.cat(audio).to(x.dtype))
-        pos = torch.arange(S, device=x.device)
-        cos, sin = rope_cos_sin(pos[None].expand(B, S), self.inv_freq, x.dtype)
-        valid = pos[None, :] < lengths[:, None]  # [B, S]
-        mask = (pos[None, :, None] >= pos[None, None, :]) & valid[:, None, :]  # causal over the row's own tokens
-        ctx = AttnContext(write_pos=pos[None].expand(B, S), mask=mask[:, None])
-        t = self.cfg.text
-        for layer in self.model.layers:  # a one-pass prefill: the K/V "cache" is this call's scratch
-            k = x.new_empty(B, t.num_key_value_heads, S, t.head_dim)
-            x = layer(x, cos, sin, k, torch.empty_like(k), ctx)
-        return self.lm_head(self.model.norm(x))
+        x = self.model.embed_tokens(input_ids)  # [N, D]
+        x = x.masked_scatter((input_ids == self.cfg.audio_token_id)[:, None], audio.to(x.dtype))
+        cos, sin = rope_cos_sin(rows.positions[None], self.inv_freq, x.dtype)  # [1, N, Dh]
+        for layer in self.model.layers:  # a one-pass prefill: no K/V cache
+            x = self.layer_fn(layer, x, cos[0], sin[0], rows)
+        return self.lm_head(self.model.norm(x.index_select(0, select)))
 
 
 ALIGNER_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json")

@@ -87,24 +87,79 @@ def mel_filters(num_mel_bins: int = 128, sample_rate: int = SAMPLE_RATE, n_fft: 
     return fb * np.expand_dims(enorm, 0)
 
 
-def log_mel(wavs: torch.Tensor, filters: torch.Tensor) -> torch.Tensor:
+def log_mel(wavs: torch.Tensor, filters: torch.Tensor, num_frames: list[int] | None = None,
+            center: bool = True) -> torch.Tensor:
     """wavs [B, L] float32 (rows zero-padded to one length L) -> log-mel [B, num_mel_bins, L // 160].
 
     As the official feature extractor: |STFT|^2 (Hann 400, hop 160, centred, reflect) without its last frame,
     log10 clamped at 1e-10, floored 8 below the row's maximum over all L // 160 frames (padding included), (x+4)/4.
+    num_frames given: the floor is taken over each row's first num_frames[b] frames only (frames past them are
+    returned but meaningless). center False: the rows come already padded by 200 samples on each side (L + 400
+    samples; see reflect_rows).
     """
     window = torch.hann_window(N_FFT, device=wavs.device)
-    stft = torch.stft(wavs, N_FFT, HOP, window=window, return_complex=True)
+    stft = torch.stft(wavs, N_FFT, HOP, window=window, center=center, return_complex=True)
     mags = stft[..., :-1].abs() ** 2  # [B, 201, L // 160]
     log_spec = torch.clamp(filters.T @ mags, min=1e-10).log10()
-    top = log_spec.amax(dim=(1, 2), keepdim=True)
+    if num_frames is None:
+        top = log_spec.amax(dim=(1, 2), keepdim=True)
+    else:
+        n = torch.as_tensor(num_frames, device=wavs.device)
+        past = torch.arange(log_spec.shape[2], device=wavs.device)[None, :] >= n[:, None]  # [B, F]
+        top = log_spec.masked_fill(past[:, None], float("-inf")).amax(dim=(1, 2), keepdim=True)
     return (torch.maximum(log_spec, top - 8.0) + 4.0) / 4.0
+
+
+def reflect_rows(wavs: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """Waveforms of different lengths -> [B, max_len + 400] float32, each row reflect-padded by N_FFT // 2 at both
+    of its own ends, then zeros; and each row's mel frame count (len // 160). log_mel(center=False, num_frames=) of
+    it gives every row the frames and floor it has alone: a frame reads only its row's own padded samples."""
+    pad = N_FFT // 2
+    out = np.zeros((len(wavs), max(w.shape[0] for w in wavs) + 2 * pad), np.float32)
+    for i, w in enumerate(wavs):
+        out[i, :w.shape[0] + 2 * pad] = np.pad(w, pad, mode="reflect")
+    return out, [w.shape[0] // HOP for w in wavs]
 
 
 def valid_frames(num_samples: int, padded_len: int) -> int:
     """Mel frames of a row of num_samples samples in a batch padded to padded_len (the official attention mask:
     every 160th sample, trimmed to padded_len // 160 columns)."""
     return min(-(-num_samples // HOP), padded_len // HOP)
+
+
+# --------------------------------------------------------------------------- ragged rows
+@dataclass(slots=True)
+class Ragged:
+    """Rows of different lengths packed end to end ([N, F], row after row) and their padded form [B, S, F]: the
+    linears run on the N real rows only, attention on the padded form. Index tensors are built on the host once
+    per pass (no device sync)."""
+
+    lengths: list[int]
+    to_padded: torch.Tensor  # [N] int64: each packed row's slot in the flattened [B * S]
+    valid: torch.Tensor  # [B, S] bool: the real slots
+    positions: torch.Tensor  # [N] int64: each packed row's index within its row
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device, pad_to: int | None = None) -> "Ragged":
+        S = max(max(lengths), pad_to or 0)
+        pos = np.concatenate([np.arange(n) for n in lengths])
+        row = np.repeat(np.arange(len(lengths)), lengths)
+        valid = np.arange(S)[None, :] < np.asarray(lengths)[:, None]
+        t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        return cls(list(lengths), t(row * S + pos), t(valid), t(pos))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.valid.shape
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, F] -> [B, S, F], zeros in the padding."""
+        B, S = self.shape
+        return x.new_zeros(B * S, x.shape[1]).index_copy_(0, self.to_padded, x).view(B, S, x.shape[1])
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """y [B, S, F] -> [N, F]: the real slots, packed."""
+        return y.reshape(-1, y.shape[-1]).index_select(0, self.to_padded)
 
 
 # --------------------------------------------------------------------------- the encoder
@@ -116,14 +171,6 @@ class AudioAttention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d)
         self.v_proj, self.out_proj = nn.Linear(d, d), nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [W, T, D] (windows), mask [W, 1, T, T] bool: bidirectional within a window's valid tokens."""
-        W, T, D = x.shape
-        H = self.num_heads
-        q, k, v = (p(x).view(W, T, H, D // H).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [W, H, T, Dh]
-        return self.out_proj(out.transpose(1, 2).reshape(W, T, D))
-
 
 class AudioEncoderLayer(nn.Module):
     def __init__(self, cfg: AudioEncoderConfig):
@@ -134,9 +181,20 @@ class AudioEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x, mask):
-        x = x + self.self_attn(self.self_attn_layer_norm(x), mask)
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+def encoder_layer(layer: AudioEncoderLayer, qkv_w: torch.Tensor, qkv_b: torch.Tensor, x: torch.Tensor,
+                  win: Ragged) -> torch.Tensor:
+    """x [N, D] (every window's tokens, packed) -> [N, D]: pre-LayerNorm, attention bidirectional within each window
+    (the padded form [W, T] with a key mask), GELU MLP. qkv_w / qkv_b: q|k|v concatenated (one GEMM)."""
+    a = layer.self_attn
+    W, T = win.shape
+    H, D = a.num_heads, x.shape[1]
+    qkv = F.linear(layer.self_attn_layer_norm(x), qkv_w, qkv_b)  # [N, 3D]
+    q, k, v = win.pad(qkv).view(W, T, 3, H, D // H).permute(2, 0, 3, 1, 4)  # each [W, H, T, Dh]
+    # padding queries see their window's real keys (never an empty row); their outputs are dropped by unpad
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=win.valid[:, None, None, :])  # [W, H, T, Dh]
+    x = x + a.out_proj(win.unpad(out.transpose(1, 2).reshape(W, T, D)))
+    return x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -163,45 +221,81 @@ class AudioEncoder(nn.Module):
         self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
         self.register_buffer("positional_embedding", sinusoids(cfg.max_source_positions, cfg.d_model), persistent=False)
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (q|k|v weight, bias): fuse_qkv()
+        self.layer_fn = encoder_layer  # the owner may put a compiled encoder_layer here (q3tts.align)
 
-    def forward(self, feats: list[torch.Tensor]) -> list[torch.Tensor]:
-        """feats: per utterance a log-mel [num_mel_bins, F_i] -> per utterance audio embeddings [tokens_after_cnn(F_i),
-        output_dim]. Every conv chunk of every utterance runs in one batch, every attention window in another."""
+    def fuse_qkv(self) -> None:
+        """Concatenate each layer's q/k/v weights and biases once after loading (one GEMM instead of three)."""
+        self.qkv = [(torch.cat([p.weight for p in ps]), torch.cat([p.bias for p in ps])) for ps in
+                    ((x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in self.layers)]
+
+    def _chunks(self, mel: torch.Tensor, frames: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Every utterance's conv chunks through the convs -> (tokens [sum of chunk token counts, D] in utterance and
+        chunk order, each chunk's token count)."""
         cfg = self.cfg
         chunk = 2 * cfg.n_window
         # NOTE(aligner): as the official, an utterance's chunks are zero-padded to its longest chunk (chunk frames,
         # or its own length when it is shorter than one chunk), never to another utterance's: past the first conv
         # the padding is not zero (GELU of the bias), so it reaches the tail chunk's last tokens. Chunks of the same
-        # padded length run as one batch.
-        groups: dict[int, list[tuple[int, torch.Tensor]]] = {}  # padded length -> [(chunk index, [frames, mel])]
-        lens = []
-        for f in feats:
-            pad_to = min(chunk, f.shape[1])
-            for s in range(0, f.shape[1], chunk):
-                groups.setdefault(pad_to, []).append((len(lens), f[:, s:s + chunk].T))
-                lens.append(min(chunk, f.shape[1] - s))
-        out: list[torch.Tensor | None] = [None] * len(lens)
-        for pad_to, members in groups.items():
-            x = nn.utils.rnn.pad_sequence([p for _, p in members], batch_first=True)  # [C, <= pad_to, mel]
-            x = F.pad(x, (0, 0, 0, pad_to - x.shape[1])).transpose(1, 2)[:, None]  # [C, 1, mel, pad_to]
-            x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x))))))  # [C, c, mel', t]
+        # padded length run as one batch: utterances of a chunk or more all at once (frames past each row's own
+        # are zeroed), shorter ones grouped by length.
+        B, M, F_ = mel.shape
+        n_chunks = [-(-f // chunk) for f in frames]
+        lens = [min(chunk, f - s) for f in frames for s in range(0, f, chunk)]
+        pieces, order = [], []  # per group [C_g * t_g, D]; where each chunk's tokens start in their concatenation
+        starts = np.zeros(len(lens), np.int64)
+        first = np.cumsum([0] + n_chunks[:-1])
+        long_rows = [b for b, f in enumerate(frames) if f >= chunk]
+        base = 0
+        if long_rows:
+            C = max(n_chunks[b] for b in long_rows)
+            x = mel[long_rows]
+            n = torch.as_tensor([frames[b] for b in long_rows], device=mel.device)
+            keep = torch.arange(F_, device=mel.device)[None, :] < n[:, None]  # [R, F]
+            x = F.pad(x * keep[:, None].to(x.dtype), (0, C * chunk - F_)) if C * chunk >= F_ else \
+                (x * keep[:, None].to(x.dtype))[..., :C * chunk]
+            x = x.view(len(long_rows), M, C, chunk).permute(0, 2, 1, 3)  # [R, C, mel, chunk]
+            sel = [r * C + j for r, b in enumerate(long_rows) for j in range(n_chunks[b])]
+            pieces.append(x.reshape(-1, M, chunk).index_select(0, torch.as_tensor(sel, device=mel.device)))
+            t = _conv_len(chunk)
+            for b in long_rows:
+                for j in range(n_chunks[b]):
+                    starts[first[b] + j] = base
+                    base += t
+            order.append(t)
+        short = {}
+        for b, f in enumerate(frames):
+            if f < chunk:
+                short.setdefault(f, []).append(b)
+        for f, rows in short.items():
+            pieces.append(mel[rows, :, :f])
+            t = _conv_len(f)
+            for b in rows:
+                starts[first[b]] = base
+                base += t
+            order.append(t)
+        outs = []
+        for x, t in zip(pieces, order):
+            x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x[:, None]))))))  # [C, c, mel', t]
             C, c, m, t = x.shape
             x = self.conv_out(x.permute(0, 3, 1, 2).reshape(C, t, c * m))  # [C, t, D]
-            x = x + self.positional_embedding[:t].to(x.dtype)  # positions restart in every chunk
-            for j, (i, _) in enumerate(members):
-                out[i] = x[j, :_conv_len(lens[i])]
-        tokens = torch.cat(out)  # [N, D] all utterances' tokens, in order
-        # attention windows: n_window_infer frames = window tokens of t per chunk, cut per utterance
-        window = _conv_len(chunk) * (cfg.n_window_infer // chunk)
-        counts = [tokens_after_cnn(f.shape[1]) for f in feats]
-        spans = [min(window, n - s) for n in counts for s in range(0, n, window)]
-        win = nn.utils.rnn.pad_sequence(list(tokens.split(spans)), batch_first=True)  # [W, T, D]
-        valid = torch.arange(win.shape[1], device=win.device)[None, :] < torch.tensor(spans, device=win.device)[:, None]
-        mask = (valid[:, None, :, None] & valid[:, None, None, :]) | torch.eye(win.shape[1], dtype=torch.bool,
-                                                                               device=win.device)
-        for layer in self.layers:
-            win = layer(win, mask)
-        h = torch.cat([win[i, :n] for i, n in enumerate(spans)])  # [N, D]
-        h = self.proj2(F.gelu(self.proj1(self.ln_post(h))))
-        return list(h.split(counts))
+            outs.append((x + self.positional_embedding[:t].to(x.dtype)).reshape(C * t, -1))  # positions restart
+        counts = [_conv_len(n) for n in lens]
+        take = np.concatenate([np.arange(n) + s for n, s in zip(counts, starts)])
+        flat = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return flat.index_select(0, torch.from_numpy(take).to(mel.device)), counts
 
+    def forward(self, mel: torch.Tensor, frames: list[int]) -> torch.Tensor:
+        """mel [B, num_mel_bins, F] (row b's first frames[b] frames are its log-mel) -> audio embeddings
+        [N, output_dim]: every utterance's tokens_after_cnn(frames[b]) tokens, packed in utterance order."""
+        cfg = self.cfg
+        tokens, _ = self._chunks(mel, frames)  # [N, D]
+        # attention windows: n_window_infer frames = window tokens of t per chunk, cut per utterance
+        window = _conv_len(2 * cfg.n_window) * (cfg.n_window_infer // (2 * cfg.n_window))
+        spans = [min(window, n - s) for n in map(tokens_after_cnn, frames) for s in range(0, n, window)]
+        win = Ragged.of(spans, mel.device)
+        if not self.qkv:
+            self.fuse_qkv()
+        for layer, (w, b) in zip(self.layers, self.qkv):
+            tokens = self.layer_fn(layer, w, b, tokens, win)
+        return self.proj2(F.gelu(self.proj1(self.ln_post(tokens))))

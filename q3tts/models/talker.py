@@ -44,7 +44,11 @@ class TextProjection(nn.Module):
         self.linear_fc2 = nn.Linear(cfg.text_hidden_size, cfg.hidden_size, bias=True)
 
     def forward(self, x):
-        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+        # plain Linears through kernels.linear (F.linear, unless the batch-invariant mode's kernel serves them).
+        # NOTE(invariant): a token's projection is then the same whatever tokens share the call: the whole text at
+        # admission, or a streamed text's few new tokens at a time (their number follows the step times, the load)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        return linear(F.silu(linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)
 
 
 class CodePredictorModel(nn.Module):

@@ -2,15 +2,23 @@
 
 import json
 
+import pytest
+
 from bench import aligner as bench
 
 
 def test_tiny_run_reports_its_figures(tmp_path):
     out = tmp_path / "aligner.json"
     assert bench.main(["--size", "tiny", "--device", "cpu", "--utterances", "3", "--seconds", "1.5", "--repeats", "1",
-                       "--out", str(out)]) == 0
+                       "--variants", "eager", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["utterances"] == 3 and r["device"] == "cpu" and r["dtype"] == "float32"
-    assert r["one_utterance_ms"] > 0 and r["batch_ms"] > 0
-    assert abs(r["batch_ms_per_utterance"] - r["batch_ms"] / 3) < 0.01
-    assert abs(r["aligner_ms_per_audio_second"] - r["batch_ms"] / 4.5) < 0.01
+    assert r["utterances"] == 3 and r["device"] == "cpu" and r["dtype"] == "float32" and "compiled" not in r
+    e = r["eager"]
+    assert e["one_utterance_ms"] > 0 and e["batch_ms"] > 0 and e["batch_pass_ms"] > 0 and e["batch_prep_ms"] > 0
+    assert abs(e["batch_ms_per_utterance"] - e["batch_ms"] / 3) < 0.01
+    assert abs(e["aligner_ms_per_audio_second"] - e["batch_ms"] / 4.5) < 0.01
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(SystemExit):
+        bench.main(["--size", "tiny", "--device", "cpu", "--variants", "eager,graphs"])

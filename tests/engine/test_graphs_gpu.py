@@ -46,12 +46,9 @@ def test_mixed_sampling_parameters_inside_the_graph():
 
 
 @pytest.fixture(scope="module")
-def real06(tmp_path_factory):
+def real06(real_checkpoint):
     """TTS of a random 0.6B-CustomVoice checkpoint at the real dimensions, bf16."""
-    from q3tts.randomckpt import make_checkpoint as make
-    path = tmp_path_factory.mktemp("real06") / "ck"
-    make("0.6B-CustomVoice", path)
-    return TTS.from_pretrained(path, device="cuda", dtype=torch.bfloat16)
+    return TTS.from_pretrained(real_checkpoint("0.6B-CustomVoice"), device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

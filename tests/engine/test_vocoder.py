@@ -63,6 +63,7 @@ def test_batch_invariant_mode_decodes_each_stream_as_alone():
     invariant.set_enabled(True)
     try:
         voc = StreamingVocoder(tiny_model(), max_rows=3)
+        assert set(voc.call_rows.values()) == {1}  # as the mode is at its build: one row per call (and graph)
         together = voc.decode(list(zip(voc.open([None] * 3), codes)))
         alone = []
         for c in codes:

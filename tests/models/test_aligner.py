@@ -3,8 +3,15 @@ right padding), and the token count matches the encoder's output."""
 
 import torch
 
-from q3tts.models.audio_encoder import tokens_after_cnn
+from q3tts.models.audio_encoder import Ragged, tokens_after_cnn
 from tests.test_align import aligner
+
+
+def _tower(tower, feats):
+    """Per utterance [tokens, D] from a list of log-mels [mel, F_i] (the encoder takes them padded + packs its output)."""
+    mel = torch.nn.utils.rnn.pad_sequence([f.T for f in feats], batch_first=True).transpose(1, 2)
+    frames = [f.shape[1] for f in feats]
+    return list(tower(mel, frames).split([tokens_after_cnn(n) for n in frames]))
 
 
 def _feats(*frames):
@@ -16,9 +23,9 @@ def test_encoder_rows_equal_alone_and_token_counts():
     tower = aligner().thinker.audio_tower
     feats = _feats(37, 100, 250, 1130)  # under one chunk, one chunk, a tail, past one attention window (800 frames)
     with torch.inference_mode():
-        batched = tower(feats)
+        batched = _tower(tower, feats)
         for f, b in zip(feats, batched):
-            alone = tower([f])[0]
+            alone = _tower(tower, [f])[0]
             assert b.shape == alone.shape == (tokens_after_cnn(f.shape[1]), tower.cfg.output_dim)
             torch.testing.assert_close(b, alone, atol=1e-5, rtol=1e-5)
 
@@ -31,7 +38,7 @@ def test_windows_are_independent():
     g[:, 900:] += 1.0
     w = tokens_after_cnn(tower.cfg.n_window_infer)
     with torch.inference_mode():
-        a, b = tower([f])[0], tower([g])[0]
+        a, b = _tower(tower, [f])[0], _tower(tower, [g])[0]
     torch.testing.assert_close(a[:w], b[:w])
     assert not torch.allclose(a[w:], b[w:])
 
@@ -45,11 +52,30 @@ def test_lm_rows_equal_alone():
     for r in rows:
         r[2:5] = cfg.audio_token_id
     audio = [torch.randn(3, cfg.text.hidden_size, generator=g) for _ in rows]
-    ids = torch.zeros(2, 23, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = r
+    everything = torch.arange(sum(map(len, rows)))
     with torch.inference_mode():
-        batched = th(ids, torch.tensor([9, 23]), audio)
+        batched = th(torch.cat(rows), Ragged.of([9, 23], "cpu"), torch.cat(audio), everything).split([9, 23])
         for i, r in enumerate(rows):
-            alone = th(r[None], torch.tensor([len(r)]), [audio[i]])[0]
-            torch.testing.assert_close(batched[i, :len(r)], alone, atol=1e-4, rtol=1e-4)  # fp32 GEMM order
+            alone = th(r, Ragged.of([len(r)], "cpu"), audio[i], torch.arange(len(r)))
+            torch.testing.assert_close(batched[i], alone, atol=1e-4, rtol=1e-4)  # fp32 GEMM order
+
+
+def test_ragged_pad_unpad_round_trip():
+    r = Ragged.of([3, 1, 4], "cpu")
+    x = torch.arange(8.0)[:, None].expand(8, 2)
+    p = r.pad(x)  # [3, 4, 2]
+    assert p.shape == (3, 4, 2) and r.valid.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert p[:, :, 0].tolist() == [[0, 1, 2, 0], [3, 0, 0, 0], [4, 5, 6, 7]]
+    assert torch.equal(r.unpad(p), x) and r.positions.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+
+
+def test_lm_row_is_unchanged_by_padding_after_it():
+    """Right padding + is_causal: a row's logits are the same padded to 12 slots as alone (its real tokens never
+    read the slots after them)."""
+    th = aligner().thinker
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 1000, (5,), generator=g)
+    with torch.inference_mode():
+        alone = th(ids, Ragged.of([5], "cpu"), torch.zeros(0, th.cfg.text.hidden_size), torch.arange(5))
+        padded = th(ids, Ragged.of([5], "cpu", pad_to=12), torch.zeros(0, th.cfg.text.hidden_size), torch.arange(5))
+    torch.testing.assert_close(alone, padded, atol=1e-5, rtol=1e-5)
