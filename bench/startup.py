@@ -1,5 +1,7 @@
-"""Start-up time: process start -> engine ready, with an empty compile cache (cold) and with the cache the cold
-process left (warm), each in its own Python process. One JSON on --out, a table on stderr.
+"""Start-up time: process start -> engine ready, with an empty compile cache (cold), with the cache the cold
+process left (warm), and with --artifact: an empty compile cache and the compiled artifact the cold process saved
+(q3tts.engine.artifact: a fresh machine with the file), each in its own Python process. One JSON on --out, a table
+on stderr.
 
     python -m bench.startup --ckpt /tmp/ck06 --device cpu --quantization int8dyn,none --max-slots 4 --max-seq-len 1024
     bash bench/startup.sh                                                                   # the GPU machine
@@ -7,7 +9,9 @@ process left (warm), each in its own Python process. One JSON on --out, a table 
 "Ready" is what `q3tts serve` waits for before /ready says true: TTS.from_pretrained(compile=True), the engine
 built with the server's sizes (CUDA: fitted to the memory budget, graphs captured) and the server's warm-up
 request (8 frames, streamed). Each run: a fresh temporary cache directory (cold), then a second process on the
-same directory (warm). The child reports its phases and the compile-cache counters (q3tts.engine.compile).
+same directory (warm); with --artifact a third on another fresh directory with the cold start's artifact. Each
+start's Triton cache (the engine's own kernels) is as its compile cache: fresh for cold and artifact, the cold one's
+for warm. The child reports its phases and the compile-cache counters (q3tts.engine.compile).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ def child(a) -> None:
     prof = PhaseProfile() if a.profile else None
     quant = None if a.quantization in (None, "none") else a.quantization
     tts = TTS.from_pretrained(a.ckpt, device=a.device, compile=True, quantization=quant,
-                              compile_cache=a.compile_cache)
+                              compile_cache=a.compile_cache, compile_artifact=a.compile_artifact)
     t_load = time.time()
     tts.build_engine(max_slots=a.max_slots, max_seq_len=a.max_seq_len, max_queue=256)  # as create_app
     t_engine = time.time()
@@ -46,7 +50,12 @@ def child(a) -> None:
     if tts.device.type == "cuda":
         torch.cuda.synchronize()
     t_ready = time.time()
-    print(json.dumps({"import_s": t_import - t_start, "load_s": t_load - t_import, "engine_s": t_engine - t_load,
+    if a.save_artifact:  # (after ready: not part of the start's time)
+        from q3tts.engine.artifact import save_artifact
+        save_artifact(a.save_artifact, tts.ckpt)
+    print(json.dumps({"artifact_loaded": tts.engine.artifact is not None if a.compile_artifact else None,
+                      "artifact_bytes": os.path.getsize(a.save_artifact) if a.save_artifact else None,
+                      "import_s": t_import - t_start, "load_s": t_load - t_import, "engine_s": t_engine - t_load,
                       "warmup_s": t_ready - t_engine, "ready_s": t_ready - t_start,
                       "graphs": len(tts.engine.runner.graphs) + len(tts.engine.vocoder.graphs),
                       "engine_counts": counts_engine, "counts": compile_counts(),
@@ -96,12 +105,16 @@ class PhaseProfile:
                 "dynamo_compile_times": du.compile_times(repr="str", aggregate=True)[-6000:]}
 
 
-def start(a, quantization: str, cache: str) -> dict:
-    env = dict(os.environ, Q3TTS_STARTUP_T0=repr(time.time()))
-    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "Q3TTS_COMPILE_CACHE"):
-        env.pop(k, None)  # the child's only cache is the one given (--compile-cache)
+def start(a, quantization: str, cache: str, artifact: tuple[str, str] | None = None) -> dict:
+    """One child start on compile cache `cache` (its Triton cache: cache/triton-eager); artifact: ("save" | "load",
+    file)."""
+    env = dict(os.environ, Q3TTS_STARTUP_T0=repr(time.time()), TRITON_CACHE_DIR=os.path.join(cache, "triton-eager"))
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "Q3TTS_COMPILE_CACHE"):
+        env.pop(k, None)  # the child's only caches are the ones given (--compile-cache, TRITON_CACHE_DIR)
     cmd = [sys.executable, "-m", "bench.startup", "--child", "--ckpt", a.ckpt, "--quantization", quantization,
            "--compile-cache", cache] + (["--device", a.device] if a.device else [])
+    if artifact:
+        cmd += ["--save-artifact" if artifact[0] == "save" else "--compile-artifact", artifact[1]]
     cmd += ["--profile"] if a.profile else []
     cmd += [x for k in ("max_slots", "max_seq_len") if getattr(a, k) for x in (f"--{k.replace('_', '-')}",
                                                                                str(getattr(a, k)))]
@@ -130,8 +143,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="time each warm-up frame key, prefill shape and the "
                     "vocoder's capture, and record Dynamo's compile times per function (in each run's JSON)")
     ap.add_argument("--cold-only", action="store_true", help="skip the warm restart")
+    ap.add_argument("--artifact", action="store_true", help="the cold start saves a compiled artifact, and a third "
+                    "start on an empty compile cache loads it (a fresh machine with `q3tts serve --load-artifact`)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compile-artifact", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--save-artifact", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         return child(a)
@@ -139,23 +156,31 @@ def main() -> None:
                                                      *sys.argv[1:]]),
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "runs": []}
-    print(f"{'quantization':<12} {'run':>3} {'cache':<5} {'ready s':>8} {'import':>7} {'load':>6} {'engine':>7} "
+    print(f"{'quantization':<12} {'run':>3} {'cache':<8} {'ready s':>8} {'import':>7} {'load':>6} {'engine':>7} "
           f"{'warm-up':>8} {'fx hit/miss':>12}", file=sys.stderr)
     for q in a.quantization.split(","):
         for i in range(a.runs):
             cache = tempfile.mkdtemp(prefix="q3tts-startup-cache-")
+            fresh = tempfile.mkdtemp(prefix="q3tts-startup-cache-")  # the artifact start's empty compile cache
+            art = os.path.join(tempfile.gettempdir(), f"q3tts-startup-{os.getpid()}-{i}.q3c")
+            kinds = ("cold",) if a.cold_only else ("cold", "warm")
             try:
-                for kind in ("cold",) if a.cold_only else ("cold", "warm"):
-                    r = dict(start(a, q, cache), quantization=q, run=i, cache=kind)
+                for kind in kinds + (("artifact",) if a.artifact else ()):
+                    how = {"cold": ("save", art) if a.artifact else None, "artifact": ("load", art)}.get(kind)
+                    r = dict(start(a, q, fresh if kind == "artifact" else cache, how), quantization=q, run=i,
+                             cache=kind)
                     res["runs"].append(r)
                     save(res, a.out)
                     res["device"] = r["device"]
                     c = r["counts"]
-                    print(f"{q:<12} {i:>3} {kind:<5} {r['ready_s']:>8.1f} {r['import_s']:>7.1f} {r['load_s']:>6.1f} "
+                    print(f"{q:<12} {i:>3} {kind:<8} {r['ready_s']:>8.1f} {r['import_s']:>7.1f} {r['load_s']:>6.1f} "
                           f"{r['engine_s']:>7.1f} {r['warmup_s']:>8.1f} {c['fx_hit']:>6}/{c['fx_miss']:<5}",
                           file=sys.stderr, flush=True)
             finally:
-                shutil.rmtree(cache, ignore_errors=True)
+                for d in (cache, fresh):
+                    shutil.rmtree(d, ignore_errors=True)
+                if os.path.exists(art):
+                    os.remove(art)
     print(save(res, a.out))
 
 

@@ -1,18 +1,49 @@
 #!/usr/bin/env bash
-# One device call: start-up time of the engine as `q3tts serve` builds it (compile + CUDA graphs + warm-up request),
-# with an empty compile cache (cold, a fresh machine) and then with the cache the cold process left (warm, a restart).
-#   run: command: bash bench/startup.sh        (one cold + warm pair fits the 10-minute call: 145 s + 58 s on an
-#                                               H100 host for serve's defaults; RUNS=2 for two pairs, QUANT=none,fp8;
+# One device call: start-up time of the engine as `q3tts serve` builds it (compile + CUDA graphs + warm-up request)
+# on a fresh machine: cold (empty compile and Triton caches), warm (a restart on the caches the cold start left) and
+# artifact (empty caches + the compiled artifact the cold start saved: `q3tts serve --load-artifact FILE`).
+#   run: command: bash bench/startup.sh        (within 500 s for serve's defaults on an H100: LIMIT=480; ARTIFACT=0
+#                                               skips the artifact start, RUNS=2 for two sets, QUANT=none,fp8;
 #                                               PROFILE=1: per-key times, compile times, recompile reasons)
+#   CPU dry run: DEVICE=cpu TINY=1 bash bench/startup.sh   (a tiny checkpoint; the same steps and JSON)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+DEVICE=${DEVICE:-cuda}
 M=${MODEL:-0.6B-CustomVoice}
-CK=/tmp/ck-$M
-python3 -m bench.make_checkpoint --model "$M" --out "$CK" > /dev/null
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')
-timeout ${LIMIT:-570} python3 -m bench.startup --ckpt "$CK" --device cuda --quantization "${QUANT:-none}" \
-    --runs "${RUNS:-1}" ${PROFILE:+--profile} --out "$OUT/startup-$GPU-$M.json" > /dev/null
+if [ -n "${TINY:-}" ]; then
+    M=tiny CK=/tmp/ck-tiny
+    python3 -m q3tts.cli make-checkpoint --tiny "$CK" > /dev/null
+    SIZES="--max-slots ${SLOTS:-1} --max-seq-len ${SEQ:-256}"
+else
+    CK=/tmp/ck-$M
+    python3 -m bench.make_checkpoint --model "$M" --out "$CK" > /dev/null
+    SIZES=${SLOTS:+--max-slots $SLOTS}
+fi
+if [ "$DEVICE" = cuda ]; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+    GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z')
+else
+    GPU=cpu
+fi
+J="$OUT/startup-$GPU-$M.json"
+timeout ${LIMIT:-480} python3 -m bench.startup --ckpt "$CK" --device "$DEVICE" --quantization "${QUANT:-none}" \
+    --runs "${RUNS:-1}" ${PROFILE:+--profile} $( [ "${ARTIFACT:-1}" = 1 ] && echo --artifact ) $SIZES \
+    --out "$J" > /dev/null
 echo "startup: exit $?"
+python3 - "$J" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    sys.exit(f"no result: {e}")
+print(f"{r.get('device')} torch {r.get('torch')}")
+for x in r["runs"]:
+    c = x["counts"]
+    print(f"{x['quantization']:<6} {x['cache']:<8} ready {x['ready_s']:6.1f} s (import {x['import_s']:.1f}, load "
+          f"{x['load_s']:.1f}, engine {x['engine_s']:.1f}, warm-up {x['warmup_s']:.1f}); graphs from cache "
+          f"{c['fx_hit']}, compiled {c['fx_miss']}" + (f"; artifact {x['artifact_bytes'] / 2**20:.1f} MiB"
+                                                        if x.get("artifact_bytes") else "")
+          + ("" if x.get("artifact_loaded") in (None, True) else "; ARTIFACT NOT USED"))
+PY

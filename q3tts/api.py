@@ -35,7 +35,8 @@ class TTS:
     def __init__(self, ckpt: Checkpoint, max_batch_size: int | None = 8, max_seq_len: int | None = None,
                  max_queue: int = 256, compile: bool | None = None, gpu_memory_utilization: float | None = None,
                  gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
-                 aligner: ForcedAligner | None = None, batch_invariant: bool | None = None):
+                 aligner: ForcedAligner | None = None, batch_invariant: bool | None = None,
+                 compile_artifact: str | os.PathLike | None = None):
         self.ckpt, self.cfg = ckpt, ckpt.cfg
         self.aligner = aligner  # word timestamps (word_timestamps=True)
         self.processor = InputProcessor(ckpt.cfg, ckpt.defaults, PromptBuilder(ckpt.cfg, TextTokenizer(ckpt.model_dir)),
@@ -43,7 +44,7 @@ class TTS:
         self.engine_options = {"max_slots": max_batch_size, "max_seq_len": max_seq_len, "max_queue": max_queue,
                                    "compile": compile, "gpu_memory_utilization": gpu_memory_utilization,
                                    "gpu_memory": gpu_memory, "compile_cache": compile_cache,
-                                   "batch_invariant": batch_invariant}
+                                   "batch_invariant": batch_invariant, "compile_artifact": compile_artifact}
         self.sample_rate, self.samples_per_frame = ckpt.sample_rate, ckpt.samples_per_frame
         self._engine: Engine | None = None
         self._driver: AsyncEngine | None = None
@@ -58,7 +59,8 @@ class TTS:
                         gpu_memory: float | None = None, compile_cache: str | os.PathLike | bool | None = None,
                         generation_config: dict | str | os.PathLike | None = None,
                         aligner: str | os.PathLike | ForcedAligner | None = None,
-                        batch_invariant: bool | None = None) -> TTS:
+                        batch_invariant: bool | None = None,
+                        compile_artifact: str | os.PathLike | None = None) -> TTS:
         """Load a local directory in the official layout or a Hugging Face repo id.
 
         Args:
@@ -78,6 +80,9 @@ class TTS:
             compile_cache: directory of torch.compile's caches, so the next process reuses what this one compiled
                 (default: $Q3TTS_COMPILE_CACHE, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/q3tts/compile/torch-<v>;
                 False or "off": torch's default, /tmp/torchinductor_<user>).
+            compile_artifact: a file from `q3tts warmup --save` (q3tts.engine.artifact): what a start elsewhere
+                compiled, put into compile_cache before anything compiles (built for another GPU, torch, model or
+                dtype: a warning and a normal cold start).
             quantization: quantization of the talker and code predictor: None (exact), "int8" / "int4"
                 (weight-only) or "int8dyn" (int8 weights and activations: the fastest) on CPU, "int8" or "fp8" on
                 CUDA. Close to, not token-exact with, the unquantized model.
@@ -93,7 +98,7 @@ class TTS:
         if aligner is not None and not isinstance(aligner, ForcedAligner):
             aligner = ForcedAligner.from_pretrained(aligner, device=ckpt.device)
         return cls(ckpt, max_batch_size, max_seq_len, max_queue, compile, gpu_memory_utilization, gpu_memory,
-                   compile_cache, aligner, batch_invariant)
+                   compile_cache, aligner, batch_invariant, compile_artifact)
 
     # ------------------------------------------------------------------ info
     @property

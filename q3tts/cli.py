@@ -383,6 +383,86 @@ def cmd_wyoming(argv: list[str]) -> int:
     return main(argv)
 
 
+def cmd_warmup(argv: list[str]) -> int:
+    """`q3tts warmup [--save FILE | --load FILE] [serve's flags]`: build the engine `q3tts serve` would build with
+    those flags (on CUDA compiled: every torch.compile variant and CUDA graph; on a CPU with Q3TTS_COMPILE=1) and run
+    its warm-up request; --save writes
+    what was compiled to FILE (q3tts.engine.artifact: bake it into an image on a GPU builder), --load starts from
+    such a file (as `q3tts serve --load-artifact FILE`; exit status 1 if it did not apply here). Prints one JSON
+    line: times and compile-cache counts."""
+    import logging
+    import shutil
+    import time
+
+    t0 = time.perf_counter()
+    ap = argparse.ArgumentParser(prog="q3tts warmup", add_help=False)
+    ap.add_argument("--save", default=None)
+    ap.add_argument("--load", default=None)
+    own, rest = ap.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print("usage: q3tts warmup [--save FILE | --load FILE] [q3tts serve's flags]\n\n" + cmd_warmup.__doc__)
+        return 0
+    if own.save and own.load:
+        raise ValueError("--save and --load exclude each other (a saved artifact holds what this start compiled)")
+    from .server.settings import parse_args
+    settings = parse_args(rest + (["--load-artifact", own.load] if own.load else []))
+    _check_device(settings.device)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .engine.artifact import own_triton_cache
+    triton_tmp = own_triton_cache() if own.save else None
+    try:
+        return _warmup(settings, own.save, t0)
+    finally:
+        if triton_tmp:
+            shutil.rmtree(triton_tmp, ignore_errors=True)
+
+
+def _warmup(settings, save: str | None, t0: float) -> int:
+    import json
+    import time
+
+    from .api import TTS
+    from .engine import compile_counts
+    from .engine.artifact import save_artifact
+    counts = compile_counts()
+    tts = TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,  # compile: as serve's
+                              quantization=settings.quantization, compile_cache=settings.compile_cache,
+                              compile_artifact=settings.compile_artifact,
+                              generation_config=settings.generation_config)
+    invariant = {"batch_invariant": True} if settings.batch_invariant else {}
+    engine = tts.build_engine(max_slots=settings.max_concurrent, max_seq_len=settings.max_seq_len,  # as create_app
+                              max_queue=settings.max_queue, **invariant, **settings.memory_budget)
+    if save and not engine.runner.compiled:
+        raise ValueError(f"nothing to save: torch.compile is off on {tts.device} (on a CPU by default: "
+                         "Q3TTS_COMPILE=1 turns it on, for `q3tts serve` as well)")
+    t_engine = time.perf_counter()
+    kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}  # as serve's warm-up
+    if tts.tts_model_type == "custom_voice":
+        prepared = tts.prepare_custom_voice("Hello.", tts.get_supported_speakers()[0], **kw)
+    elif tts.tts_model_type == "voice_design":
+        prepared = tts.prepare_voice_design("Hello.", "A clear, calm voice.", **kw)
+    else:
+        import torch
+
+        from .inputs.request import VoiceClonePromptItem
+        item = VoiceClonePromptItem(ref_code=None, ref_spk_embedding=torch.zeros(tts.cfg.talker.hidden_size),
+                                    x_vector_only_mode=True, icl_mode=False)
+        prepared = tts.prepare_voice_clone("Hello.", voice_clone_prompt=[item], **kw)
+    for _ in tts.stream(prepared, first_chunk_frames=1, chunk_frames=4):
+        pass
+    after = compile_counts()
+    out = {"ready_s": round(time.perf_counter() - t0, 2), "engine_built_s": round(t_engine - t0, 2),
+           "compiled": after["fx_miss"] - counts["fx_miss"], "from_cache": after["fx_hit"] - counts["fx_hit"],
+           "artifact_loaded": engine.artifact is not None if settings.compile_artifact else None,
+           "compile_cache": engine.runner.compile_cache}
+    if save:
+        header = save_artifact(save, tts.ckpt, {"max_slots": engine.runner.num_rows,
+                                                "max_seq_len": engine.runner.max_len})
+        out.update(saved=save, bytes=os.path.getsize(save), sections=dict(header["sections"]))
+    print(json.dumps(out), flush=True)
+    return 1 if out["artifact_loaded"] is False else 0  # --load: a file that did not apply fails the check
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -393,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if argv[:1] == ["wyoming"]:
         return cmd_wyoming(argv[1:])
+    if argv[:1] == ["warmup"]:
+        try:
+            return cmd_warmup(argv[1:])
+        except (ValueError, FileNotFoundError, IsADirectoryError) as e:
+            print(f"q3tts: error: {e}", file=sys.stderr)
+            return 2
     ap = argparse.ArgumentParser(prog="q3tts", description="Qwen3-TTS inference: synthesize speech, serve an API.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     say = sub.add_parser("say", help="synthesize text to a WAV file")
@@ -438,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("--tiny", action="store_true", help="tiny dimensions (about 50 MB; noise, not speech)")
     mk.add_argument("--model-type", default="custom_voice", choices=["custom_voice", "base", "voice_design"])
     sub.add_parser("wyoming", help="Wyoming server for Home Assistant (q3tts wyoming --help)")
+    sub.add_parser("warmup", help="compile as `q3tts serve` would; --save FILE: a compiled artifact for "
+                                  "`q3tts serve --load-artifact FILE` (q3tts warmup --help)")
     bench = sub.add_parser("bench", help="GPU benchmark on a random-weight checkpoint at the real dimensions")
     bench.add_argument("--model", default="0.6B-CustomVoice", choices=["0.6B-CustomVoice", "1.7B-CustomVoice"])
     bench.add_argument("--frames", type=int, default=125, help="frames decoded per run (125 = 10 s of audio)")

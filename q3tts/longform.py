@@ -21,7 +21,6 @@ import itertools
 import queue
 import random
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +32,7 @@ from .engine.engine import AudioChunk, Engine
 from .engine.request import EngineRequest, StreamOptions
 from .engine.scheduler import QueueFullError
 from .inputs.request import InputError, PreparedRequest
-from .inputs.split import split_text
+from .inputs.split import SplitStream, split_text
 
 if TYPE_CHECKING:
     from .engine.async_engine import AsyncEngine, BlockingHandle
@@ -164,9 +163,10 @@ def run_segments(engine: Engine, prepare: Callable[[int], PreparedRequest], num_
 class Joiner:
     """Segment chunks -> the chunks of one long request: a pause before each segment's first audio but the first
     one's, frame indices and elapsed time counted over the whole text, one last chunk whose finish_reason is
-    "length" if any segment hit a length cap (max_new_tokens, the runaway guard), else the last segment's."""
+    "length" if any segment hit a length cap (max_new_tokens, the runaway guard), else the last segment's.
+    num_segments None: not known yet (a streamed text); the last chunk is then made by end() once it is."""
 
-    def __init__(self, request_id: str, num_segments: int, sample_rate: int, pause_ms: int,
+    def __init__(self, request_id: str, num_segments: int | None, sample_rate: int, pause_ms: int,
                  start: float | None = None):
         self.request_id, self.num_segments, self.sample_rate = request_id, num_segments, sample_rate
         self.pause = np.zeros(round(pause_ms * sample_rate / 1000), dtype=np.float32)
@@ -182,7 +182,7 @@ class Joiner:
             self._opened = i
             if i > 0 and self.pause.size:
                 audio = np.concatenate([self.pause, audio])
-        last = c.is_last and i == self.num_segments - 1
+        last = c.is_last and self.num_segments is not None and i == self.num_segments - 1
         reason = None
         if c.is_last:
             self.segments_done += 1
@@ -194,6 +194,15 @@ class Joiner:
                                   elapsed_s=time.perf_counter() - self.start)
         self.frames += c.num_frames
         return out
+
+    def end(self, reason: str | None = None) -> AudioChunk:
+        """An empty last chunk, for a text whose end became known after its last segment's last chunk went out:
+        its finish_reason is `reason`, else as chunk()'s; with no segment at all, an error."""
+        error = None if self.finish_reasons or reason else "the text is empty: there is nothing to speak"
+        reason = reason or ("error" if error else "length" if "length" in self.finish_reasons
+                            else self.finish_reasons[-1] or "stop")
+        return AudioChunk(self.request_id, np.zeros(0, np.float32), self.sample_rate, self.frames, 0, True, reason,
+                          time.perf_counter() - self.start, error)
 
     def join(self, wavs: list[np.ndarray]) -> np.ndarray:
         """Whole segments' waveforms -> one, with the pauses."""
@@ -266,38 +275,137 @@ def stream(tts: TTS, prepare: Callable[..., list[PreparedRequest]], text, opts: 
 
 
 # --------------------------------------------------------------------------- the async engine (the server)
-async def generate_async(engine: AsyncEngine, prepare: Callable[[int], Awaitable[PreparedRequest]], joiner: Joiner,
-                         options: StreamOptions, window: int | None = None,
-                         first: PreparedRequest | None = None) -> AsyncIterator[AudioChunk]:
-    """The server's long request: segment requests on the AsyncEngine, up to `window` (default twice the engine's
-    slots) queued or running at once, each submitted when an earlier one has been handed out; their chunks joined
-    in order. A segment that fails ends the stream with its (error) chunk; leaving early cancels every segment.
-    `first`: segment 0, prepared already (its arguments checked before the response starts)."""
-    n = joiner.num_segments
-    window = window or 2 * engine.engine.scheduler.max_slots
-    handles: deque = deque()
-    submitted = 0
-    try:
-        for i in range(n):
-            while submitted < n and submitted < i + window:
-                p = first if submitted == 0 and first is not None else await prepare(submitted)
-                try:
-                    handles.append(engine.submit(p, options, f"{joiner.request_id}-{submitted}", joiner.start))
-                except QueueFullError:  # other clients filled the queue: the first segment is refused (503),
-                    if i == 0 and not handles:  # a later one waits for room
-                        raise
-                    if handles:
-                        break  # try again after the next segment
-                    await asyncio.sleep(0.05)
-                    continue
-                submitted += 1
-            h = handles.popleft()
-            async for c in h.chunks():
-                out = joiner.chunk(i, c)
-                if c.is_last and c.finish_reason in ("error", "abort") and not out.is_last:
-                    yield dataclasses.replace(out, is_last=True, finish_reason=c.finish_reason)
-                    return
-                yield out
-    finally:
-        for h in handles:
+class AsyncSegments:
+    """The server's long request: segment requests on the AsyncEngine, submitted in order by a feeder task while
+    fewer than `window` (default twice the engine's slots) are submitted and not yet handed out; their chunks
+    joined in order by `chunks()`. A segment that fails ends the stream with its (error) chunk; `cancel()` ends it
+    with "abort" (every segment aborted); `close()` (or leaving `chunks()` early) cancels every segment.
+
+    prepare(i) -> segment i's PreparedRequest, or None when there is none (the text ended); it may wait for the
+    text (a WebSocket's streamed text: q3tts.longform.SegmentFeed). `first`: segment 0, prepared already (its
+    arguments checked before an HTTP response starts). A full queue refuses segment 0 (QueueFullError, raised by
+    chunks()); a later segment waits for room."""
+
+    def __init__(self, engine: AsyncEngine, prepare: Callable[[int], Awaitable[PreparedRequest | None]],
+                 joiner: Joiner, options: StreamOptions, window: int | None = None,
+                 first: PreparedRequest | None = None):
+        self.engine, self.prepare, self.joiner, self.options, self.first = engine, prepare, joiner, options, first
+        self.window = window or 2 * engine.engine.scheduler.max_slots
+        self.ready: asyncio.Queue = asyncio.Queue()  # segment indices as submitted, then None (no more) or an error
+        self.live: dict[int, Any] = {}  # segment -> its RequestHandle, submitted and not yet handed out
+        self.handed_out = 0  # segments whose chunks are all out
+        self.room = asyncio.Event()  # set when a segment is handed out
+        self.cancelled = False
+        self._feeder: asyncio.Future | None = None
+
+    async def _feed(self) -> None:
+        i, n = 0, self.joiner.num_segments
+        try:
+            while n is None or i < n:
+                while i >= self.handed_out + self.window:
+                    self.room.clear()
+                    await self.room.wait()
+                p = self.first if i == 0 and self.first is not None else await self.prepare(i)
+                if p is None or self.cancelled:
+                    break
+                while True:
+                    try:
+                        self.live[i] = self.engine.submit(p, self.options, f"{self.joiner.request_id}-{i}",
+                                                          self.joiner.start)
+                        break
+                    except QueueFullError:  # other clients filled the queue: the first segment is refused (an
+                        if i == 0:  # HTTP 503, a WebSocket error), a later one waits for room
+                            raise
+                        await asyncio.sleep(0.05)
+                self.ready.put_nowait(i)
+                i += 1
+            if self.joiner.num_segments is None:
+                self.joiner.num_segments = i
+            self.ready.put_nowait(None)
+        except Exception as e:  # (a cancellation is no Exception: the consumer has gone)
+            self.ready.put_nowait(e)
+
+    async def chunks(self) -> AsyncIterator[AudioChunk]:
+        """The joined chunks, in order; a last chunk always ends them."""
+        self._feeder = asyncio.ensure_future(self._feed())
+        try:
+            while (i := await self.ready.get()) is not None:
+                if isinstance(i, BaseException):
+                    raise i
+                h = self.live[i]
+                async for c in h.chunks():
+                    out = self.joiner.chunk(i, c)
+                    if c.is_last and c.finish_reason in ("error", "abort") and not out.is_last:
+                        yield dataclasses.replace(out, is_last=True, finish_reason=c.finish_reason)
+                        return
+                    yield out
+                    if out.is_last:
+                        return
+                del self.live[i]
+                self.handed_out += 1
+                self.room.set()
+            yield self.joiner.end("abort" if self.cancelled else None)  # the text ended after its last segment
+        finally:
+            self.close()
+
+    def cancel(self) -> None:
+        """Abort every segment now: chunks() ends with a last chunk, finish_reason "abort"."""
+        self.cancelled = True
+        for h in self.live.values():
+            h.cancel()
+        if self._feeder is not None and self._feeder.cancel():
+            self.ready.put_nowait(None)
+
+    def close(self) -> None:
+        """Cancel the feeder and every segment, dropping what they still send."""
+        if self._feeder is not None:
+            self._feeder.cancel()
+        for h in self.live.values():
             h.close()
+        self.live.clear()
+
+
+def generate_async(engine: AsyncEngine, prepare: Callable[[int], Awaitable[PreparedRequest | None]],
+                   joiner: Joiner, options: StreamOptions, window: int | None = None,
+                   first: PreparedRequest | None = None) -> AsyncIterator[AudioChunk]:
+    """A long request's joined chunks (AsyncSegments(...).chunks())."""
+    return AsyncSegments(engine, prepare, joiner, options, window, first).chunks()
+
+
+class SegmentFeed:
+    """A streamed text's segments as they become known (a WebSocket utterance with split_granularity):
+    append / close take its text (q3tts.inputs.split.SplitStream), `get(i)` (AsyncSegments' prepare) awaits
+    segment i's text, or None once the text has ended before it. Segments are kept only until taken."""
+
+    def __init__(self, granularity: str, language: str | None = None):
+        self.splitter = SplitStream(granularity, language if isinstance(language, str) else None)
+        self.texts: dict[int, str] = {}
+        self.count = 0  # segments known so far
+        self.closed = False
+        self.changed = asyncio.Event()
+
+    def _add(self, segs: list[str]) -> None:
+        for s in segs:
+            self.texts[self.count] = s
+            self.count += 1
+        if segs or self.closed:
+            self.changed.set()
+
+    def append(self, text: str) -> None:
+        if not self.closed:
+            self._add(self.splitter.append(text))
+
+    def close(self) -> None:
+        """The text ends (ValueError if it held nothing to speak: no segment comes)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._add(self.splitter.close())
+        if not self.count:
+            raise ValueError("the utterance's text is empty (only whitespace): there is nothing to speak")
+
+    async def get(self, i: int) -> str | None:
+        while i >= self.count and not self.closed:
+            self.changed.clear()
+            await self.changed.wait()
+        return self.texts.pop(i, None)

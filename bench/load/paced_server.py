@@ -58,7 +58,7 @@ class PacedVocoder:
     def __getattr__(self, name):
         return getattr(self._vocoder, name)
 
-    def decode(self, work) -> list[np.ndarray]:
+    def decode(self, work, sizes=None) -> list[np.ndarray]:
         if work:
             time.sleep(self.vocode_s)
         return [np.zeros(codes.shape[0] * 1920, dtype=np.float32) for _, codes in work]

@@ -12,6 +12,11 @@ so nothing of it can leak into the others.
 Offline requests (stream=None) only collect codes; the caller decodes them with upstream's decoder
 for parity. Streaming requests get AudioChunks from the exact stateful decoder (q3tts.engine.vocoder).
 
+Deadline-aware streaming (q3tts.engine.deadline, on by default): the scheduler admits newcomers as the running
+streams' slack allows, and the chunks that are due go nearest deadline first (a stream about to run dry at once,
+several of its chunks together if it was left waiting); the step's phases are measured into the policy's moving
+averages after every step. A stream's audio is cut into the same chunks whatever the timing: the same bits.
+
 Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
 then every newly committed text token is handed to its row; frame k runs once token k is there (or the
 text is complete), so the frames equal those of the whole text whatever the pace of the text.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +38,9 @@ import torch
 from .. import invariant
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
+from .artifact import load_artifact
 from .compile import compile_counts, describe_counts
+from .deadline import DeadlinePolicy, chunk_cut, full_chunks
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
@@ -71,13 +79,17 @@ class Engine:
                  max_queue: int = 256, use_cuda_graphs: bool | None = None, compile: bool | None = None,
                  gpu_memory_utilization: float | None = None, gpu_memory: float | None = None,
                  kv_block_size: int | None = None, compile_cache: str | bool | None = None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, compile_artifact: str | None = None,
+                 deadline: bool | None = None):
         """max_slots / max_seq_len None: fitted to the memory budget (q3tts.engine.memory.size_engine): a fraction
         of the GPU (gpu_memory_utilization, default 0.9; on a CPU of the host memory available, default 0.5) or
         gpu_memory GB. kv_block_size (e.g. 64): a paged KV cache, whose blocks follow the positions streams use (as
         many as the budget holds) instead of max_seq_len positions per slot from the start. compile_cache: where
         torch.compile's caches live (q3tts.engine.compile: default a per-user directory that survives
-        restarts; False: torch's). batch_invariant: q3tts.invariant's switch, set for the process (None: as it is)."""
+        restarts; False: torch's). compile_artifact: a file from `q3tts warmup --save` loaded into that cache
+        before anything compiles (q3tts.engine.artifact). batch_invariant: q3tts.invariant's switch, set for the
+        process (None: as it is). deadline: deadline-aware streaming (q3tts.engine.deadline; None: on unless
+        $Q3TTS_DEADLINE is 0); off: admission by count and token budget, chunks when full."""
         if batch_invariant is not None:
             invariant.set_enabled(batch_invariant)
         t0, counts = time.perf_counter(), compile_counts()
@@ -87,9 +99,17 @@ class Engine:
         self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
                                   use_cuda_graphs=use_cuda_graphs, compile=compile, block_size=kv_block_size,
                                   num_blocks=num_blocks, compile_cache=compile_cache)
+        self.artifact = None  # the loaded compiled artifact's header (None: none, or it did not apply)
+        if compile_artifact and self.runner.compiled:  # (nothing has compiled yet: torch.compile is lazy)
+            self.artifact = load_artifact(compile_artifact, ckpt)
+        elif compile_artifact:
+            log.warning("compiled artifact %s unused: torch.compile is off", compile_artifact)
         self.runner.capture_graphs()
+        if deadline is None:
+            deadline = os.environ.get("Q3TTS_DEADLINE", "1").lower() not in ("0", "false", "no")
+        self.policy = DeadlinePolicy() if deadline else None
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
-                                   num_blocks=num_blocks or 0, block_size=kv_block_size or 0)
+                                   num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)
         self.vocoder.capture_graphs()
         if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)
@@ -219,10 +239,14 @@ class Engine:
         self.scheduler.update_from_output(sched, codes0, frame)
         t2 = time.perf_counter()
         chunks = self._vocode([r for r in failed + sched.aborted + sched.rows if r.stream is not None])
+        t3 = time.perf_counter()
         c = self.counters
         c.steps += 1
-        for phase, dt in zip(("admit", "decode", "vocode"), (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+        for phase, dt in zip(("admit", "decode", "vocode"), (t1 - t0, t2 - t1, t3 - t2)):
             c.phase_s[phase] += dt
+        if self.policy is not None:
+            self.policy.times.record(t1 - t0, len(sched.prefill), t2 - t1 if frame is not None else None,
+                                     t3 - t2 if any(ch.num_frames for ch in chunks) else None)
         return chunks
 
     def _admit(self, sched: SchedulerOutput) -> list[int]:
@@ -253,28 +277,24 @@ class Engine:
             req.vocoder_row = None
 
     def _vocode(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
-        """Decode every chunk that is due: full chunks while running, the remainder at the end."""
-        work, meta = [], []
-        for r in reqs:
-            last = r.status.finished
-            if r.status == RequestStatus.FINISHED_ABORTED:
-                n = 0  # nothing more is decoded for a cancelled request
-            else:
-                pending = r.num_frames - r.frames_vocoded
-                n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
+        """Decode the chunks that are due (by deadline with the policy, else full chunks), in that order; each
+        advances its request's playback clock."""
+        work, sizes, meta = [], [], []
+        plan = (self.policy.plan_chunks(reqs, time.perf_counter(), self.scheduler.queue_depth)
+                if self.policy is not None else full_chunks(reqs))
+        for r, n in plan:
             if n > 0:
                 work.append((r.vocoder_row, torch.stack(r.frames[r.frames_vocoded: r.frames_vocoded + n])))
-            if n > 0 or last:
-                meta.append((r, n, last))
-        decoded = iter(self.vocoder.decode(work))
+                sizes.append(chunk_cut(r.stream, r.frames_vocoded, n))
+            meta.append((r, n, r.status.finished))
+        decoded = iter(self.vocoder.decode(work, sizes))
         now = time.perf_counter()
         chunks = []
         for r, n, last in meta:
             audio = next(decoded) if n > 0 else np.zeros(0, dtype=np.float32)
             chunks.append(AudioChunk(r.request_id, audio, self.ckpt.sample_rate, r.frames_vocoded, n, last,
                                      r.status.reason if last else None, now - r.arrival_time, r.error))
-            r.frames_vocoded += n
-            r.chunks_emitted += 1
+            r.sent(n, len(audio) / self.ckpt.sample_rate, now)
             if last:
                 self._release_vocoder(r)
                 r.stream_done = True

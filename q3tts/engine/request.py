@@ -33,7 +33,9 @@ class RequestStatus(enum.IntEnum):
 class StreamOptions:
     """Chunk k holds min(chunk_frames, first_chunk_frames * 2**k) frames: the first one small for time to
     first audio, then doubling, so each chunk's audio outlasts the making of the next (no stall) while
-    the vocoder is called a few times per second, not once per frame."""
+    the vocoder is called a few times per second, not once per frame. The audio is always cut into these chunks;
+    with the deadline policy (q3tts.engine.deadline) one emitted AudioChunk may hold several of them (a first one
+    grown by load, a stream left waiting), never part of one but the last."""
 
     first_chunk_frames: int = 1  # frames in the first audio chunk (80 ms each)
     chunk_frames: int = 16  # the largest chunk
@@ -60,6 +62,8 @@ class EngineRequest:
     text_fed: int = 0  # streamed text: trailing text tokens handed to its row so far
     text_done: bool = False  # streamed text: all of it (and tts_eos) handed over
     stream_done: bool = False  # its last chunk has been emitted
+    first_sent_at: float | None = None  # streaming: when its first chunk was emitted (perf_counter): playback starts
+    audio_sent_s: float = 0.0  # streaming: seconds of audio emitted so far
     error: str | None = None
 
     @property
@@ -84,6 +88,19 @@ class EngineRequest:
     def next_position(self) -> int:
         """The cache position its next frame writes (the prefill wrote 0..L-1; frame k writes L + k)."""
         return self.num_prompt_tokens + self.num_frames
+
+    def sent(self, n: int, audio_s: float, now: float) -> None:
+        """A chunk of n frames (audio_s seconds) was emitted at `now`: its playback clock starts at the first."""
+        self.frames_vocoded += n
+        self.chunks_emitted += 1
+        if n > 0 and self.first_sent_at is None:
+            self.first_sent_at = now
+        self.audio_sent_s += audio_s
+
+    def slack(self, now: float) -> float | None:
+        """Seconds of emitted audio its listener has not played yet at `now` (a player that started at the first
+        chunk; < 0: it stalled); None before the first chunk (and for offline requests)."""
+        return None if self.first_sent_at is None else self.audio_sent_s - (now - self.first_sent_at)
 
     def next_chunk_size(self) -> int:
         s = self.stream

@@ -3,7 +3,10 @@
 Requests join as soon as a slot is free and leave the moment they finish or are cancelled. The
 newcomers of a step are prefilled in one padded batch [N, Lmax]: at most `max_prefills_per_step` of them
 and N * Lmax <= `max_prefill_tokens` (the first always goes), so a burst of arrivals does not stall the
-running streams for long. The engine's step is schedule() -> run (runner) -> update_from_output() -> vocode.
+running streams for long. With a DeadlinePolicy (q3tts.engine.deadline) newcomers also go only while their
+estimated prefill fits into the running streams' slack (the first whenever no stream is at risk, and one that has
+waited the policy's max_wait_s in any case). The engine's step is schedule() -> run (runner) -> update_from_output()
+-> vocode.
 
 Paged KV cache (num_blocks > 0): blocks of block_size positions are handed out as rows need them. A newcomer gets
 the blocks of its prompt and first frame, and is admitted only while one spare block per running row remains; a
@@ -13,10 +16,12 @@ running row gets its next block when its next frame crosses into it, and sits th
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .deadline import DeadlinePolicy
 from .request import EngineRequest, RequestStatus
 
 
@@ -49,7 +54,9 @@ class FrameResult:
 
 class Scheduler:
     def __init__(self, max_slots: int, max_queue: int = 256, max_prefills_per_step: int = 16,
-                 max_prefill_tokens: int = 8192, eos: int = -1, num_blocks: int = 0, block_size: int = 0):
+                 max_prefill_tokens: int = 8192, eos: int = -1, num_blocks: int = 0, block_size: int = 0,
+                 policy: DeadlinePolicy | None = None):
+        self.policy = policy  # None: admission by count and token budget only
         self.max_slots, self.max_queue, self.max_prefills_per_step = max_slots, max_queue, max_prefills_per_step
         self.max_prefill_tokens, self.eos = max_prefill_tokens, eos
         self.block_size = block_size
@@ -83,9 +90,10 @@ class Scheduler:
         """Cancel at the next schedule() (a no-op for an unknown or finished request)."""
         self._aborts.append(request_id)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Apply the cancellations, keep the running requests in rows [0, B) and admit newcomers into [B, B+N)
-        (requests whose streamed text is not yet enough for their prompt wait, without holding up the others)."""
+        (requests whose streamed text is not yet enough for their prompt wait, without holding up the others).
+        now: the time the policy's slack is read at (default time.perf_counter())."""
         out = SchedulerOutput()
         for rid in self._aborts:
             req = self.find(rid)
@@ -97,9 +105,14 @@ class Scheduler:
         out.decode = [self.running[s] for s in sorted(self.running)]
         self.free_slots.sort(reverse=True)
         max_len = 0  # Lmax of the padded prefill batch
+        if self.policy is not None:
+            now = time.perf_counter() if now is None else now
+            budget = self.policy.admission_budget(out.decode, now)  # seconds of prefill the running rows allow
         for req in [r for r in self.waiting if r.prompt_ready]:
             if not self.free_slots or len(out.prefill) == self.max_prefills_per_step:
                 break
+            if self.policy is not None and not self.policy.admits(req, len(out.prefill), budget, now):
+                break  # first come, first served: it waits for more slack
             max_len = max(max_len, req.num_prompt_tokens)
             if out.prefill and (len(out.prefill) + 1) * max_len > self.max_prefill_tokens:
                 break  # first come, first served: the next one waits for the next step

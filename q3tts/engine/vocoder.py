@@ -95,13 +95,16 @@ class StreamingVocoder:
 
     # ------------------------------------------------------------------ decoding
     @torch.inference_mode()
-    def decode(self, work: list[tuple[int, torch.Tensor]]) -> list[np.ndarray]:
-        """work: (row, codes [n, K] int64) per request -> wav [n*1920] float32 per request.
+    def decode(self, work: list[tuple[int, torch.Tensor]], sizes: list[list[int]] | None = None) -> list[np.ndarray]:
+        """work: (row, codes [n, K] int64) per request -> wav [n*1920] float32 per request. sizes: per request, the
+        stream chunks its n frames hold, in order (summing to n; default one chunk): each is cut into pieces on its
+        own, so frames decode in the same pieces however the chunks are grouped into calls (the same bits).
 
         Round j decodes every request's j-th piece; within a round, pieces of one size share a call."""
         if not work:
             return []
-        cuts = [pieces(codes.shape[0], self.max_piece) for _, codes in work]
+        sizes = sizes or [[codes.shape[0]] for _, codes in work]
+        cuts = [[p for n in ns for p in pieces(n, self.max_piece)] for ns in sizes]
         starts = [0] * len(work)
         parts: list[list[torch.Tensor]] = [[] for _ in work]  # per request: its pieces' audio on the device
         for j in range(max(map(len, cuts), default=0)):

@@ -170,7 +170,7 @@ def _char_cuts(text: str, a: int, b: int, max_chars: int) -> list[tuple[int, int
     out, start, w = [], a, 0
     for i in range(a, b):
         cw = 0 if text[i].isspace() else (CJK_WEIGHT if _CJK.match(text[i]) else 1)
-        if w + cw > max_chars and w > 0:
+        if w + cw > max_chars and w > 0 and cw:  # (a space weighs nothing: it stays with the piece before it)
             out.append((start, i))
             start, w = i, 0
         w += cw
@@ -191,6 +191,18 @@ def _pack(text: str, parts: list[tuple[int, int]], max_chars: int) -> list[tuple
 
 def _merge_tiny(text: str, parts: list[tuple[int, int]], max_chars: int, min_chars: int) -> list[tuple[int, int]]:
     """Each part shorter than min_chars joins the next one (the last joins the previous), if the result fits."""
+    out, carry = _merge_open(text, parts, max_chars, min_chars)
+    if carry is not None:
+        if out and weight(text[out[-1][0]:carry[1]]) <= max_chars:
+            out[-1] = (out[-1][0], carry[1])
+        else:
+            out.append(carry)
+    return out
+
+
+def _merge_open(text: str, parts: list[tuple[int, int]], max_chars: int,
+                min_chars: int) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+    """_merge_tiny before the text's end: (the parts made so far, the tiny part still waiting for the next one)."""
     out: list[tuple[int, int]] = []
     carry: tuple[int, int] | None = None
     for a, b in parts:
@@ -204,9 +216,97 @@ def _merge_tiny(text: str, parts: list[tuple[int, int]], max_chars: int, min_cha
             carry = (a, b)
         else:
             out.append((a, b))
-    if carry is not None:
-        if out and weight(text[out[-1][0]:carry[1]]) <= max_chars:
-            out[-1] = (out[-1][0], carry[1])
+    return out, carry
+
+
+# --------------------------------------------------------------------------- streamed text
+_CANDIDATES = set(_SENTENCE_ASCII + _SENTENCE_CJK + _CLAUSE_ASCII + _CLAUSE_CJK + _CLOSERS + "\n")
+_STOPS = set(_CLOSERS + "(")  # with whitespace: where _ends_here's look back for the word before a period stops
+
+
+class SplitStream:
+    """split_text for a text that arrives in pieces (an LLM's tokens): each segment as soon as the text after it
+    shows where it ends, the same segments as split_text(the whole text) (tests/inputs/test_split.py proves it).
+
+        s = SplitStream("sentence")
+        s.append("Dr. Smith paid $3.")  ->  []          ("3." may be "3.50"; the segment may still grow)
+        s.append("50. Then he left! And")  ->  ["Dr. Smith paid $3.50."]
+        s.close()  ->  ["Then he left! And"]           ("And" is a tiny fragment at the end: it joins)
+
+    A cut is known once a non-space character follows it (the next word decides "3." + "5", "Dr." + "Smith";
+    another mark or a closing quote extends the run). A segment is held back until min_chars of text follow its
+    end: a tiny fragment at the text's end joins the segment before it. NOTE(wsform): a run of more than `max_pending`
+    characters without a known cut is split there as if the text ended (bounded memory and work per piece;
+    split_text would cut such a run at clauses or words); below that bound the segments equal split_text's.
+    """
+
+    def __init__(self, granularity: str = "sentence", language: str | None = None, max_chars: int = MAX_CHARS,
+                 min_chars: int = MIN_CHARS, max_pending: int | None = None):
+        split_text("", granularity, language, max_chars, min_chars)  # the same checks and errors
+        lang = (language or "auto").strip().lower()
+        self.abbrevs = _ABBREVIATIONS.get(lang, _ALL_ABBREVIATIONS) | _ABBREVIATIONS["english"]
+        self.clause, self.max_chars, self.min_chars = granularity == "clause", max_chars, min_chars
+        self.max_pending = 2 * max_chars if max_pending is None else max_pending
+        self.text = ""  # the text from a little before `base` (what _ends_here may look back at), to its end
+        self.base = 0  # in text: where the span holding the first segment not handed out begins
+        self.done = 0  # in text: the end of the last segment handed out
+        self.last = -1  # in text: the last non-space character
+        self.held = False  # a complete part waits for min_chars of text after it
+
+    def append(self, piece: str) -> list[str]:
+        """Add text; the segments it completes (often none)."""
+        last, self.text = self.last, self.text + piece
+        tail = piece.rstrip()
+        if not tail:
+            return []  # whitespace settles no cut: a cut is known once a non-space character follows it
+        self.last = len(self.text) - (len(piece) - len(tail)) - 1
+        if len(self.text) - self.done > self.max_pending:
+            return self._cut(final=True)
+        # a new cut needs a mark (or a closer ending a run, or a paragraph break) after the old last character
+        start = max(last, self.base)
+        if self.held or any(c in _CANDIDATES for c in self.text[start:self.last]):
+            return self._cut(final=False)
+        return []
+
+    def close(self) -> list[str]:
+        """The text ends: the rest of its segments."""
+        return self._cut(final=True)
+
+    def _cut(self, final: bool) -> list[str]:
+        text, end = self.text, len(self.text)
+        cuts = _boundaries(text, self.abbrevs, self.clause, self.base, end)
+        if not final:
+            cuts = [c for c in cuts if c <= self.last]  # known: a non-space character follows
+            if not cuts:
+                return []
+        stop = end if final else cuts[-1]
+        spans = _spans(text, cuts, self.base, stop)
+        parts = [p for a, b in spans for p in _fit(text, a, b, self.max_chars, self.abbrevs) if p[0] >= self.done]
+        # the span holding `done` is fitted as before: its parts not handed out start at `done`
+        assert not parts or not text[self.done:parts[0][0]].strip(), (parts[0], self.done)
+        if final:
+            out = _merge_tiny(text, parts, self.max_chars, self.min_chars)
         else:
-            out.append(carry)
-    return out
+            # NOTE(wsform): a tiny fragment at the text's end joins the part before it, so that part is final only
+            # once min_chars of text follow the cut: then whatever follows makes a part of its own or joins forward
+            out, _ = _merge_open(text, parts, self.max_chars, self.min_chars)
+            self.held = bool(out) and weight(text[stop:]) < self.min_chars
+            if self.held:
+                out = out[:-1]
+        if not out:
+            return []
+        segs = [text[a:b].strip() for a, b in out]
+        self.done = out[-1][1]
+        self.base = max(a for a, _ in spans if a <= self.done) if not final else end
+        self._trim()
+        return segs
+
+    def _trim(self) -> None:
+        """Drop the text before the word that ends before `base` (_ends_here looks back no further)."""
+        k = self.base
+        while k > 0 and not (self.text[k - 1].isspace() or self.text[k - 1] in _STOPS):
+            k -= 1
+        k = max(k - 1, 0)
+        if k:
+            self.text = self.text[k:]
+            self.base, self.done, self.last = self.base - k, self.done - k, self.last - k

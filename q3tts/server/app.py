@@ -82,6 +82,7 @@ def load_model(settings: ServerSettings):
     from q3tts.api import TTS
     return TTS.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
                                quantization=settings.quantization, compile_cache=settings.compile_cache,
+                               compile_artifact=settings.compile_artifact,
                                generation_config=settings.generation_config, aligner=settings.aligner)
 
 

@@ -119,7 +119,11 @@ class SessionConfig(SpeechOptions):
     speed: float | None = Field(None, description="1.0 (the socket streams at the native tempo)")
     initial_codec_chunk_frames: int | None = Field(None, ge=1, le=64, description="Frames (80 ms) in the first "
                                                    "audio chunk of each utterance")
-    split_granularity: str | None = Field(None, max_length=16, description="none: each flush is one utterance")
+    split_granularity: str | None = Field(None, max_length=16, description="none: each flush is one request; "
+                                          "sentence | clause: each sentence (clause) a request once its end is known")
+    pause_ms: int | None = Field(None, ge=0, le=10_000, description="Silence between two segments (ms)")
+    word_timestamps: bool = Field(False, description="vLLM-Omni's form (a server with --aligner): audio as JSON "
+                                  "audio.chunk messages, then one with empty audio carrying the utterance's words")
     timestamp_type: str | None = Field(None, max_length=16, description="word: word timestamps in audio.done "
                                                                         "(a server with --aligner)")
     timestamp_transport_strategy: str | None = Field(None, max_length=16)

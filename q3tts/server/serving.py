@@ -103,7 +103,7 @@ class Generation:
     """A submitted request: its bookkeeping and its engine handle."""
 
     run: Run
-    handle: RequestHandle
+    handle: RequestHandle | longform.AsyncSegments  # (the second: a split utterance's segments)
 
 
 class SpeechServing:
@@ -280,23 +280,47 @@ class SpeechServing:
         number of segments). Segment i is prepared (its text tokenized; the voice is resolved once) when it is
         submitted, so memory is bounded whatever the length; with sampling it uses seed + i. Every argument is
         checked on the first segment before this returns (ApiError); closing the chunks cancels every segment.
-        run.input_tokens counts the segments' prompts as they are prepared. (The WebSocket session can call it
-        for an utterance too, with make_split(split_granularity, pause_ms).)"""
+        run.input_tokens counts the segments' prompts as they are prepared. (A WebSocket utterance's streamed
+        text: generate_streamed_long.)"""
         try:
             texts = longform.segments(text, split, req.language)
         except InputError as e:
             raise ApiError(400, str(e).replace("text", "input", 1), param="input", code=e.code) from None
-        seed = req.seed if req.seed is not None else random.randrange(1 << 31)
-        cache: dict = {}
 
-        async def prepare(i: int) -> PreparedRequest:
-            p = await self.prepare(req.model_copy(update={"seed": seed + i}), texts[i], cache)
-            run.input_tokens += len(p.layout)
-            return p
+        async def text_of(i: int) -> str | None:
+            return texts[i] if i < len(texts) else None
+        prepare = self._segment_preparer(req, text_of, run)
         first = await prepare(0)
         joiner = longform.Joiner(run.request_id, len(texts), self.tts.sample_rate, split.pause_ms, run.arrival)
         options = StreamOptions(self.settings.first_chunk_frames, self.settings.chunk_frames)
         return longform.generate_async(self.engine, prepare, joiner, options, first=first), len(texts)
+
+    def generate_streamed_long(self, req: SpeechOptions, split: longform.LongFormOptions, prefix: str, arrival: float,
+                               options: StreamOptions) -> tuple[longform.SegmentFeed, Generation]:
+        """A streamed text (a WebSocket utterance) spoken as segment requests: (the feed its text goes into, the
+        generation whose handle is the segments' longform.AsyncSegments: chunks / cancel / close). Each segment is
+        submitted once its end is known in the text (q3tts.inputs.split.SplitStream), the rest at the feed's
+        close; otherwise as generate_long (the same voice, seed + i, at most a window of segments at once)."""
+        run = Run(f"{prefix}-{uuid.uuid4().hex[:16]}", "pcm", arrival, 0)
+        feed = longform.SegmentFeed(split.granularity, req.language)
+        joiner = longform.Joiner(run.request_id, None, self.tts.sample_rate, split.pause_ms, arrival)
+        segments = longform.AsyncSegments(self.engine, self._segment_preparer(req, feed.get, run), joiner, options)
+        return feed, Generation(run, segments)
+
+    def _segment_preparer(self, req: SpeechOptions, text_of, run: Run):
+        """prepare(i) for the segments of one long request: segment i's text (awaited from text_of(i); None: there
+        is none) prepared with seed + i, the voice resolved once; its prompt counted in run.input_tokens."""
+        seed = req.seed if req.seed is not None else random.randrange(1 << 31)
+        cache: dict = {}
+
+        async def prepare(i: int) -> PreparedRequest | None:
+            text = await text_of(i)
+            if text is None:
+                return None
+            p = await self.prepare(req.model_copy(update={"seed": seed + i}), text, cache)
+            run.input_tokens += len(p.layout)
+            return p
+        return prepare
 
     @staticmethod
     def make_split(split_granularity: str | None, pause_ms: int | None = None) -> longform.LongFormOptions | None:

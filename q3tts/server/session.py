@@ -3,8 +3,9 @@
     GET /v1/audio/speech/stream   (vLLM-Omni's protocol, as LiveKit's Qwen3-TTS client speaks it)
     client  {"type": "session.config", ...}   the /v1/audio/speech fields but input, plus vLLM-Omni's task_type,
                                               response_format, stream_audio, speed, initial_codec_chunk_frames,
-                                              split_granularity, timestamp_type "word" (--aligner: words in
-                                              audio.done's timestamp_info) (any time; kept until the next one)
+                                              split_granularity + pause_ms, timestamp_type "word" (--aligner:
+                                              words in audio.done's timestamp_info), word_timestamps (--aligner:
+                                              vLLM-Omni's audio.chunk form) (any time; kept until the next one)
             {"type": "input.text", "text": "..."}   any number, split anywhere
             {"type": "input.done"}                  a flush: the utterance's text ends; its audio, then session.done
             {"type": "response.cancel"}             ends the current utterance now
@@ -12,6 +13,8 @@
             {"type": "voice.list"}
             {"type": "session.close"}               speaks what was given, then ends the session
     server  {"type": "audio.start", "sample_rate": 24000, "format": "pcm_s16le"}, binary PCM s16le messages,
+            with word_timestamps the PCM comes in {"type": "audio.chunk", "audio_b64": ..., "timestamps": null, ...}
+            messages instead, then one with "audio_b64": "" and "timestamps": [{word, start_ms, end_ms}] (ChunkForm);
             {"type": "audio.done", "frames": N, "finish_reason": "stop" | "length" | "cancelled" | "error"},
             {"type": "session.done"} after each flush (at once for an empty one) and at the end;
             {"type": "voice.list", "voices": [...], "uploaded_voices": [...]}, {"type": "voice.add", "success": true,
@@ -19,7 +22,10 @@
             usable; queue_full errors add "limit": "session" | "client" | "server").
 
 Each utterance is one engine request whose text is appendable (q3tts.inputs.text): its first text starts
-it, so it is generated while the utterance before it is still being sent; audio goes out in order.
+it, so it is generated while the utterance before it is still being sent; audio goes out in order. With
+split_granularity sentence | clause an utterance is the long-form path's segment requests instead
+(q3tts.longform.AsyncSegments, SegmentFeed): each sentence (clause) is submitted once the text after it shows
+where it ends, the rest at the flush; they run in parallel and are joined in order with pause_ms between them.
 Limits (ServerSettings.ws_*): a new socket's first message within ws_config_timeout, then at most
 ws_idle_timeout without a client message while no audio goes out (the session ends, its slots free); at most
 ws_max_utterances in flight per session and ws_max_client_utterances per client address. A client that
@@ -29,6 +35,7 @@ disconnects cancels its utterances at once (their slots are free at the next ste
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -42,9 +49,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from q3tts.audio import to_s16
 from q3tts.engine import StreamOptions
 from q3tts.inputs.text import TextStream
+from q3tts.longform import SegmentFeed
 
-from .protocol import ApiError, SessionConfig, VoiceAddMessage
-from .serving import Generation, livekit_alignment
+from .protocol import ApiError, SessionConfig, VoiceAddMessage, WordTiming
+from .serving import Generation, livekit_alignment, words_ms
 
 log = logging.getLogger("q3tts.server")
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
@@ -55,9 +63,10 @@ SUBPROTOCOL = "q3tts"  # the page's WebSocket subprotocol (its API key rides in 
 
 @dataclass(eq=False)
 class Utterance:
-    text: TextStream
+    text: TextStream | SegmentFeed  # (the second: split_granularity sentence | clause)
     gen: Generation
     client: str
+    index: int  # the session's utterances, from 0 (vLLM-Omni's utterance_index)
     chars: int = 0
     said: list[str] = field(default_factory=list)  # its text as given (the aligner's words come from it)
 
@@ -76,6 +85,7 @@ class SpeechSession:
         self.live: list[Utterance] = []  # started and not yet fully sent, oldest first
         self.client = ws.client.host if ws.client else "?"
         self.last_activity = time.monotonic()  # the last client message or audio sent
+        self.num_utterances = 0
 
     async def run(self) -> None:
         offered = self.ws.scope.get("subprotocols") or []
@@ -196,20 +206,18 @@ class SpeechSession:
         if cfg.speed not in (None, 1.0):
             return (f"speed {cfg.speed} is not available on the socket: it streams at the native tempo (1.0); "
                     "other speeds over HTTP POST /v1/audio/speech")
-        if cfg.split_granularity not in (None, "none"):
-            return (f"split_granularity {cfg.split_granularity!r} is not available on the socket: each input.done "
-                    "flushes one utterance, spoken as its text arrives (split_granularity 'none'); long texts are "
-                    "split on HTTP POST /v1/audio/speech")
-        if cfg.timestamp_type is None and cfg.timestamp_transport_strategy is None:
-            return None
-        if cfg.timestamp_type != "word" or cfg.timestamp_transport_strategy not in (None, "sync"):
-            return (f"timestamp_type {cfg.timestamp_type!r} / timestamp_transport_strategy "
-                    f"{cfg.timestamp_transport_strategy!r}: this server makes word timestamps (timestamp_type 'word') "
-                    "and sends them in each utterance's audio.done (timestamp_transport_strategy 'sync')")
-        try:
-            self.serving.check_words(None, cfg.language)  # an aligner is loaded and knows the language
-        except ApiError as e:
-            return e.info.message
+        self.serving.make_split(cfg.split_granularity, cfg.pause_ms)  # ApiError naming the accepted values
+        if cfg.word_timestamps or cfg.timestamp_type is not None or cfg.timestamp_transport_strategy is not None:
+            if cfg.timestamp_type is not None or cfg.timestamp_transport_strategy is not None:
+                if cfg.timestamp_type != "word" or cfg.timestamp_transport_strategy not in (None, "sync"):
+                    return (f"timestamp_type {cfg.timestamp_type!r} / timestamp_transport_strategy "
+                            f"{cfg.timestamp_transport_strategy!r}: this server makes word timestamps (timestamp_type "
+                            "'word') and sends them in each utterance's audio.done (timestamp_transport_strategy "
+                            "'sync'), or with word_timestamps true in a trailing audio.chunk")
+            try:
+                self.serving.check_words(None, cfg.language)  # an aligner is loaded and knows the language
+            except ApiError as e:
+                return e.info.message
         return None
 
     async def _add_text(self, text: str) -> None:
@@ -225,13 +233,16 @@ class SpeechSession:
                 extra = {"limit": e.limit} if isinstance(e, Busy) else {}
                 await self._error(e.info.code or "invalid_request", e.info.message, **extra)
                 return
-        utt, limit = self.current, self.serving.settings.max_text_length
+        utt, s = self.current, self.serving.settings
+        split = isinstance(utt.text, SegmentFeed)
+        limit = s.max_split_text_length if split else s.max_text_length
         utt.chars += len(text)
         if utt.chars > limit:
             self.current = REFUSED
             utt.gen.handle.cancel()
+            flag = "--max-split-text-length" if split else "--max-text-length"
             await self._error("input_too_long", f"the utterance's text is more than {limit} characters "
-                              "(--max-text-length): it was cancelled; send input.done more often")
+                              f"({flag}): it was cancelled; send input.done more often")
             return
         utt.text.append(text)
         utt.said.append(text)
@@ -247,16 +258,22 @@ class SpeechSession:
             raise Busy(f"this client ({self.client}) has {clients[self.client]} utterances speaking or queued over "
                        "its sessions, its limit (--ws-max-client-utterances)", "client")
         arrival = time.perf_counter()
-        prepared = await self.serving.prepare(self.config, None)
         first = self.config.initial_codec_chunk_frames or s.first_chunk_frames
-        try:
-            gen = self.serving.submit(prepared, "pcm", "speech-ws", arrival,
-                                      StreamOptions(first, max(first, s.chunk_frames)))
-        except ApiError as e:
-            if e.info.code == "queue_full":
-                raise Busy(f"{e.info.message} (the server's queue, --max-queue)", "server") from e
-            raise
-        utt = Utterance(prepared.text, gen, self.client)
+        options = StreamOptions(first, max(first, s.chunk_frames))
+        split = self.serving.make_split(self.config.split_granularity, self.config.pause_ms)
+        if split is not None:  # segment requests, each submitted once its end is known in the text
+            text, gen = self.serving.generate_streamed_long(self.config, split, "speech-ws", arrival, options)
+        else:
+            prepared = await self.serving.prepare(self.config, None)
+            try:
+                gen = self.serving.submit(prepared, "pcm", "speech-ws", arrival, options)
+            except ApiError as e:
+                if e.info.code == "queue_full":
+                    raise Busy(f"{e.info.message} (the server's queue, --max-queue)", "server") from e
+                raise
+            text = prepared.text
+        utt = Utterance(text, gen, self.client, self.num_utterances)
+        self.num_utterances += 1
         self.live.append(utt)
         clients[self.client] += 1
         self.outbox.put_nowait(utt)
@@ -317,31 +334,42 @@ class SpeechSession:
         sr = self.serving.tts.sample_rate
         await self._send_json({"type": "audio.start", "sample_rate": sr, "format": "pcm_s16le"})
         run, held = utt.gen.run, bytearray()
-        words = self.config.timestamp_type == "word"  # checked at session.config: an aligner is loaded
+        livekit = self.config.timestamp_type == "word"  # checked at session.config: an aligner is loaded
+        form = ChunkForm(utt.index, sr) if self.config.word_timestamps else None  # vLLM-Omni's audio.chunk form
         audio: list = []  # float32 PCM kept for the aligner
         try:
             async with aclosing(self.serving.stream(utt.gen)) as chunks:  # closed (slot freed, run booked) on any exit
                 async for chunk in chunks:
                     if chunk.num_frames:
-                        if words:
+                        if livekit or form:
                             audio.append(chunk.audio)
                         pcm = to_s16(chunk.audio).tobytes()
-                        if self.config.stream_audio:
-                            await self._send_bytes(pcm)
-                        else:
+                        if not self.config.stream_audio:
                             held += pcm
+                        elif form:
+                            await self._send_json(form.audio(pcm))
+                        else:
+                            await self._send_bytes(pcm)
                     if chunk.is_last and chunk.error:
                         await self._error("generation_failed", chunk.error)
             if held:
-                await self._send_bytes(bytes(held))
+                await (self._send_json(form.audio(bytes(held))) if form else self._send_bytes(bytes(held)))
         except Exception as e:  # an engine failure: this utterance ends, the session goes on
             log.exception("%s failed", run.request_id)
             await self._error("generation_failed", f"{type(e).__name__}: {e}")
         reason = FINISH.get(run.finish_reason, "error") if run.outcome != "failed" else "error"
         done = {"type": "audio.done", "frames": run.frames, "finish_reason": reason}
-        if words and run.outcome == "completed":  # LiveKit's sync transport: the words in audio.done
+        found = None
+        if (livekit or form) and run.outcome == "completed":
             pcm = np.concatenate(audio) if audio else np.zeros(0, np.float32)
-            found = await self.serving.utterance_words(pcm, sr, "".join(utt.said), self.config.language)
+            try:
+                found = await self.serving.utterance_words(pcm, sr, "".join(utt.said), self.config.language)
+            except Exception as e:  # the audio went out: say the words could not be made, and go on
+                log.exception("%s: alignment failed", run.request_id)
+                await self._error("alignment_failed", f"word timestamps: {type(e).__name__}: {e}")
+        if form:  # vLLM-Omni: a trailing audio.chunk with empty audio: the words, or null (none could be made)
+            await self._send_json(form.words(None if found is None else words_ms(found)))
+        if livekit and found is not None:  # LiveKit's sync transport: the words in audio.done
             done["timestamp_info"] = {"word_alignment": livekit_alignment(found)}
         await self._send_json(done)
 
@@ -357,6 +385,36 @@ class SpeechSession:
         self.serving.metrics.errors.labels("invalid_request_error", code).inc()
         await self._send_json({"type": "error", "code": code, "message": message, **extra})
         return False
+
+
+@dataclass(slots=True)
+class ChunkForm:
+    """vLLM-Omni's word_timestamps form of one utterance's audio: JSON audio.chunk messages (PCM s16le in base64,
+    its place in ms from the utterance's start), then one with empty audio whose timestamps are the utterance's
+    words ([{word, start_ms, end_ms}] from its start; [] no word; null: none could be made). One alignment per
+    utterance (a flush): sentence_index is 0."""
+
+    utterance: int  # utterance_index
+    sample_rate: int
+    chunk_id: int = 0
+    samples: int = 0  # sent so far
+
+    def _ms(self, samples: int) -> int:
+        return round(samples * 1000 / self.sample_rate)
+
+    def audio(self, pcm: bytes, timestamps: list | None = None) -> dict:
+        start, self.samples = self.samples, self.samples + len(pcm) // 2
+        msg = {"type": "audio.chunk", "utterance_index": self.utterance, "sentence_index": 0,
+               "chunk_id": self.chunk_id, "chunk_start_ms": self._ms(start), "chunk_end_ms": self._ms(self.samples),
+               "sample_rate": self.sample_rate, "channels": 1, "audio_b64": base64.b64encode(pcm).decode(),
+               "timestamps": timestamps}
+        self.chunk_id += 1
+        return msg
+
+    def words(self, words: list[WordTiming] | None) -> dict:
+        msg = self.audio(b"", None if words is None else [w.model_dump() for w in words])
+        msg["chunk_start_ms"] = 0  # (the trailing message spans the whole utterance)
+        return msg
 
 
 class Busy(ApiError):

@@ -42,6 +42,7 @@ class ServerSettings:
     kv_block_size: int = 0  # > 0: paged KV cache with blocks of this many positions (memory follows use); 0: per slot
     compile_cache: str | None = None  # torch.compile's cache directory ("off": torch's /tmp default; None:
     # ~/.cache/q3tts/compile/torch-<version>, or TORCHINDUCTOR_CACHE_DIR where the user set it)
+    compile_artifact: str | None = None  # a file from `q3tts warmup --save`: compiled code loaded before compiling
     generation_config: str | None = None  # a JSON file of generation_config.json's fields laid over the model's
     api_key: str | None = None  # when set, all but /health, /ready and / need "Authorization: Bearer <key>"
     first_chunk_frames: int = 1  # frames (80 ms each) in the first audio chunk of a stream
@@ -118,6 +119,10 @@ _FLAGS = [
     ("--compile-cache", "compile_cache", str, "directory that keeps what torch.compile compiled, so a restart "
                                               "reuses it ('off': torch's default under /tmp; default "
                                               "~/.cache/q3tts/compile/torch-<version>, or $TORCHINDUCTOR_CACHE_DIR)"),
+    ("--load-artifact", "compile_artifact", str, "a compiled artifact from `q3tts warmup --save FILE` (built on a "
+                                                 "machine with the same GPU, torch and model): loaded into the "
+                                                 "compile cache before anything compiles, for a start in seconds "
+                                                 "(made for another setup: a warning and a normal cold start)"),
     ("--generation-config", "generation_config", str, "a JSON file of generation_config.json's fields (e.g. "
                                                       '{"do_sample": false}) laid over the model\'s: the defaults '
                                                       "of requests that send no sampling fields"),
@@ -197,6 +202,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
         ap.error("--kv-block-size must be 0 or a power of two up to 64")
     if s.gpu_memory is not None and not s.gpu_memory > 0:
         ap.error("--gpu-memory must be > 0 (GB)")
+    if s.compile_artifact and not os.path.isfile(s.compile_artifact):  # (refused before the model loads)
+        ap.error(f"--load-artifact {s.compile_artifact}: no such file (write one with `q3tts warmup --save FILE`)")
     try:
         generation_overrides(s.generation_config)  # refused here, before the model loads
     except ValueError as e:

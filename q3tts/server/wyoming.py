@@ -401,7 +401,8 @@ async def _announce(server: AsyncServer, name: str) -> None:
 # flags of `q3tts serve` that mean the same here (same names, same Q3TTS_* variables)
 SHARED_FLAGS = ("model", "served_model_name", "device", "dtype", "quantization", "voice_dir", "max_text_length",
                 "max_queue", "max_concurrent", "max_seq_len", "gpu_memory_utilization", "gpu_memory", "kv_block_size",
-                "compile_cache", "generation_config", "first_chunk_frames", "chunk_frames", "log_level")
+                "compile_cache", "compile_artifact", "generation_config", "first_chunk_frames", "chunk_frames",
+                "log_level")
 
 
 def parse_args(argv: list[str] | None = None, environ: dict | None = None):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from q3tts import split_text
-from q3tts.inputs.split import MAX_CHARS, weight
+from q3tts.inputs.split import MAX_CHARS, SplitStream, weight
 
 WORDS = ["Dr.", "e.g.", "3.5", "hello", "World", "it's", "J.", "OK!", "why?", "“quoted.”", "(aside)", "1,000",
          "你好", "。", "，", "今天", "！", "「好的。」", "wait...", "a", "\n\n", "\n", "—", ";", ":", "é", "x" * 40]
@@ -109,3 +109,46 @@ def test_bad_arguments():
         split_text("a", "word")
     with pytest.raises(ValueError, match="must be a str"):
         split_text(["a"])
+
+
+# --------------------------------------------------------------------------- streamed text
+def streamed(text: str, cuts: list[int], granularity: str, **kw) -> list[str]:
+    s = SplitStream(granularity, **kw)
+    out, prev = [], 0
+    for c in sorted(set(cuts)) + [len(text)]:
+        out += s.append(text[prev:c])
+        prev = c
+    return out + s.close()
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=texts, granularity=st.sampled_from(["sentence", "clause"]), max_chars=st.integers(10, 600),
+       cuts=st.lists(st.integers(0, 2000), max_size=40))
+def test_streamed_pieces_give_split_texts_segments(text, granularity, max_chars, cuts):
+    """Any cut of the text into pieces: the segments handed out as they complete, then at the close, are
+    split_text's for the whole text (below max_pending without a known cut)."""
+    kw = {"max_chars": max_chars, "max_pending": 10**6}
+    assert streamed(text, [c for c in cuts if c < len(text)], granularity, **kw) == split_text(text, granularity,
+                                                                                           max_chars=max_chars)
+
+
+def test_a_segment_is_handed_out_once_its_end_is_known():
+    s = SplitStream("sentence")
+    assert s.append("Dr. Smith paid $3.") == []  # "3." may be "3.50"
+    assert s.append("50. Then") == []  # the first may still take a tiny fragment at the end ("Then.")
+    assert s.append(" he left quietly! And the") == ["Dr. Smith paid $3.50."]  # min_chars follow its end
+    assert s.close() == ["Then he left quietly! And the"]  # "And the" (tiny) joins its neighbour at the end
+    c = SplitStream("clause")
+    out = [seg for piece in "The first one is here, the second one follows; and then more text.".split(" ")
+           for seg in c.append(piece + " ")]
+    assert out + c.close() == split_text("The first one is here, the second one follows; and then more text.",
+                                         "clause")
+    assert out == ["The first one is here,", "the second one follows;"]  # "and then more text." at the close
+
+
+def test_a_long_run_without_a_known_cut_is_cut_at_max_pending():
+    s = SplitStream("sentence", max_pending=50)
+    got = [seg for k in range(30) for seg in s.append("word ")] + s.close()
+    assert squeeze("".join(got)) == "word" * 30 and len(got) > 1
+    with pytest.raises(ValueError, match="split_granularity"):
+        SplitStream("word")

@@ -230,13 +230,13 @@ def test_unencodable_text_and_deep_json_get_invalid_message_and_the_session_goes
 
 
 def test_vllm_omni_config_fields(cv_server):
-    """task_type checked against the served model; pcm only; speed 1.0 only; split_granularity none; word timestamps
-    refused until they exist; a misspelt field refused by name; initial_codec_chunk_frames sizes the first chunk;
+    """task_type checked against the served model; pcm only; speed 1.0 only; split_granularity none | sentence |
+    clause; word timestamps (either form) refused without --aligner; a misspelt field refused by name; initial_codec_chunk_frames sizes the first chunk;
     an empty input.done answers session.done at once; the config is kept across flushes."""
     with connect(ws_url(cv_server)) as ws:
         for field, value, words in [("task_type", "Base", "CustomVoice"), ("response_format", "mp3", "pcm"),
-                                    ("speed", 1.5, "1.0"), ("split_granularity", "sentence", "none"),
-                                    ("timestamp_type", "word", "timestamps"), ("stream_audo", True, "stream_audo")]:
+                                    ("speed", 1.5, "1.0"), ("split_granularity", "word", "'clause'"),
+                                    ("timestamp_type", "word", "--aligner"), ("word_timestamps", True, "--aligner"), ("stream_audo", True, "stream_audo")]:
             ws.send(json.dumps({"type": "session.config", "voice": "ryan", field: value}))
             err = json.loads(ws.recv(timeout=30))
             assert err["code"] == "invalid_config" and words in err["message"], (field, err)

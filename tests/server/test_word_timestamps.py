@@ -151,3 +151,41 @@ def test_websocket_session_sends_the_words_in_audio_done(words_server):
         ws.send(json.dumps({"type": "session.config", "voice": "vivian", "timestamp_type": "char"}))
         err = json.loads(ws.recv(timeout=30))
         assert err["code"] == "invalid_config" and "'word'" in err["message"]
+
+
+def test_websocket_word_timestamps_in_a_trailing_audio_chunk(words_server):
+    """vLLM-Omni's form (word_timestamps true in session.config): the utterance's PCM in JSON audio.chunk messages
+    (base64, timestamps null, places in ms), then one with empty audio whose timestamps are its words in ms from
+    its start; with stream_audio false the PCM is one audio.chunk."""
+    from websockets.sync.client import connect
+
+    url = words_server.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    with connect(url) as ws:
+        for flush, stream_audio in enumerate((True, False)):
+            ws.send(json.dumps({"type": "session.config", "voice": "vivian", "language": "English",
+                                "word_timestamps": True, "stream_audio": stream_audio, "max_new_tokens": 12,
+                                **GREEDY}))
+            for piece in ("Hello th", "ere, good ", "morning."):
+                ws.send(json.dumps({"type": "input.text", "text": piece}))
+            ws.send(json.dumps({"type": "input.done"}))
+            assert json.loads(ws.recv(timeout=60))["type"] == "audio.start"
+            chunks = []
+            while (m := json.loads(ws.recv(timeout=60)))["type"] == "audio.chunk":
+                chunks.append(m)
+            assert m["type"] == "audio.done" and m["finish_reason"] in ("stop", "length")
+            assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
+            *audio, last = chunks
+            assert len(audio) >= 1 if stream_audio else len(audio) == 1
+            assert [c["chunk_id"] for c in chunks] == list(range(len(chunks)))
+            assert all(c["utterance_index"] == flush and c["sentence_index"] == 0 and c["sample_rate"] == 24000
+                       for c in chunks)
+            assert all(c["timestamps"] is None and c["audio_b64"] for c in audio)
+            pcm = b"".join(base64.b64decode(c["audio_b64"]) for c in audio)
+            assert len(pcm) == m["frames"] * 1920 * 2 > 0
+            assert [c["chunk_start_ms"] for c in audio[1:]] == [c["chunk_end_ms"] for c in audio[:-1]]
+            total_ms = round(len(pcm) / 2 * 1000 / 24000)
+            assert audio[-1]["chunk_end_ms"] == last["chunk_end_ms"] == total_ms and last["chunk_start_ms"] == 0
+            assert last["audio_b64"] == "" and [w["word"] for w in last["timestamps"]] == WORDS
+            # (a tiny random aligner's times are arbitrary: their form is checked, their values by the HTTP tests)
+            starts = [w["start_ms"] for w in last["timestamps"]]
+            assert starts == sorted(starts) and all(0 <= w["start_ms"] <= w["end_ms"] for w in last["timestamps"])

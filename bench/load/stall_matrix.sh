@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Stalls under load in one device call (issue #33): `q3tts serve` on random real-size checkpoints, loaded by
+# bench/load/load.py (aiohttp clients, a player that starts at the first byte: the stall column):
+#   0.6B-CustomVoice, 128 slots: 64 and 128 closed-loop streams of 10 s (REQS requests each)
+#   1.7B-CustomVoice, 128 slots: 64 streams of 10 s; Poisson arrivals at 10 and 20 req/s of 5 s utterances
+# Both servers start together (their compiles overlap; each holds only what its slots need: 128 x 1024 positions),
+# then the levels run one server at a time (the other idles); the whole run stays under LIMIT s (default 420), each wait and level bounded
+# by what is left. JSON per server in $OUT, all of it in $OUT/stall_matrix.json, one summary table at the end.
+#   run: command: bash bench/load/stall_matrix.sh                      (one H100; Q3TTS_DEADLINE=0: the old policy)
+#   CPU dry run:  DEVICE=cpu OUT=/tmp/stall bash bench/load/stall_matrix.sh   (tiny checkpoints, tiny loads)
+# Env: DEVICE, OUT, LIMIT, SLOTS, C06 ("64,128"), C17 ("64"), RATES ("10,20"), REQS (2), FRAMES (126: 10 s),
+#      POISSON_FRAMES (63: 5 s), POISSON_S (8: seconds of arrivals per rate), CLIENT_CPUS ("12-15" on cuda).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/stall_matrix}
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+mkdir -p "$OUT"
+T0=$(date +%s)
+LIMIT=${LIMIT:-420}
+DEVICE=${DEVICE:-cuda}
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+LOAD=bench.load.load
+if [ "$DEVICE" = cpu ]; then
+  SLOTS=${SLOTS:-4} C06=${C06:-2,3} C17=${C17:-2} RATES=${RATES:-1,2} REQS=${REQS:-1} FRAMES=${FRAMES:-12}
+  POISSON_FRAMES=${POISSON_FRAMES:-6} POISSON_S=${POISSON_S:-2} CLIENT_CPUS=${CLIENT_CPUS:-0-1} PROCS=2
+  python3 -m q3tts.cli make-checkpoint --tiny /tmp/stall-ck-06 > "$OUT/ckpt-06.log" 2>&1 & C1=$!
+  python3 -m q3tts.cli make-checkpoint --tiny /tmp/stall-ck-17 > "$OUT/ckpt-17.log" 2>&1 & C2=$!
+else
+  SLOTS=${SLOTS:-128} C06=${C06:-64,128} C17=${C17:-64} RATES=${RATES:-10,20} REQS=${REQS:-2} FRAMES=${FRAMES:-126}
+  POISSON_FRAMES=${POISSON_FRAMES:-63} POISSON_S=${POISSON_S:-8} CLIENT_CPUS=${CLIENT_CPUS:-12-15}
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+  PROCS=2
+  python3 -m bench.make_checkpoint --model 0.6B-CustomVoice --out /tmp/stall-ck-06 > "$OUT/ckpt-06.log" 2>&1 & C1=$!
+  python3 -m bench.make_checkpoint --model 1.7B-CustomVoice --out /tmp/stall-ck-17 > "$OUT/ckpt-17.log" 2>&1 & C2=$!
+fi
+wait $C1 && wait $C2 || { tail -5 "$OUT"/ckpt-*.log; exit 1; }
+echo "checkpoints after $(( $(date +%s) - T0 )) s"
+
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
+trap cleanup EXIT
+serve() {  # serve NAME PORT: a server on /tmp/stall-ck-NAME, its log in $OUT/serve-NAME.log
+  python3 -m q3tts.cli serve --model "/tmp/stall-ck-$1" --device "$DEVICE" --port "$2" --max-concurrent "$SLOTS" \
+    --max-seq-len 1024 --max-queue 1024 --voice-dir "/tmp/stall-voices-$1" > "$OUT/serve-$1.log" 2>&1 &
+  PIDS+=($!)
+}
+ready() {  # ready NAME PORT: wait for /ready while time is left
+  while [ "$(left)" -gt 0 ]; do
+    curl -sf "localhost:$2/ready" > /dev/null && { echo "$1 ready after $(( $(date +%s) - T0 )) s"; return 0; }
+    sleep 1
+  done
+  echo "$1 not ready within ${LIMIT} s"; tail -20 "$OUT/serve-$1.log"; return 1
+}
+load() {  # load NAME PORT ARGS...: one bench/load/load.py run against a server, JSON in $OUT/load-NAME.json
+  local name=$1 port=$2; shift 2
+  [ "$(left)" -gt 5 ] || { echo "no time left for $name"; return 1; }
+  timeout "$(left)" python3 -m $LOAD --url "http://127.0.0.1:$port" --processes "$PROCS" \
+    ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --out "$OUT/load-$name.json" "$@" > /dev/null 2> "$OUT/load-$name.err"
+  echo "load $name: exit $? after $(( $(date +%s) - T0 )) s"
+}
+serve 06 8006
+serve 17 8017
+ready 0.6B 8006 && load 06-closed 8006 --concurrency "$C06" --requests "$REQS" --max-new-tokens "$FRAMES"
+ready 1.7B 8017 && {
+  load 17-closed 8017 --concurrency "$C17" --requests "$REQS" --max-new-tokens "$FRAMES"
+  load 17-poisson 8017 --rate "$RATES" --duration "$POISSON_S" --max-new-tokens "$POISSON_FRAMES" --no-warmup
+}
+for port in 8006 8017; do curl -s "localhost:$port/metrics" > "$OUT/metrics-$port.txt"; done
+cleanup
+PIDS=()
+
+python3 - "$OUT" "$DEVICE" "$(( $(date +%s) - T0 ))" <<'PY'
+import json, os, subprocess, sys
+out, device, wall = sys.argv[1], sys.argv[2], int(sys.argv[3])
+runs = {}
+for name in ("06-closed", "17-closed", "17-poisson"):
+    path = os.path.join(out, f"load-{name}.json")
+    if os.path.exists(path):
+        runs[name] = json.load(open(path))
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+gpu = open(os.path.join(out, "gpu.txt")).read().strip() if os.path.exists(os.path.join(out, "gpu.txt")) else "cpu"
+doc = {"command": "bash bench/load/stall_matrix.sh", "device": device, "gpu": gpu, "commit": commit,
+       "deadline_policy": os.environ.get("Q3TTS_DEADLINE", "1") not in ("0", "false", "no"), "wall_s": wall,
+       "runs": runs}
+json.dump(doc, open(os.path.join(out, "stall_matrix.json"), "w"), indent=1)
+head = ("model", "level", "reqs", "err", "audio s/s", "ttfa p50/p95/p99 ms", "stalled", "stall p95/max ms")
+rows = []
+for name, run in runs.items():
+    for lv in run["levels"]:
+        level = f"C={lv['concurrency']}" if lv["mode"] == "closed" else f"{lv['rate']:g} req/s"
+        t, s = lv["ttfa_ms"], lv["stall_ms"]
+        rows.append((os.path.basename(run["model"]["id"].rstrip("/")), level, lv["requests"], lv["errors"],
+                     lv["audio_s_per_s"], f"{t['p50']}/{t['p95']}/{t['p99']}",
+                     f"{100 * lv['stalled_share']:.1f}%" if lv["stalled_share"] is not None else "-",
+                     f"{s['p95']}/{s['max']}"))
+w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+print(f"stall matrix ({gpu}, {commit}, deadline policy {'on' if doc['deadline_policy'] else 'off'}, {wall} s)")
+for r in (head, *rows):
+    print("  ".join(str(x).rjust(n) for x, n in zip(r, w)))
+PY

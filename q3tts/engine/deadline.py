@@ -1,0 +1,233 @@
+"""Deadline-aware streaming, pure Python: which chunks to vocode now, how large a first chunk, how many newcomers.
+
+Every streaming request keeps a playback clock: a listener starts playing at its first chunk, so at time t it has
+played (t - first_sent_at) s of its audio_sent_s s. Its slack = audio_sent_s - (t - first_sent_at) is how long the
+engine may leave it without a new chunk before its listener stalls. A step costs
+
+    prefill (its newcomers) + frame (every running row) + vocode (the chunks due)
+
+and the engine measures each part as a moving average (`StepTimes`). The policy (`DeadlinePolicy`):
+  - vocode: a stream's audio is cut into its StreamOptions chunks (first_chunk_frames doubling up to chunk_frames)
+    whatever the timing (`chunk_cut`); the policy chooses when whole chunks go, never where they end, so the
+    vocoder decodes the same pieces and the audio keeps its bits under any load. A row whose slack would run out
+    before the next step's chunks come (slack < horizon: two steps, a newcomer's prefill and a margin) goes now
+    with all its whole chunks; the others go nearest deadline first within a frame budget per step, so when many
+    chunks fall due in one step, those that can wait go in the next steps instead of lengthening this one;
+  - first chunk: the first audio waits until its whole chunks outlast a step and two prefills (the first chunk
+    alone while steps are short), so a young stream does not hold the next newcomers back;
+  - admission: a prefill delays every running row by its time, so newcomers go while their estimated prefill
+    (`PrefillCost`: with its fixed part) fits into every playing row's slack less the steps until its next whole
+    chunk and the margin (`admission_budget`): the first goes whenever no row is at risk (one newcomer's prefill
+    would not stall any), and a request that has waited max_wait_s goes anyway (nothing starves).
+Rows that cannot run (streamed text not yet there) and offline requests have no deadline the engine can keep and
+constrain nothing. Scheduling order never changes a row's codes (sampling noise is per request, frame, codebook).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .request import EngineRequest, StreamOptions
+
+FRAME_S = 0.08  # seconds of audio per frame (1920 samples at 24 kHz)
+
+
+@dataclass(slots=True)
+class MovingAverage:
+    """Exponential moving average; `value` is 0.0 until the first sample, which it takes whole."""
+
+    alpha: float = 0.25  # weight of a new sample
+    value: float = 0.0
+    samples: int = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.samples == 0 else self.value + self.alpha * (x - self.value)
+        self.samples += 1
+
+
+@dataclass(slots=True)
+class PrefillCost:
+    """The prefill time of a step's N newcomers as a + b * N, fitted by exponentially weighted least squares over
+    the steps that admitted (a batched prefill has a fixed part: a few newcomers cost less than N times one)."""
+
+    alpha: float = 0.1  # weight of a new sample
+    samples: int = 0
+    n: float = 0.0  # weighted means of N, N^2, t, N * t
+    nn: float = 0.0
+    t: float = 0.0
+    nt: float = 0.0
+
+    def add(self, N: int, t: float) -> None:
+        w = 1.0 if self.samples == 0 else self.alpha
+        self.n, self.nn = self.n + w * (N - self.n), self.nn + w * (N * N - self.nn)
+        self.t, self.nt = self.t + w * (t - self.t), self.nt + w * (N * t - self.nt)
+        self.samples += 1
+
+    def estimate(self, N: int) -> float:
+        """Seconds to prefill N newcomers (0.0 before any sample). With too little spread in N to fit a line, all
+        of it is taken as per newcomer."""
+        if self.samples == 0 or N == 0:
+            return 0.0
+        var = self.nn - self.n * self.n
+        if var < 0.25:
+            return N * self.t / self.n
+        b = max(0.0, (self.nt - self.n * self.t) / var)
+        a = max(0.0, self.t - b * self.n)
+        return a + b * N
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """The engine's measured costs (seconds), updated after every step."""
+
+    frame: MovingAverage = field(default_factory=MovingAverage)  # one frame of every running row
+    vocode: MovingAverage = field(default_factory=MovingAverage)  # a step's vocoding, in steps that vocode
+    prefill: PrefillCost = field(default_factory=PrefillCost)  # a step's admission of N newcomers
+
+    @property
+    def step_s(self) -> float:
+        """A step without newcomers: its frame and its chunks."""
+        return self.frame.value + self.vocode.value
+
+    def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None) -> None:
+        """One step's measured phases: prefill_s for `admitted` newcomers; frame_s None if no row ran; vocode_s None
+        if nothing was vocoded."""
+        if admitted:
+            self.prefill.add(admitted, prefill_s)
+        if frame_s is not None:
+            self.frame.add(frame_s)
+        if vocode_s is not None:
+            self.vocode.add(vocode_s)
+
+
+@dataclass(slots=True)
+class DeadlinePolicy:
+    """Args:
+        margin_s: safety added to every estimate (the delivery to the client, a step longer than its average).
+        max_wait_s: a ready request waiting this long is admitted even while rows are at risk.
+        min_vocode_frames: the per-step frame budget of chunks that could wait is max(this, 2 x streaming rows):
+            twice what the rows make per step, so a backlog drains.
+    """
+
+    margin_s: float = 0.02
+    max_wait_s: float = 1.0
+    min_vocode_frames: int = 64
+    times: StepTimes = field(default_factory=StepTimes)
+
+    @property
+    def horizon_s(self) -> float:
+        """A row with less slack than this (after its frame) may run dry before the next step's chunks come (that
+        step may prefill a newcomer)."""
+        return 2 * self.times.step_s + self.times.prefill.estimate(1) + self.margin_s
+
+    def first_chunk_frames(self, req: EngineRequest, contended: bool = True) -> int:
+        """The least audio (frames) of req's first send: enough to cover the next step and, while other requests
+        share the engine (`contended`), two prefills; at least its first chunk, at most its largest."""
+        s = req.stream
+        prefills = 2 * self.times.prefill.estimate(1) if contended else 0.0
+        need = math.ceil((self.times.step_s + prefills + self.margin_s) / FRAME_S)
+        return max(s.first_chunk_frames, min(s.chunk_frames, need))
+
+    # ------------------------------------------------------------------ admission
+    def admission_budget(self, running: list[EngineRequest], now: float) -> float:
+        """Seconds of prefill this step can take without a playing row stalling: over the rows that play and can
+        run, the smallest slack less the steps until its next whole chunk can go (this one if it has one, else one
+        per missing frame) and the margin (inf with none; < 0: a row is at risk)."""
+        budgets = [r.slack(now) - steps_to_chunk(r) * self.times.step_s - self.margin_s
+                   for r in running if r.can_run and r.first_sent_at is not None]
+        return min(budgets) if budgets else math.inf
+
+    def admits(self, req: EngineRequest, admitted: int, budget: float, now: float) -> bool:
+        """Whether req may join the `admitted` newcomers already chosen this step under `budget` (seconds)."""
+        if now - req.arrival_time >= self.max_wait_s:
+            return True  # waited long enough: it goes, whatever the others' slack
+        # NOTE(first): with no row at risk (budget >= 0) and nothing measured yet, the estimate is 0: the first goes
+        return self.times.prefill.estimate(admitted + 1) <= budget
+
+    # ------------------------------------------------------------------ vocoding
+    def plan_chunks(self, reqs: list[EngineRequest], now: float,
+                    waiting: int = 0) -> list[tuple[EngineRequest, int]]:
+        """The chunks to vocode now, as (request, frames), nearest deadline first; frames are whole StreamOptions
+        chunks (`whole_chunks`). A finished request's remainder always goes (n may be 0: its empty last chunk;
+        nothing for a cancelled one); a row not yet playing goes once its whole chunks reach its first chunk's
+        frames; a playing row with whole chunks goes when its slack is under the horizon, else within the step's
+        frame budget. waiting: requests queued for a slot (with them or other rows, first chunks grow by load)."""
+        must, may = [], []  # (deadline, order, request, frames)
+        contended = waiting > 0 or sum(not r.status.finished for r in reqs) > 1
+        streaming = 0
+        for i, r in enumerate(reqs):
+            pending = r.num_frames - r.frames_vocoded
+            if r.status.finished:
+                n = 0 if r.status.reason == "abort" else pending
+                must.append((-math.inf, i, r, n))
+                continue
+            streaming += 1
+            n = sum(whole_chunks(r.stream, r.frames_vocoded, pending))
+            if n == 0:
+                continue
+            slack = r.slack(now)
+            if slack is None:  # not playing yet: its first audio as soon as it is long enough
+                if n >= self.first_chunk_frames(r, contended):
+                    must.append((now, i, r, n))
+            elif slack < self.horizon_s:
+                must.append((now + slack, i, r, n))
+            else:
+                may.append((now + slack, i, r, n))
+        budget = max(self.min_vocode_frames, 2 * streaming) - sum(n for *_, n in must)
+        chosen = list(must)
+        for item in sorted(may, key=lambda x: x[:2]):
+            if item[3] > budget and chosen:
+                break  # the rest have later deadlines: they go in a later step
+            chosen.append(item)
+            budget -= item[3]
+        return [(r, n) for _, _, r, n in sorted(chosen, key=lambda x: x[:2])]
+
+
+def steps_to_chunk(req: EngineRequest) -> int:
+    """Steps (frames) until req has a whole chunk to send: 1 if it has one now (it goes at this step's end)."""
+    pending = req.num_frames - req.frames_vocoded
+    return max(1, chunk_size_at(req.stream, req.frames_vocoded) - pending)
+
+
+def chunk_size_at(stream: StreamOptions, start: int) -> int:
+    """Frames of the stream's chunk that begins at frame `start` (a chunk boundary): first_chunk_frames, doubling
+    up to chunk_frames, then chunk_frames."""
+    size, at = stream.first_chunk_frames, 0
+    while at + size <= start and size < stream.chunk_frames:
+        at, size = at + size, size << 1
+    return min(size, stream.chunk_frames)
+
+
+def whole_chunks(stream: StreamOptions, start: int, pending: int) -> list[int]:
+    """Sizes of the whole chunks among `pending` frames from boundary `start`."""
+    out = []
+    while pending >= (n := chunk_size_at(stream, start)):
+        out.append(n)
+        start, pending = start + n, pending - n
+    return out
+
+
+def chunk_cut(stream: StreamOptions, start: int, n: int) -> list[int]:
+    """n frames from boundary `start` as the stream's chunks: its whole chunks, then what is left (a last chunk)."""
+    whole = whole_chunks(stream, start, n)
+    rest = n - sum(whole)
+    return whole + [rest] if rest else whole
+
+
+def full_chunks(reqs: list[EngineRequest]) -> list[tuple[EngineRequest, int]]:
+    """Without a policy: (request, frames) of every full chunk (StreamOptions' sizes) while running and of every
+    finished request's remainder (nothing more for a cancelled one), in the given order."""
+    plan = []
+    for r in reqs:
+        last = r.status.finished
+        if r.status.reason == "abort":
+            n = 0
+        else:
+            pending = r.num_frames - r.frames_vocoded
+            n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
+        if n > 0 or last:
+            plan.append((r, n))
+    return plan

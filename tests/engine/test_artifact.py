@@ -1,0 +1,172 @@
+"""The compiled artifact (q3tts.engine.artifact): its file format, what it is tied to (a mismatch, a corrupt or a
+foreign file: a warning and a cold start), the Triton cache's relocation, and a real start in a fresh process with
+an empty compile cache that compiles nothing that the artifact holds and decodes the same codes."""
+
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from q3tts.engine import artifact
+from q3tts.engine.artifact import (
+    MAGIC,
+    fingerprint,
+    load_artifact,
+    mismatches,
+    read_artifact,
+    save_artifact,
+)
+from q3tts.models.loaders import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from q3tts.randomckpt import make_tiny
+    d = tmp_path_factory.mktemp("tiny")
+    make_tiny(d)
+    return load_checkpoint(d, device="cpu")
+
+
+def test_round_trip_and_fingerprint(ckpt, tmp_path):
+    f = tmp_path / "a.q3c"
+    header = save_artifact(f, ckpt, {"max_slots": 2})
+    got, sections = read_artifact(f)
+    assert got == header and got["built"]["max_slots"] == 2
+    assert got["fingerprint"] == fingerprint(ckpt)
+    fp = got["fingerprint"]
+    assert fp["torch"] == torch.__version__ and fp["device"] == "cpu" and fp["dtype"] == "float32"
+    assert fp["talker"]["hidden_size"] == ckpt.cfg.talker.hidden_size and fp["quantization"] == "none"
+    assert [k for k, _ in got["sections"]] == list(sections) and "torch" in sections
+    assert not os.path.exists(f"{f}.tmp")
+
+
+def test_mismatch_names_the_fields(ckpt):
+    here = fingerprint(ckpt)
+    other = dict(here, torch="0.0.1", device_name="NVIDIA H100 80GB HBM3 sm_90")
+    diff = mismatches(other, here)
+    assert len(diff) == 2 and diff[0].startswith("device_name: built for 'NVIDIA H100") and "torch" in diff[1]
+    assert mismatches(here, here) == []
+
+
+def _write(path, header: dict, body: bytes = b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(MAGIC + len(raw).to_bytes(8, "little") + raw + body)
+
+
+def test_an_artifact_for_something_else_is_a_warning_and_a_cold_start(ckpt, tmp_path, caplog, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda b: loaded.append(b))
+    f = tmp_path / "a.q3c"
+    save_artifact(f, ckpt)
+    header, sections = read_artifact(f)
+    for field, value in (("dtype", "bfloat16"), ("quantization", "int8"), ("q3tts", "0.0.0"),
+                         ("device_name", "NVIDIA A10G sm_86")):
+        fp = dict(header["fingerprint"], **{field: value})
+        _write(f, dict(header, fingerprint=fp), b"".join(sections.values()))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "q3tts.engine"):
+            assert load_artifact(f, ckpt) is None
+        assert f"{field}: built for {value!r}" in caplog.text and "cold start" in caplog.text
+    assert loaded == []  # nothing reached torch's caches
+    _write(f, header, b"".join(sections.values()))
+    assert load_artifact(f, ckpt) == header and len(loaded) == (1 if sections["torch"] else 0)
+
+
+@pytest.mark.parametrize("content", [b"", b"not an artifact", MAGIC, MAGIC + (5).to_bytes(8, "little") + b"{oops",
+                                     MAGIC + (1 << 40).to_bytes(8, "little")])
+def test_corrupt_files_are_a_warning_and_a_cold_start(ckpt, tmp_path, caplog, content):
+    f = tmp_path / "bad.q3c"
+    f.write_bytes(content)
+    with caplog.at_level(logging.WARNING, "q3tts.engine"):
+        assert load_artifact(f, ckpt) is None
+    assert "cold start" in caplog.text and str(f) in caplog.text
+
+
+def test_truncated_and_other_formats(ckpt, tmp_path):
+    f = tmp_path / "a.q3c"
+    header = save_artifact(f, ckpt)
+    data = f.read_bytes()
+    if header["sections"][0][1]:
+        f.write_bytes(data[:-1])
+        with pytest.raises(ValueError, match="truncated artifact"):
+            read_artifact(f)
+    _write(f, dict(header, format=99))
+    with pytest.raises(ValueError, match="artifact format 99"):
+        read_artifact(f)
+
+
+def test_a_missing_file_is_an_error(ckpt, tmp_path):
+    with pytest.raises(FileNotFoundError, match="q3tts warmup --save"):
+        load_artifact(tmp_path / "nope.q3c", ckpt)
+
+
+def test_triton_cache_moves_with_its_group_files(tmp_path):
+    """Triton's group files name their children by absolute path: a cache extracted elsewhere points at itself."""
+    old, new = tmp_path / "builder" / "triton", tmp_path / "here" / "triton"
+    (old / "KEY").mkdir(parents=True)
+    (old / "KEY" / "k.cubin").write_bytes(b"\x7fELF")
+    (old / "KEY" / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.cubin": f"{old}/KEY/k.cubin"}}))
+    data = artifact._tar(str(old))
+    artifact._untar(data, str(new), str(old))
+    group = json.loads((new / "KEY" / "__grp__k.json").read_text())
+    assert group == {"child_paths": {"k.cubin": f"{new}/KEY/k.cubin"}}
+    assert (new / "KEY" / "k.cubin").read_bytes() == b"\x7fELF"
+    # a member that would land outside the cache is refused
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("../evil")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(tarfile.TarError):
+        artifact._untar(buf.getvalue(), str(new), None)
+    assert not (tmp_path / "here" / "evil").exists()
+
+
+# One start as the server's engine makes it (compiled, 1 slot), a short greedy request; "save": the artifact after it
+CHILD = """
+import json, sys, torch
+torch.set_num_threads(1)
+from q3tts import TTS
+from q3tts.engine.artifact import save_artifact
+from q3tts.engine.compile import compile_counts
+mode, ckpt, cache, art = sys.argv[1:5]
+tts = TTS.from_pretrained(ckpt, device="cpu", compile=True, max_batch_size=1, max_seq_len=256, compile_cache=cache,
+                          compile_artifact=art if mode == "load" else None)
+kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}
+codes = tts.generate_codes(tts.prepare_custom_voice("Hello.", tts.get_supported_speakers()[0], **kw))
+if mode == "save":
+    save_artifact(art, tts.ckpt)
+print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(), "loaded": tts.engine.artifact is not None}))
+"""
+
+
+@pytest.mark.slow  # two starts that compile on the CPU (Inductor's C++ kernels: gcc in both): ~2-3 min on 2 cores
+def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
+    from q3tts.randomckpt import make_tiny
+    make_tiny(tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                                              "Q3TTS_COMPILE_CACHE")}
+    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    art = tmp_path / "engine.q3c"
+
+    def run(mode, cache):
+        out = subprocess.run([sys.executable, "-c", CHILD, mode, str(tmp_path / "tiny"), str(tmp_path / cache),
+                              str(art)], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    cold = run("save", "cache-builder")
+    assert cold["counts"]["fx_miss"] > 0 and cold["counts"]["fx_hit"] == 0, cold["counts"]
+    warm = run("load", "cache-fresh")  # another, empty compile cache: only the artifact can supply the graphs
+    assert warm["loaded"]
+    assert warm["counts"]["fx_miss"] == 0 and warm["counts"]["fx_hit"] == cold["counts"]["fx_miss"], warm["counts"]
+    assert warm["codes"] == cold["codes"]

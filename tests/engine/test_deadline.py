@@ -1,0 +1,339 @@
+"""Deadline-aware streaming (q3tts.engine.deadline) on a fake clock: the real Scheduler and policy, the device's work
+replaced by stated costs. The old policy (count per step, full chunks) stalls where the new one does not; admission
+respects slack; chunks go nearest deadline first; nothing starves; first chunks grow with the step."""
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from q3tts.engine.deadline import (
+    FRAME_S,
+    DeadlinePolicy,
+    MovingAverage,
+    PrefillCost,
+    StepTimes,
+    chunk_cut,
+    chunk_size_at,
+    full_chunks,
+    whole_chunks,
+)
+from q3tts.engine.request import EngineRequest, RequestStatus, StreamOptions
+from q3tts.engine.scheduler import FrameResult, Scheduler
+
+
+def stream_req(i, frames=125, arrival=0.0, prompt=20, stream=(1, 16)):
+    r = EngineRequest(request_id=f"r{i}", prepared=SimpleNamespace(layout=range(prompt), text=None),
+                      stream=StreamOptions(*stream) if stream else None, arrival_time=arrival)
+    r.max_frames = frames
+    return r
+
+
+def playing(i, slack, now=10.0, pending=0):
+    """A running stream (chunks 1, 2, 4, 8, 16, 16, ...) that sent its first 5 chunks (31 frames), whose listener
+    has `slack` s of audio left at `now`, with `pending` frames not vocoded (its next chunk: 16)."""
+    r = stream_req(i)
+    r.status, r.chunks_emitted, r.frames_vocoded = RequestStatus.RUNNING, 5, 31
+    r.audio_sent_s = 31 * FRAME_S
+    r.first_sent_at = now - (r.audio_sent_s - slack)
+    r.frames = [0] * (31 + pending)
+    return r
+
+
+def policy(frame=0.01, vocode=0.002, prefill=0.005, **kw) -> DeadlinePolicy:
+    p = DeadlinePolicy(**kw)
+    p.times.record(prefill, 1, frame, vocode)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- the simulation
+@dataclass
+class Costs:
+    """The device's work per step, in seconds (stated for the simulation, not measured)."""
+
+    frame_base: float = 0.005  # a frame of every running row: base + per row
+    frame_row: float = 0.0001
+    prefill_base: float = 0.03  # the prefill of a step's N newcomers: base + per newcomer
+    prefill_req: float = 0.002
+    vocode_base: float = 0.002  # the vocoding of a step's chunks: base + per frame
+    vocode_frame: float = 0.00004
+
+
+def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 125, slots: int = 128,
+             costs: Costs = Costs()) -> dict:
+    """Streams arriving at `arrivals` (s), each of `frames` frames, through Scheduler.schedule -> prefill -> frame
+    -> update_from_output -> the plan of chunks (the policy's, or full_chunks) on a fake clock. Per stream: its
+    first audio and its stall (a player that starts at the first chunk: the largest lateness of a chunk)."""
+    sched = Scheduler(max_slots=slots, max_queue=1024, policy=pol)
+    reqs = [stream_req(i, frames, t) for i, t in enumerate(arrivals)]
+    stall = dict.fromkeys(range(len(reqs)), 0.0)
+    cuts = {r.request_id: [] for r in reqs}  # per stream: the chunks its audio was cut into
+    now, queued, waits = 0.0, 0, []
+    while not all(r.stream_done for r in reqs):
+        while queued < len(reqs) and reqs[queued].arrival_time <= now:
+            sched.add(reqs[queued])
+            queued += 1
+        if not sched.has_work():
+            now = reqs[queued].arrival_time
+            continue
+        out = sched.schedule(now)
+        n = len(out.prefill)
+        waits += [now - r.arrival_time for r in out.prefill]
+        prefill_s = costs.prefill_base + costs.prefill_req * n if n else 0.0
+        frame_s = costs.frame_base + costs.frame_row * len(out.rows)
+        now += prefill_s + frame_s
+        B = len(out.rows)
+        sched.update_from_output(out, [0] * n, FrameResult([0] * B, [0] * B))
+        rows = [r for r in out.rows if r.stream is not None]
+        plan = pol.plan_chunks(rows, now, sched.queue_depth) if pol is not None else full_chunks(rows)
+        vocoded = sum(k for _, k in plan)
+        vocode_s = costs.vocode_base + costs.vocode_frame * vocoded if vocoded else 0.0
+        now += vocode_s
+        for r, k in plan:
+            cuts[r.request_id] += chunk_cut(r.stream, r.frames_vocoded, k) if k else []
+            if r.first_sent_at is not None:
+                i = int(r.request_id[1:])
+                stall[i] = max(stall[i], (now - r.first_sent_at) - r.audio_sent_s)
+            r.sent(k, k * FRAME_S, now)
+            r.stream_done = r.status.finished
+        if pol is not None:
+            pol.times.record(prefill_s, n, frame_s, vocode_s if vocoded else None)
+    ttfa = sorted(r.first_sent_at - r.arrival_time for r in reqs)
+    return {"stalled": sum(s > 0.001 for s in stall.values()), "stall_max": max(stall.values()),
+            "ttfa_p95": ttfa[round(0.95 * (len(ttfa) - 1))], "ttfa_max": ttfa[-1], "wait_max": max(waits),
+            "frames": [r.num_frames for r in reqs], "cuts": list(cuts.values())}
+
+
+def spread(n, over=1.0):
+    return [over * i / n for i in range(n)]
+
+
+@pytest.mark.parametrize("streams", [64, 128])
+def test_the_old_policy_stalls_where_deadlines_do_not(streams):
+    """Streams of 10 s whose starts spread over 1 s, a frame of 128 rows well under 80 ms, but a prefill with a
+    fixed part: the old policy (up to 16 newcomers per step, first chunk 1 frame then doubling) leaves most streams
+    behind their listeners; by deadline none, and nobody waits long for first audio."""
+    old = simulate(None, spread(streams))
+    new = simulate(DeadlinePolicy(), spread(streams))
+    assert old["stalled"] > streams // 4, old
+    assert new["stalled"] == 0, new
+    assert new["frames"] == old["frames"] == [125] * streams  # the same work done
+    assert new["cuts"] == old["cuts"]  # in the same chunks: the vocoder makes the same audio
+    assert old["stall_max"] > 0.1 and new["ttfa_p95"] < 0.5, (old, new)
+
+
+def test_a_burst_beyond_what_slack_allows_is_admitted_within_the_wait_bound():
+    """256 arrivals at once into 128 slots: admission by slack, and the starvation bound for the rest."""
+    pol = DeadlinePolicy()
+    res = simulate(pol, [0.0] * 128)
+    assert res["stalled"] == 0 and res["wait_max"] < pol.max_wait_s + 0.1, res
+
+
+def test_slow_steps_make_no_stream_wait_past_the_bound():
+    """Steps so long (a frame of 128 rows at 70 ms) that rows are always at risk: newcomers still come in, each
+    within max_wait_s of its arrival plus a step."""
+    pol = DeadlinePolicy(max_wait_s=0.5)
+    costs = Costs(frame_base=0.03, frame_row=0.0003)
+    res = simulate(pol, spread(32, 0.2), frames=40, slots=32, costs=costs)
+    assert res["wait_max"] <= pol.max_wait_s + 4 * 0.07, res
+
+
+# ---------------------------------------------------------------------------------------------- the pieces
+def test_moving_average_takes_the_first_sample_then_follows():
+    m = MovingAverage(alpha=0.5)
+    assert m.value == 0.0
+    m.add(0.010)
+    assert m.value == 0.010
+    m.add(0.020)
+    assert m.value == pytest.approx(0.015)
+    t = StepTimes()
+    t.record(0.03, 3, 0.012, None)  # three newcomers in 30 ms; nothing vocoded
+    assert t.prefill.estimate(3) == pytest.approx(0.03) and t.frame.value == 0.012 and t.vocode.samples == 0
+    assert t.prefill.estimate(1) == pytest.approx(0.01)  # one size seen: all of it per newcomer
+    t.record(0.0, 0, None, 0.004)  # no newcomer, no row ran
+    assert t.prefill.samples == 1 and t.frame.samples == 1 and t.step_s == pytest.approx(0.016)
+
+
+def test_prefill_cost_fits_its_fixed_part():
+    """Prefills of 1..8 newcomers at 30 ms + 2 ms each: the fit finds both parts, so one newcomer is not taken for
+    an eighth of eight."""
+    p = PrefillCost()
+    assert p.estimate(4) == 0.0
+    for _ in range(20):
+        for n in (1, 8, 3, 5):
+            p.add(n, 0.03 + 0.002 * n)
+    assert p.estimate(1) == pytest.approx(0.032) and p.estimate(16) == pytest.approx(0.062)
+    assert p.estimate(0) == 0.0
+
+
+def test_admission_respects_the_smallest_slack():
+    """Budget = min over rows that play and can run of slack - steps until a whole chunk - margin; newcomers while
+    their prefill fits."""
+    now = 10.0
+    pol = policy(frame=0.01, vocode=0.0, prefill=0.005, margin_s=0.02)
+    s = Scheduler(max_slots=64, policy=pol)
+    # 16 pending: its next chunk goes this step; 10 pending: 6 more steps before it can
+    assert pol.admission_budget([playing(0, slack=0.2, pending=10)], now) == pytest.approx(0.2 - 6 * 0.01 - 0.02)
+    running = [playing(0, slack=0.5, pending=16), playing(1, slack=0.0605, pending=16), playing(2, slack=-1.0)]
+    running[2].prepared.text, running[2].text_fed = object(), 0  # waiting for streamed text: not ours to keep
+    for k, r in enumerate(running):
+        r.slot = k
+        s.running[k] = r
+        s.free_slots.remove(k)
+    assert pol.admission_budget(running, now) == pytest.approx(0.0605 - 0.01 - 0.02)
+    for i in range(10):
+        s.add(stream_req(10 + i, arrival=now))
+    out = s.schedule(now)
+    assert len(out.prefill) == 6  # 6 x 5 ms <= 30 ms < 7 x 5 ms
+    running[1].audio_sent_s -= 0.04  # now at risk: 20 ms of slack < a step + the margin
+    assert pol.admission_budget(running, now) < 0 and s.schedule(now).prefill == []
+    late = stream_req(99, arrival=now + 0.5)
+    s.add(late)
+    out = s.schedule(now + pol.max_wait_s)  # those that waited long enough go, whatever the slack; not the late one
+    assert [r.request_id for r in out.prefill] == [f"r{i}" for i in range(16, 20)] and late in s.waiting
+
+
+def test_the_first_newcomer_goes_whenever_no_row_is_at_risk():
+    """Before any prefill was measured, one newcomer goes while no row is at risk (budget >= 0); once a prefill is
+    known to take longer than the slack allows, newcomers wait (until max_wait_s)."""
+    now = 10.0
+    pol = policy(frame=0.01, vocode=0.0, prefill=0.0)
+    pol.times.prefill = PrefillCost()  # nothing measured
+    s = Scheduler(max_slots=8, max_prefills_per_step=1, policy=pol)
+    r = playing(0, slack=0.05, pending=16)  # budget 50 - 10 - 20 = 20 ms
+    r.slot = 0
+    s.running[0], s.free_slots = r, list(range(7, 0, -1))
+    for i in (1, 2):
+        s.add(stream_req(i, arrival=now))
+    assert [x.request_id for x in s.schedule(now).prefill] == ["r1"]
+    pol.times.record(0.2, 1, None, None)  # a prefill takes 200 ms
+    assert s.schedule(now).prefill == []
+    assert [x.request_id for x in s.schedule(now + pol.max_wait_s).prefill] == ["r2"]
+
+
+def test_offline_rows_and_rows_not_yet_playing_constrain_nothing():
+    pol = policy()
+    offline, fresh = stream_req(0, stream=None), stream_req(1)
+    offline.status = fresh.status = RequestStatus.RUNNING
+    assert pol.admission_budget([offline, fresh], 10.0) == math.inf
+
+
+def test_chunks_go_nearest_deadline_first_within_the_budget():
+    """Rows with little slack go now with what they have; full chunks of rows with slack go by deadline while the
+    step's frame budget lasts; the rest wait for a later step."""
+    now = 10.0
+    pol = policy(frame=0.01, vocode=0.002, min_vocode_frames=48)  # horizon 2 x 12 ms + 5 ms + 20 ms
+    urgent = playing(0, slack=0.03, pending=16)  # under the horizon: goes whatever the budget
+    late = playing(1, slack=2.0, pending=16)
+    soon = playing(2, slack=0.5, pending=16)
+    mid = playing(3, slack=1.0, pending=16)
+    short = playing(4, slack=0.01, pending=15)  # no whole chunk yet: nothing to send, however late
+    plan = pol.plan_chunks([late, short, mid, urgent, soon], now)
+    # 48 frames: urgent's 16, then soon's and mid's; late's 16 would pass the budget
+    assert [(r.request_id, n) for r, n in plan] == [("r0", 16), ("r2", 16), ("r3", 16)]
+    two = playing(5, slack=0.01, pending=40)  # left waiting: its two whole chunks go together, not the 8 after
+    assert [(r.request_id, n) for r, n in pol.plan_chunks([two], now)] == [("r5", 32)]
+    fresh = stream_req(5)
+    fresh.frames, fresh.status = [0], RequestStatus.RUNNING
+    done = playing(6, slack=1.0, pending=2)
+    done.status = RequestStatus.FINISHED_STOPPED
+    cancelled = playing(7, slack=1.0, pending=5)
+    cancelled.status = RequestStatus.FINISHED_ABORTED
+    plan = pol.plan_chunks([late, fresh, cancelled, done], now)
+    # the finished ones first (remainder; nothing for the cancelled), then the first chunk, then late (budget left)
+    assert [(r.request_id, n) for r, n in plan] == [("r7", 0), ("r6", 2), ("r5", 1), ("r1", 16)]
+
+
+def test_a_chunk_over_the_budget_alone_still_goes():
+    pol = policy(min_vocode_frames=8)
+    big = playing(0, slack=3.0, pending=20)
+    assert [(r.request_id, n) for r, n in pol.plan_chunks([big], 10.0)] == [("r0", 16)]
+
+
+def test_first_chunk_grows_with_the_step_and_respects_the_request():
+    r = stream_req(0, stream=(1, 16))
+    # a step + two prefills + the margin
+    assert policy(frame=0.01, vocode=0.002, prefill=0.005).first_chunk_frames(r) == 1  # 42 ms: one frame
+    assert policy(frame=0.07, vocode=0.01, prefill=0.01).first_chunk_frames(r) == 2  # 120 ms
+    assert policy(frame=0.3, vocode=0.05, prefill=0.1).first_chunk_frames(r) == 8  # 570 ms
+    assert policy(frame=3.0).first_chunk_frames(r) == 16  # at most the largest chunk
+    assert policy(frame=0.07, vocode=0.01, prefill=0.01).first_chunk_frames(r, contended=False) == 2  # 100 ms
+    assert policy(frame=0.05, vocode=0.0, prefill=0.1).first_chunk_frames(r, contended=False) == 1  # alone: 70 ms
+    asked = stream_req(1, stream=(3, 16))
+    assert policy(frame=0.01).first_chunk_frames(asked) == 3  # never fewer than asked for
+    # the first send waits for whole chunks that reach it: 2 frames needed -> chunks 1 + 2
+    pol, now = policy(frame=0.07, vocode=0.01, prefill=0.01), 10.0
+    fresh = stream_req(2)
+    fresh.status, fresh.frames = RequestStatus.RUNNING, [0] * 2
+    other = playing(3, slack=5.0)
+    assert pol.plan_chunks([fresh, other], now) == []
+    fresh.frames.append(0)
+    assert [(x.request_id, n) for x, n in pol.plan_chunks([fresh, other], now)] == [("r2", 3)]
+
+
+def test_chunk_cut_is_the_stream_options_schedule():
+    s = StreamOptions(1, 16)
+    assert [chunk_size_at(s, b) for b in (0, 1, 3, 7, 15, 31, 47)] == [1, 2, 4, 8, 16, 16, 16]
+    assert whole_chunks(s, 0, 10) == [1, 2, 4] and whole_chunks(s, 31, 15) == []
+    assert chunk_cut(s, 0, 10) == [1, 2, 4, 3] and chunk_cut(s, 3, 12) == [4, 8]
+    s = StreamOptions(3, 5)
+    assert whole_chunks(s, 0, 20) == [3, 5, 5, 5] and chunk_cut(s, 3, 7) == [5, 2]
+
+
+def test_slack_is_audio_sent_less_time_since_the_first_chunk():
+    r = stream_req(0)
+    assert r.slack(5.0) is None
+    r.sent(0, 0.0, 1.0)  # an empty chunk does not start the clock
+    assert r.first_sent_at is None
+    r.sent(2, 0.16, 1.0)
+    r.sent(4, 0.32, 1.1)
+    assert r.first_sent_at == 1.0 and r.frames_vocoded == 6 and r.chunks_emitted == 3
+    assert r.slack(1.3) == pytest.approx(0.48 - 0.3)
+
+
+# ---------------------------------------------------------------------------------------------- on the engine
+class FixedTimes(StepTimes):
+    """Step times set once by the test: the engine's measurements of this machine are ignored."""
+
+    def record(self, *args) -> None:
+        pass
+
+
+def _stream_all(deadline: bool, slow_step_s: float = 0.0) -> dict:
+    import numpy as np
+    import torch
+
+    from q3tts.engine.engine import Engine
+    from tests.engine.steps import run_to_completion
+    from tests.golden import fixtures as fx
+
+    tts = fx.tts("cv06")
+    eng = Engine(tts.ckpt, max_slots=3, max_seq_len=256, deadline=deadline)
+    if deadline:  # steps taken to be long whatever this machine does: first sends grow, every row is urgent
+        eng.policy.times = FixedTimes()
+        StepTimes.record(eng.policy.times, slow_step_s, 1, slow_step_s, None)
+    texts = [("Deadlines keep every stream ahead.", "vivian", 0), ("A second one, sampled.", "ryan", 7),
+             ("Third.", "dylan", 3), ("A fourth waits for a slot.", "serena", 1)]
+    reqs = [eng.add_request(tts.prepare_custom_voice(t, v, "English", seed=s, max_new_tokens=20)[0], StreamOptions(1, 4))
+            for t, v, s in texts]
+    chunks = run_to_completion(eng, reqs)
+    by = {r.request_id: [c for c in chunks if c.request_id == r.request_id] for r in reqs}
+    return {rid: (np.concatenate([c.audio for c in cs]), [c.num_frames for c in cs],
+                  torch.stack(next(r for r in reqs if r.request_id == rid).frames))
+            for rid, cs in by.items()}
+
+
+def test_the_engine_streams_the_same_codes_and_bits_with_deadlines():
+    """The same requests through the engine with the old plan and with deadlines on steps taken as long: the first
+    sends and the grouping differ, the codes and every audio sample do not (whole chunks, each cut on its own)."""
+    import numpy as np
+    import torch
+
+    old, new = _stream_all(False), _stream_all(True, slow_step_s=0.2)
+    assert old.keys() == new.keys()
+    for rid in old:
+        assert torch.equal(old[rid][2], new[rid][2]), rid
+        np.testing.assert_array_equal(old[rid][0], new[rid][0])
+    assert any(new[rid][1] != old[rid][1] for rid in old)  # grouped otherwise: 1 + 2 frames first, as one chunk
+    assert all(new[rid][1][0] >= 3 or sum(new[rid][1]) < 3 for rid in new)
