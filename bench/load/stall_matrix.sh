@@ -6,11 +6,12 @@
 # Both servers start together (their compiles overlap; each holds only what its slots need: 128 x 1024 positions),
 # then the levels run one server at a time (the other idles); the whole run stays under LIMIT s (default 420), each wait and level bounded
 # by what is left. JSON per server in $OUT, all of it in $OUT/stall_matrix.json, one summary table at the end.
-#   run: command: bash bench/load/stall_matrix.sh                      (one H100; Q3TTS_DEADLINE=0: the old policy)
+#   run: command: bash bench/load/stall_matrix.sh                      (one H100; the deadline policy on; Q3TTS_DEADLINE=0: the old one)
 #   CPU dry run:  DEVICE=cpu OUT=/tmp/stall bash bench/load/stall_matrix.sh   (tiny checkpoints, tiny loads)
 # Env: DEVICE, OUT, LIMIT, SLOTS, C06 ("64,128"), C17 ("64"), RATES ("10,20"), REQS (2), FRAMES (126: 10 s),
 #      POISSON_FRAMES (63: 5 s), POISSON_S (8: seconds of arrivals per rate), CLIENT_CPUS ("12-15" on cuda).
 set -uo pipefail
+export Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}  # the servers' engines read it (q3tts.engine.engine)
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/stall_matrix}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 mkdir -p "$OUT"

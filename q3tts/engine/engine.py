@@ -12,10 +12,11 @@ so nothing of it can leak into the others.
 Offline requests (stream=None) only collect codes; the caller decodes them with upstream's decoder
 for parity. Streaming requests get AudioChunks from the exact stateful decoder (q3tts.engine.vocoder).
 
-Deadline-aware streaming (q3tts.engine.deadline, on by default): the scheduler admits newcomers as the running
-streams' slack allows, and the chunks that are due go nearest deadline first (a stream about to run dry at once,
-several of its chunks together if it was left waiting); the step's phases are measured into the policy's moving
-averages after every step. A stream's audio is cut into the same chunks whatever the timing: the same bits.
+Deadline-aware streaming (q3tts.engine.deadline; opt-in: $Q3TTS_DEADLINE=1 or Engine(deadline=True)): the
+scheduler admits newcomers as the running streams' slack allows, and the chunks that are due go nearest deadline
+first (a stream about to run dry at once, several of its chunks together if it was left waiting); the step's phases
+are measured into the policy's moving averages after every step. A stream's audio is cut into the same chunks
+whatever the timing: the same bits.
 
 Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
 then every newly committed text token is handed to its row; frame k runs once token k is there (or the
@@ -88,8 +89,8 @@ class Engine:
         torch.compile's caches live (q3tts.engine.compile: default a per-user directory that survives
         restarts; False: torch's). compile_artifact: a file from `q3tts warmup --save` loaded into that cache
         before anything compiles (q3tts.engine.artifact). batch_invariant: q3tts.invariant's switch, set for the
-        process (None: as it is). deadline: deadline-aware streaming (q3tts.engine.deadline; None: on unless
-        $Q3TTS_DEADLINE is 0); off: admission by count and token budget, chunks when full."""
+        process (None: as it is). deadline: deadline-aware streaming (q3tts.engine.deadline; None: off unless
+        $Q3TTS_DEADLINE is 1); off: admission by count and token budget, chunks when full."""
         if batch_invariant is not None:
             invariant.set_enabled(batch_invariant)
         t0, counts = time.perf_counter(), compile_counts()
@@ -106,7 +107,7 @@ class Engine:
             log.warning("compiled artifact %s unused: torch.compile is off", compile_artifact)
         self.runner.capture_graphs()
         if deadline is None:
-            deadline = os.environ.get("Q3TTS_DEADLINE", "1").lower() not in ("0", "false", "no")
+            deadline = os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes")
         self.policy = DeadlinePolicy() if deadline else None
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
