@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "q3tts"
 LAYERS = ["config", ("weights", "audio", "sampling", "kernels", "invariant", "randomckpt"), "models", "inputs",
           "engine",
           ("api", "align", "longform"),
-          "server", ("cli", "cli_media")]
+          "server", ("cli", "cli_media", "cli_voices")]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in ((layer,) if isinstance(layer, str) else layer)}
 
 
