@@ -327,6 +327,9 @@ class AsyncSegments:
 
     async def chunks(self) -> AsyncIterator[AudioChunk]:
         """The joined chunks, in order; a last chunk always ends them."""
+        if self.cancelled:  # cancelled before its turn (a WebSocket utterance queued behind another): none submitted
+            yield self.joiner.end("abort")
+            return
         self._feeder = asyncio.ensure_future(self._feed())
         try:
             while (i := await self.ready.get()) is not None:

@@ -23,7 +23,7 @@ def one_thread():
 def real_checkpoint(tmp_path_factory):
     """model (q3tts.randomckpt.MODELS) -> the directory of its random checkpoint at the real dimensions (GPU tests),
     written once per run: under pytest-xdist the workers share the directory (a file lock: one writes, the others
-    wait), as writing one takes tens of seconds of CPU (1.7B: ~4 GB)."""
+    wait), as writing one is slow (gigabytes for 1.7B)."""
     import fcntl
     import os
 

@@ -423,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-server-metrics", dest="server_metrics", action="store_false",
                     help="skip /metrics deltas (behind Ray Serve each scrape reaches one replica of several)")
     ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
-                    help="the streaming clients' HTTP library; httpx was the load generator's until 2026-11-24, and "
-                         "from 64 streams on it, not the server, delayed requests by seconds (BENCHMARKS.md)")
+                    help="the streaming clients' HTTP library (httpx, not the server, delays requests from 64 streams "
+                         "on: BENCHMARKS.md)")
     ap.add_argument("--per-request", action="store_true",
                     help="each level also lists its requests: send time (time.time()), first audio, stalls, replica")
     ap.add_argument("--out", default=None, help="write the JSON here too")

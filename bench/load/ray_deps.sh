@@ -5,7 +5,7 @@
 #
 #   bash bench/load/ray_deps.sh     # repo root -> .scratch/raywhl/raydeps.tar.xz + WHEELS.txt; carry .scratch/raywhl
 #
-# Ray's wheel alone (~79 MB) is over what a device call carries (64 MiB), so it cannot travel as a wheel: it is
+# Ray's wheel alone is over what a device call carries (64 MiB), so it cannot travel as a wheel: it is
 # unpacked and trimmed of what a local Ray Serve never loads: its Java jars (Java workers), RLlib, the dashboard's
 # web front end (the browser UI's files; its folders stay, empty, and so do Serve's Python API and the dashboard's
 # REST API), the bundled C++ headers / static libraries for building custom code, and symbols of its three binaries.

@@ -80,7 +80,7 @@ for name in ("06-closed", "17-closed", "17-poisson"):
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 gpu = open(os.path.join(out, "gpu.txt")).read().strip() if os.path.exists(os.path.join(out, "gpu.txt")) else "cpu"
 doc = {"command": "bash bench/load/stall_matrix.sh", "device": device, "gpu": gpu, "commit": commit,
-       "deadline_policy": os.environ.get("Q3TTS_DEADLINE", "1") not in ("0", "false", "no"), "wall_s": wall,
+       "deadline_policy": os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes"), "wall_s": wall,
        "runs": runs}
 json.dump(doc, open(os.path.join(out, "stall_matrix.json"), "w"), indent=1)
 head = ("model", "level", "reqs", "err", "audio s/s", "ttfa p50/p95/p99 ms", "stalled", "stall p95/max ms")

@@ -60,6 +60,11 @@ RETRY_AFTER_S = 1
 API_FIELDS = {"text": "input", "speaker": "voice", "instruct": "instructions"}
 
 
+def queue_full(e: QueueFullError) -> ApiError:
+    """The engine's queue is full: 503 with Retry-After."""
+    return ApiError(503, str(e), type="server_busy", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 @dataclass(slots=True)
 class SpeechStream:
     request_id: str
@@ -178,8 +183,7 @@ class SpeechServing:
             handle = self.engine.submit(prepared, stream or StreamOptions(s.first_chunk_frames, s.chunk_frames),
                                         request_id=run.request_id, arrival_time=arrival)
         except QueueFullError as e:
-            raise ApiError(503, str(e), type="server_busy", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+            raise queue_full(e) from e
         except InputError as e:
             raise ApiError(400, str(e), param="input", code=e.code) from e
         return Generation(run, handle)
@@ -231,6 +235,8 @@ class SpeechServing:
         except BaseException as e:  # no response: release the encoder and the request
             enc.close()
             await chunks.aclose()
+            if isinstance(e, QueueFullError):  # a long text's first segment found the queue full
+                raise queue_full(e) from e
             if isinstance(e, Exception):  # an engine step failed while it held this request: ours, not the client's
                 raise ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
                                code="engine_error") from e
@@ -268,10 +274,11 @@ class SpeechServing:
         if split is not None and n > st.max_split_text_length:
             raise ApiError(400, f"input is {n} characters; this server splits at most {st.max_split_text_length} "
                            "(--max-split-text-length)", param="input", code="input_too_long")
-        if not req.stream and n > max(st.max_text_length, st.max_unstreamed_text_length):
-            raise ApiError(400, f"input is {n} characters; a response that is not streamed (stream false) is held "
-                           f"whole, for at most {st.max_unstreamed_text_length} (--max-unstreamed-text-length): "
-                           "stream longer texts", param="input", code="input_too_long")
+        if (not req.stream or req.word_timestamps) and n > max(st.max_text_length, st.max_unstreamed_text_length):
+            held = "not streamed (stream false)" if not req.stream else "with word timestamps"
+            raise ApiError(400, f"input is {n} characters; a response {held} is held whole, for at most "
+                           f"{st.max_unstreamed_text_length} (--max-unstreamed-text-length): stream longer texts "
+                           "without word timestamps", param="input", code="input_too_long")
         return split
 
     async def generate_long(self, req: SpeechOptions, text: str, split: longform.LongFormOptions,

@@ -47,7 +47,7 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from q3tts.audio import to_s16
-from q3tts.engine import StreamOptions
+from q3tts.engine import QueueFullError, StreamOptions
 from q3tts.inputs.text import TextStream
 from q3tts.longform import SegmentFeed
 
@@ -336,13 +336,15 @@ class SpeechSession:
         run, held = utt.gen.run, bytearray()
         livekit = self.config.timestamp_type == "word"  # checked at session.config: an aligner is loaded
         form = ChunkForm(utt.index, sr) if self.config.word_timestamps else None  # vLLM-Omni's audio.chunk form
-        audio: list = []  # float32 PCM kept for the aligner
+        audio: list = []  # float32 PCM kept for the aligner, up to the most it aligns at once
+        room = round(self.serving.aligner.aligner.max_seconds * sr) if livekit or form else 0
         try:
             async with aclosing(self.serving.stream(utt.gen)) as chunks:  # closed (slot freed, run booked) on any exit
                 async for chunk in chunks:
                     if chunk.num_frames:
-                        if livekit or form:
+                        if room > 0:
                             audio.append(chunk.audio)
+                        room -= chunk.audio.size
                         pcm = to_s16(chunk.audio).tobytes()
                         if not self.config.stream_audio:
                             held += pcm
@@ -354,13 +356,19 @@ class SpeechSession:
                         await self._error("generation_failed", chunk.error)
             if held:
                 await (self._send_json(form.audio(bytes(held))) if form else self._send_bytes(bytes(held)))
+        except QueueFullError as e:  # a split utterance's first segment: the server's queue is full
+            await self._error("queue_full", f"{e} (the server's queue, --max-queue)", limit="server")
         except Exception as e:  # an engine failure: this utterance ends, the session goes on
             log.exception("%s failed", run.request_id)
             await self._error("generation_failed", f"{type(e).__name__}: {e}")
         reason = FINISH.get(run.finish_reason, "error") if run.outcome != "failed" else "error"
         done = {"type": "audio.done", "frames": run.frames, "finish_reason": reason}
         found = None
-        if (livekit or form) and run.outcome == "completed":
+        if (livekit or form) and run.outcome == "completed" and room < 0:
+            await self._error("alignment_failed", "word timestamps: the utterance's audio is longer than the aligner "
+                              f"takes at once ({self.serving.aligner.aligner.max_seconds:g} s): send input.done "
+                              "more often")
+        elif (livekit or form) and run.outcome == "completed":
             pcm = np.concatenate(audio) if audio else np.zeros(0, np.float32)
             try:
                 found = await self.serving.utterance_words(pcm, sr, "".join(utt.said), self.config.language)

@@ -149,7 +149,7 @@ print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(), "loade
 """
 
 
-@pytest.mark.slow  # two starts that compile on the CPU (Inductor's C++ kernels: gcc in both): ~2-3 min on 2 cores
+@pytest.mark.slow  # two starts that compile on the CPU (Inductor's C++ kernels: gcc in both)
 def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
     from q3tts.randomckpt import make_tiny
     make_tiny(tmp_path / "tiny")

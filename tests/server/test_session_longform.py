@@ -108,3 +108,41 @@ def test_cancel_and_disconnect_stop_every_segment(cv_server):
         cv_server.wait_idle(timeout=10)  # every segment stopped: no slot busy, nothing queued
         assert cv_server.stats.counters.admitted - admitted < len(sentences)
     assert cv_server.metric("q3tts_active_slots") == 0
+
+
+def test_a_queued_utterance_cancelled_before_its_turn_ends_at_once(cv_server):
+    """An utterance cancelled while the one before it is still speaking (its text open, no sentence end known yet)
+    ends with audio.done "cancelled" when its turn comes: nothing waits for its text."""
+    with connect(ws_url(cv_server)) as ws:
+        ws.send(config("sentence", 0, max_new_tokens=30))
+        ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+        ws.send(json.dumps({"type": "input.done"}))
+        ws.send(json.dumps({"type": "input.text", "text": "A second utterance with no end yet"}))
+        ws.send(json.dumps({"type": "response.cancel"}))  # the open one: the second
+        first = utterance(ws)
+        second = utterance(ws, timeout=30)
+    assert first[2]["finish_reason"] in ("stop", "length") and len(first[1]) > 0
+    assert second[2]["finish_reason"] == "cancelled" and len(second[1]) == 0
+    cv_server.wait_idle(timeout=10)
+
+
+def test_a_full_queue_refuses_a_split_utterance_as_busy(cv_server):
+    """The server's queue full at a split utterance's first segment: queue_full with limit "server", as for one
+    request (and HTTP's long form: a 503, test_speech)."""
+    sched = cv_server.app.state.engine.engine.scheduler
+    old, sched.max_queue = sched.max_queue, 0
+    try:
+        with connect(ws_url(cv_server)) as ws:
+            ws.send(config("sentence", 0, max_new_tokens=20))
+            ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+            ws.send(json.dumps({"type": "input.done"}))
+            msgs = []
+            while not msgs or msgs[-1].get("type") != "audio.done":
+                msg = ws.recv(timeout=30)
+                if not isinstance(msg, bytes):
+                    msgs.append(json.loads(msg))
+    finally:
+        sched.max_queue = old
+    errors = [m for m in msgs if m["type"] == "error"]
+    assert [(e["code"], e.get("limit")) for e in errors] == [("queue_full", "server")], msgs
+    assert "--max-queue" in errors[0]["message"]

@@ -224,12 +224,14 @@ def test_bad_requests_are_400_with_a_clear_message(cv_server):
 
 
 def test_queue_full_is_503(cv_server):
+    """One request, and a long text's first segment (split_granularity), refused alike."""
     sched = cv_server.app.state.engine.engine.scheduler
     old, sched.max_queue = sched.max_queue, 0
     try:
-        with pytest.raises(openai.InternalServerError) as e:
-            speak(cv_server.client(), "No room.")
-        assert e.value.status_code == 503 and e.value.body["code"] == "queue_full"
+        for extra in ({}, {"split_granularity": "sentence"}):
+            with pytest.raises(openai.InternalServerError) as e:
+                speak(cv_server.client(), "No room. None at all.", **extra)
+            assert e.value.status_code == 503 and e.value.body["code"] == "queue_full", extra
     finally:
         sched.max_queue = old
 

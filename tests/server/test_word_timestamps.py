@@ -189,3 +189,41 @@ def test_websocket_word_timestamps_in_a_trailing_audio_chunk(words_server):
             # (a tiny random aligner's times are arbitrary: their form is checked, their values by the HTTP tests)
             starts = [w["start_ms"] for w in last["timestamps"]]
             assert starts == sorted(starts) and all(0 <= w["start_ms"] <= w["end_ms"] for w in last["timestamps"])
+
+
+def test_websocket_audio_past_what_the_aligner_takes_is_not_kept(words_server):
+    """An utterance longer than the aligner aligns at once (its max_seconds, here lowered to 0.5 s): its audio is
+    sent, not kept whole for the aligner, and alignment_failed says why; the session goes on."""
+    from websockets.sync.client import connect
+
+    aligner = words_server.app.state.serving.aligner.aligner
+    old, aligner.max_seconds = aligner.max_seconds, 0.5
+    url = words_server.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    try:
+        with connect(url) as ws:
+            ws.send(json.dumps({"type": "session.config", "voice": "vivian", "language": "English",
+                                "timestamp_type": "word", "max_new_tokens": 12, **GREEDY}))
+            ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+            ws.send(json.dumps({"type": "input.done"}))
+            msgs = []
+            while not msgs or msgs[-1].get("type") != "session.done":
+                msg = ws.recv(timeout=60)
+                msgs.append({"type": "pcm", "size": len(msg)} if isinstance(msg, bytes) else json.loads(msg))
+    finally:
+        aligner.max_seconds = old
+    errors = [m for m in msgs if m["type"] == "error"]
+    assert [e["code"] for e in errors] == ["alignment_failed"], msgs
+    assert "(0.5 s): send input.done more often" in errors[0]["message"]  # the session stopped keeping it
+    done = next(m for m in msgs if m["type"] == "audio.done")
+    assert "timestamp_info" not in done and sum(m["size"] for m in msgs if m["type"] == "pcm") == done["frames"] * 3840
+
+
+def test_http_word_timestamps_hold_the_response_whole_so_their_text_is_bounded(words_server):
+    """word_timestamps keep the whole response for the aligner: a text over --max-unstreamed-text-length is refused
+    before any work, streamed or not."""
+    limit = words_server.app.state.settings.max_unstreamed_text_length
+    text = "Word " * (limit // 5 + 1)
+    with words_server.http() as c:
+        r = c.post("/v1/audio/speech", json=dict(BODY, input=text, response_format="pcm", stream=True,
+                                                 word_timestamps=True))
+    assert r.status_code == 400 and "word timestamps" in r.json()["error"]["message"], r.text

@@ -89,8 +89,8 @@ def test_closed_loop_over_processes_merges_every_client(paced, tmp_path):
 def test_a_server_slower_than_real_time_stalls_by_its_pace(tmp_path, monkeypatch):
     """150 ms per frame of 80 ms: frame k+1 leaves at least 150 ms after frame k, so by the last frame (N of them)
     the player that started at the first byte has waited at least (N - 1) x (150 - 80) ms in all; no more than
-    the time from the first byte to the last, (N - 1) x 150 ms plus the server's overhead. (The old chunk plan: the
-    deadline policy would grow the first chunk by the step and stall less than this pace.)"""
+    the time from the first byte to the last, (N - 1) x 150 ms plus the server's overhead. (The fixed chunk plan: the
+    deadline policy, when on, grows the first chunk by the step and stalls less than this pace.)"""
     monkeypatch.setenv("Q3TTS_DEADLINE", "0")
     d, frames = 0.150, 6
     live = serve(paced_app(slots=4, decode_ms=1000 * d, vocode_ms=0.0, prefill_ms=0.0), "uvicorn-paced-slow")
