@@ -67,16 +67,22 @@ class LeastOngoingRouter(FIFOMixin, RequestRouter):
     that have a free slot, where its default compares two random ones.
 
     NOTE(scale): Serve's router counts a request against its replica only once the request has been sent, after
-    the routing task hands it over; requests routed in the same instant (a burst of streams) would all see the
-    same counts and pile onto one replica. So the choice is made again from the counts as they are once any probe
-    returned (others may have been routed meanwhile), and counted at once; Serve's own count on send is then
-    skipped for it. Ties go in random order, so that several proxies do not pile onto one replica either. This
-    uses two of Serve's internal methods (ray 2.60); without them it is the plain choice among all replicas.
+    the routing task hands it over, and a replica's own count (a probe's answer, or its reply on accepting a
+    request) leaves out what is routed to it but not yet arrived; requests routed in the same instant (a burst of
+    streams) would see the same counts and pile onto one replica. So the choice is made again from the counts as
+    they are once any probe returned, each replica's count taken as at least the requests this router sent it that
+    have not completed, and counted at once; Serve's own count on send is then skipped for it. Ties go in random
+    order, so that several proxies do not pile onto one replica either. This uses two of Serve's internal methods
+    (ray 2.60); without them it is the plain choice among all replicas.
     """
 
     @property
     def _claimed(self) -> Counter:  # replica id -> requests counted when chosen, not yet sent
         return self.__dict__.setdefault("_claimed_requests", Counter())
+
+    @property
+    def _inflight(self) -> Counter:  # replica id -> requests chosen for it here, not yet completed
+        return self.__dict__.setdefault("_inflight_requests", Counter())
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         return [random.sample(candidate_replicas, len(candidate_replicas))] if candidate_replicas else []
@@ -86,14 +92,20 @@ class LeastOngoingRouter(FIFOMixin, RequestRouter):
         cache = getattr(self, "_replica_queue_len_cache", None)
         if chosen is None or cache is None or not getattr(self, "_use_replica_queue_len_cache", False):
             return chosen
-        best, best_len = chosen, cache.get(chosen.replica_id)
-        for r in candidates:  # no await from here on: the choice and its count are one step
+
+        def load(r) -> int | None:  # None: unknown (not probed, or its entry expired)
             n = cache.get(r.replica_id)
+            return None if n is None else max(n, self._inflight[r.replica_id])
+
+        best, best_len = chosen, load(chosen)
+        for r in candidates:  # no await from here on: the choice and its count are one step
+            n = load(r)
             if n is not None and n < r.max_ongoing_requests and (best_len is None or n < best_len) \
                     and r.replica_id in self._replicas:
                 best, best_len = r, n
         cache.update(best.replica_id, (best_len or 0) + 1)
         self._claimed[best.replica_id] += 1
+        self._inflight[best.replica_id] += 1
         return best
 
     def on_send_request(self, replica_id):
@@ -101,6 +113,11 @@ class LeastOngoingRouter(FIFOMixin, RequestRouter):
             self._claimed[replica_id] -= 1
         else:
             super().on_send_request(replica_id)
+
+    def on_request_completed(self, replica_id, internal_request_id):
+        if self._inflight[replica_id] > 0:
+            self._inflight[replica_id] -= 1
+        super().on_request_completed(replica_id, internal_request_id)
 
 
 ROUTERS = {"least-ongoing": LeastOngoingRouter, "power-of-two": None}  # None: Serve's default
