@@ -43,8 +43,7 @@ def child(a) -> None:
     tts.build_engine(max_slots=a.max_slots, max_seq_len=a.max_seq_len, max_queue=256)  # as create_app
     t_engine = time.time()
     counts_engine = compile_counts()
-    kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}  # serving._warmup_request
-    prepared = tts.prepare_custom_voice("Hello.", tts.get_supported_speakers()[0], **kw)
+    prepared = [tts.warmup_request()]  # serve's warm-up
     for _ in tts.stream(prepared, first_chunk_frames=1, chunk_frames=4):
         pass
     if tts.device.type == "cuda":

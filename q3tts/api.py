@@ -153,6 +153,18 @@ class TTS:
         return self.processor.voice_clone(text, clone if voice_clone_prompt is None else voice_clone_prompt, language,
                                           non_streaming_mode, **kwargs)
 
+    def warmup_request(self) -> PreparedRequest:
+        """One short greedy request of this model's type (a default speaker, a plain design, a zero x-vector clone):
+        what `q3tts serve` and `q3tts warmup` run to compile and capture before they are ready."""
+        kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}
+        if self.tts_model_type == "custom_voice":
+            return self.prepare_custom_voice("Hello.", self.get_supported_speakers()[0], **kw)[0]
+        if self.tts_model_type == "voice_design":
+            return self.prepare_voice_design("Hello.", "A clear, calm voice.", **kw)[0]
+        item = VoiceClonePromptItem(ref_code=None, ref_spk_embedding=torch.zeros(self.cfg.talker.hidden_size),
+                                    x_vector_only_mode=True, icl_mode=False)
+        return self.prepare_voice_clone("Hello.", voice_clone_prompt=[item], **kw)[0]
+
     @property
     def driver(self) -> AsyncEngine:
         """The one loop that steps the engine (q3tts.engine.AsyncEngine), shared with the server."""

@@ -349,18 +349,7 @@ def _warmup(settings, save: str | None, t0: float) -> int:
         raise ValueError(f"nothing to save: torch.compile is off on {tts.device} (on a CPU by default: "
                          "Q3TTS_COMPILE=1 turns it on, for `q3tts serve` as well)")
     t_engine = time.perf_counter()
-    kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}  # as serve's warm-up
-    if tts.tts_model_type == "custom_voice":
-        prepared = tts.prepare_custom_voice("Hello.", tts.get_supported_speakers()[0], **kw)
-    elif tts.tts_model_type == "voice_design":
-        prepared = tts.prepare_voice_design("Hello.", "A clear, calm voice.", **kw)
-    else:
-        import torch
-
-        from .inputs.request import VoiceClonePromptItem
-        item = VoiceClonePromptItem(ref_code=None, ref_spk_embedding=torch.zeros(tts.cfg.talker.hidden_size),
-                                    x_vector_only_mode=True, icl_mode=False)
-        prepared = tts.prepare_voice_clone("Hello.", voice_clone_prompt=[item], **kw)
+    prepared = [tts.warmup_request()]  # serve's warm-up
     for _ in tts.stream(prepared, first_chunk_frames=1, chunk_frames=4):
         pass
     after = compile_counts()

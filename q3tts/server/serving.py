@@ -34,7 +34,7 @@ from q3tts.engine import (
     describe_counts,
 )
 from q3tts.inputs.align_text import WordTime, aligner_language
-from q3tts.inputs.request import InputError, PreparedRequest, VoiceClonePromptItem
+from q3tts.inputs.request import InputError, PreparedRequest
 
 from .encode import AudioEncoder
 from .metrics import Metrics
@@ -421,22 +421,11 @@ class SpeechServing:
             log.warning("%s: %s", run.request_id, "; ".join(run.errors))
 
     # ------------------------------------------------------------------ warm-up
-    def _warmup_request(self):
-        kw = {"max_new_tokens": 8, "seed": 0, "do_sample": False, "subtalker_dosample": False}
-        if self.model_type == "custom_voice":
-            return self.tts.prepare_custom_voice("Hello.", self.voices.builtin()[0], **kw)[0]
-        if self.model_type == "voice_design":
-            return self.tts.prepare_voice_design("Hello.", "A clear, calm voice.", **kw)[0]
-        import torch
-        item = VoiceClonePromptItem(ref_code=None, ref_spk_embedding=torch.zeros(self.tts.cfg.talker.hidden_size),
-                                    x_vector_only_mode=True, icl_mode=False)
-        return self.tts.prepare_voice_clone("Hello.", voice_clone_prompt=[item], **kw)[0]
-
     async def warmup(self) -> None:
         """One short request through the whole path (prefill, decode, vocoder); then ready."""
         t0, counts = time.perf_counter(), compile_counts()
         try:
-            async for _ in self.engine.generate(self._warmup_request(), StreamOptions(1, 4), request_id="warmup"):
+            async for _ in self.engine.generate(self.tts.warmup_request(), StreamOptions(1, 4), request_id="warmup"):
                 pass
         except Exception as e:  # (a cancellation is no Exception: it goes through)
             self.warmup_error = f"{type(e).__name__}: {e}"
