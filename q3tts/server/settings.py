@@ -157,6 +157,27 @@ def env_name(field: str) -> str:
     return "Q3TTS_" + field.upper()
 
 
+# flags whose values must be >= 1 (when given)
+POSITIVE_FLAGS = ("max_text_length", "max_split_text_length", "max_unstreamed_text_length", "max_upload_bytes",
+                  "max_queue", "clone_workers", "max_concurrent", "max_seq_len", "first_chunk_frames", "chunk_frames",
+                  "ws_max_utterances", "ws_max_client_utterances")
+
+
+def check_shared_flags(ap: argparse.ArgumentParser, ns) -> None:
+    """The checks of the flags `q3tts serve` and `q3tts wyoming` share: counts, the memory budget and the KV block
+    size (ns: either's parsed flags; a name it lacks is not checked). ap.error on the first bad one."""
+    for name in POSITIVE_FLAGS:
+        if getattr(ns, name, None) is not None and getattr(ns, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.gpu_memory_utilization is not None and not 0 < ns.gpu_memory_utilization <= 1:
+        ap.error("--gpu-memory-utilization must be in (0, 1]")
+    kv = ns.kv_block_size
+    if kv and (kv < 0 or kv > 64 or kv & (kv - 1)):
+        ap.error("--kv-block-size must be 0 or a power of two up to 64")
+    if ns.gpu_memory is not None and not ns.gpu_memory > 0:
+        ap.error("--gpu-memory must be > 0 (GB)")
+
+
 def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> ServerSettings:
     """Flags, then Q3TTS_* environment variables, then defaults."""
     env = os.environ if environ is None else environ
@@ -187,21 +208,11 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
     s = ServerSettings(**{f.name: getattr(a, f.name) for f in fields(ServerSettings) if hasattr(a, f.name)})
     if s.max_frames_per_token is not None and not 0 <= s.max_frames_per_token < float("inf"):
         ap.error("--max-frames-per-token must be >= 0")
-    for name in ("max_text_length", "max_split_text_length", "max_unstreamed_text_length", "max_upload_bytes",
-                 "max_queue", "clone_workers", "max_concurrent", "max_seq_len", "first_chunk_frames", "chunk_frames",
-                 "ws_max_utterances", "ws_max_client_utterances"):
-        if getattr(s, name) is not None and getattr(s, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_shared_flags(ap, s)
     if s.clone_queue < 0:
         ap.error("--clone-queue must be >= 0")
     if not (s.ws_config_timeout > 0 and s.ws_idle_timeout > 0):
         ap.error("--ws-config-timeout and --ws-idle-timeout must be > 0 (seconds)")
-    if s.gpu_memory_utilization is not None and not 0 < s.gpu_memory_utilization <= 1:
-        ap.error("--gpu-memory-utilization must be in (0, 1]")
-    if s.kv_block_size and (s.kv_block_size < 0 or s.kv_block_size > 64 or s.kv_block_size & (s.kv_block_size - 1)):
-        ap.error("--kv-block-size must be 0 or a power of two up to 64")
-    if s.gpu_memory is not None and not s.gpu_memory > 0:
-        ap.error("--gpu-memory must be > 0 (GB)")
     if s.compile_artifact and not os.path.isfile(s.compile_artifact):  # (refused before the model loads)
         ap.error(f"--load-artifact {s.compile_artifact}: no such file (write one with `q3tts warmup --save FILE`)")
     try:

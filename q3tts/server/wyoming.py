@@ -54,7 +54,7 @@ from q3tts.inputs.request import InputError, PreparedRequest
 from .metrics import Metrics
 from .protocol import ApiError, SpeechOptions
 from .serving import Generation, Run, SpeechServing
-from .settings import _FLAGS, ServerSettings, env_name
+from .settings import _FLAGS, ServerSettings, check_shared_flags, env_name
 from .voices import VoiceService
 
 log = logging.getLogger("q3tts.server")
@@ -432,16 +432,7 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None):
             ap.add_argument(flag, dest=name, type=typ, default=default, help=f"{help_} [env {env_name(name)}]")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the warm-up request")
     a = ap.parse_args(argv)
-    for name in ("max_text_length", "max_queue", "max_concurrent", "max_seq_len", "first_chunk_frames",
-                 "chunk_frames"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.gpu_memory_utilization is not None and not 0 < a.gpu_memory_utilization <= 1:
-        ap.error("--gpu-memory-utilization must be in (0, 1]")
-    if a.kv_block_size and (a.kv_block_size < 0 or a.kv_block_size > 64 or a.kv_block_size & (a.kv_block_size - 1)):
-        ap.error("--kv-block-size must be 0 or a power of two up to 64")
-    if a.gpu_memory is not None and not a.gpu_memory > 0:
-        ap.error("--gpu-memory must be > 0 (GB)")
+    check_shared_flags(ap, a)
     if a.zeroconf and not (a.uri.startswith("tcp://") and importlib.util.find_spec("zeroconf")):
         ap.error("--zeroconf needs a tcp:// --uri and the zeroconf package (pip install zeroconf)")
     if not a.stream_idle_timeout >= 0:
