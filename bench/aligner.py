@@ -120,20 +120,19 @@ def streams_beside(tts, worker, texts: list[str], wavs: list, sr: int, num_strea
     speaker = (tts.get_supported_speakers() or [None])[0]
     done = threading.Event()
 
+    from bench.load.load import SR, Player
+
     def one(i: int) -> tuple[float, float]:
         t0 = time.perf_counter()
-        first = play_end = None
-        stall = 0.0
+        first, player = None, Player()  # the load client's listener: plays from the first chunk, pauses when dry
         for c in tts.generate_custom_voice_stream(texts[i % len(texts)], speaker=speaker, language="English",
                                                   do_sample=False, subtalker_dosample=False, max_new_tokens=frames,
                                                   first_chunk_frames=1, chunk_frames=8):
-            now, dur = time.perf_counter(), c.audio.shape[-1] / c.sample_rate
-            if first is None:
-                first, play_end = now - t0, now + dur
-            else:
-                stall += max(0.0, now - play_end)
-                play_end = max(now, play_end) + dur
-        return first, stall
+            assert c.sample_rate == SR, c.sample_rate
+            now = time.perf_counter()
+            first = now - t0 if first is None else first
+            player.feed(now, 2 * c.audio.shape[-1])  # (bytes of s16 PCM)
+        return first, player.stall_s
 
     aligned = [0]
 
