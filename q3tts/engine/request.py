@@ -51,6 +51,7 @@ class EngineRequest:
     prepared: PreparedRequest  # layout, speaker embedding, ref codes, sampling params
     stream: StreamOptions | None = None  # None: offline (codes only, decoded by the caller)
     arrival_time: float = field(default_factory=time.perf_counter)
+    ready_at: float | None = None  # when a schedule() first found its prompt ready (the deadline policy's wait)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     frames: list = field(default_factory=list)  # generated frames, each a [K] int64 tensor on the device
