@@ -229,7 +229,7 @@ def full_chunks(reqs: list[EngineRequest]) -> list[tuple[EngineRequest, int]]:
             n = 0
         else:
             pending = r.num_frames - r.frames_vocoded
-            n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
+            n = pending if last else (whole_chunks(r.stream, r.frames_vocoded, pending)[:1] or [0])[0]
         if n > 0 or last:
             plan.append((r, n))
     return plan

@@ -102,7 +102,3 @@ class EngineRequest:
         """Seconds of emitted audio its listener has not played yet at `now` (a player that started at the first
         chunk; < 0: it stalled); None before the first chunk (and for offline requests)."""
         return None if self.first_sent_at is None else self.audio_sent_s - (now - self.first_sent_at)
-
-    def next_chunk_size(self) -> int:
-        s = self.stream
-        return min(s.chunk_frames, s.first_chunk_frames << min(self.chunks_emitted, 30))
