@@ -29,6 +29,7 @@ import os
 import platform
 import struct
 import tarfile
+import tempfile
 import time
 
 import torch
@@ -200,16 +201,21 @@ def _tar(root: str) -> bytes:
 
 def _untar(data: bytes, root: str, old_root: str | None) -> None:
     """Extract a Triton cache into root. Triton's group files (__grp__*.json) list their children by absolute path:
-    those under the builder's root are rewritten to this root (else Triton finds none of them and recompiles)."""
+    those under the builder's root are rewritten to this root (else Triton finds none of them and recompiles).
+    NOTE(untar): each file is written beside root and renamed into place, so a process reading the cache (several
+    replicas unpacking one artifact into one cache at once) sees a whole file or none."""
     os.makedirs(root, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-        tar.extractall(root, filter="data")  # no absolute paths, links out of root or devices
-        names = [m.name for m in tar.getmembers() if m.isfile() and os.path.basename(m.name).startswith("__grp__")]
-    if not old_root or os.path.abspath(old_root) == os.path.abspath(root):
-        return
-    for name in names:
-        p = os.path.join(root, name)
-        with open(p, encoding="utf-8") as f:
-            text = f.read()
-        with open(p, "w", encoding="utf-8") as f:
-            f.write(text.replace(old_root.rstrip("/") + "/", root.rstrip("/") + "/"))
+    rewrite = bool(old_root) and os.path.abspath(old_root) != os.path.abspath(root)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".q3tts-untar-") as tmp:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(tmp, filter="data")  # no absolute paths, links out of root or devices
+            names = [m.name for m in tar.getmembers() if m.isfile()]
+        for name in names:
+            src, dst = os.path.join(tmp, name), os.path.join(root, name)
+            if rewrite and os.path.basename(name).startswith("__grp__"):
+                with open(src, encoding="utf-8") as f:
+                    text = f.read()
+                with open(src, "w", encoding="utf-8") as f:
+                    f.write(text.replace(old_root.rstrip("/") + "/", root.rstrip("/") + "/"))
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.replace(src, dst)

@@ -131,6 +131,9 @@ def test_triton_cache_moves_with_its_group_files(tmp_path):
     group = json.loads((new / "KEY" / "__grp__k.json").read_text())
     assert group == {"child_paths": {"k.cubin": f"{new}/KEY/k.cubin"}}
     assert (new / "KEY" / "k.cubin").read_bytes() == b"\x7fELF"
+    # a second process unpacking the same artifact over it replaces whole files and leaves no scratch behind
+    artifact._untar(data, str(new), str(old))
+    assert sorted(p.name for p in new.iterdir()) == ["KEY"] and json.loads((new / "KEY" / "__grp__k.json").read_text()) == group
     # a member that would land outside the cache is refused
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
