@@ -172,7 +172,7 @@ def replica_log_lines(limit: int = 300) -> list[str]:
     for f in sorted(root.glob("worker-*.err")):
         try:
             lines += [f"{f.name[7:15]} {ln}" for ln in f.read_text(errors="replace").splitlines()
-                      if "q3tts" in ln or "Traceback" in ln or "Error" in ln or "Warning" in ln]
+                      if " q3tts." in ln or "Traceback" in ln or "Error" in ln or "Warning" in ln]
         except OSError:
             pass
     return lines[-limit:]
@@ -362,8 +362,8 @@ def table(res: dict) -> str:
                          f"{st['stalled']} | {st['stall_ms']['p95']} / {st['stall_ms']['max']} | "
                          f"{sorted(st['per_replica'].values())} |")
         starts = auto.get("replica_starts", {})
-        lines += ["", f"replicas added (s after the first step began): {starts.get('added')}; first request per "
-                      f"replica: {starts.get('first_request_s')}", "Serve's events:"]
+        lines += ["", f"replicas added (s after the first step began): {starts.get('added')}; send time of the "
+                      f"first request each replica served: {starts.get('first_request_s')}", "Serve's events:"]
         lines += [f"  {e}" for e in s["events"]]
     return "\n".join(lines)
 

@@ -68,6 +68,7 @@ fi
 N=$(nproc)
 CLIENT_CPUS=${CLIENT_CPUS-$((N - 4))-$((N - 1))}
 SLOTS=${SLOTS:-64}; MAXSEQ=${MAXSEQ:-1024}
+RCPUS=${REPLICA_CPUS:-$(( (N - 4) / G > 2 ? (N - 4) / G - 1 : 1 ))}
 echo "GPUs $G, replicas $REPLICAS, CPUs $N (client: ${CLIENT_CPUS:-shared}), Q3TTS_COMPILE=$Q3TTS_COMPILE, $(elapsed) s"
 if [ -z "${CKPT:-}" ]; then
   CKPT=/tmp/ck06
@@ -77,7 +78,10 @@ fi
 echo "checkpoint ready after $(elapsed) s"
 ART=()
 if [ "${ARTIFACT:-1}" = 1 ] && [ "$Q3TTS_COMPILE" = 1 ]; then  # (nothing is compiled, nothing to save, without)
-  # on GPU 0 (free again before the replicas start), with caches of its own: the replicas' stay empty
+  # on GPU 0 (free again before the replicas start), with caches of its own: the replicas' stay empty; with the
+  # replicas' torch threads (Ray sets OMP_NUM_THREADS to a replica's whole CPUs): Inductor's key for a graph with
+  # C++ code holds the thread count, so an artifact built with another finds no hit there
+  OMP_NUM_THREADS=$(python3 -c "print(max(1, int(float('$RCPUS'))))") \
   CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} Q3TTS_COMPILE_CACHE=$WORK/build-cache \
     timeout --kill-after=10 "${WARMUP_LIMIT:-240}" python3 -m q3tts.cli warmup --save "$WORK/q3tts.artifact" \
     --model "$CKPT" --device "$DEVICE" --max-concurrent "$SLOTS" --max-seq-len "$MAXSEQ" > "$WORK/warmup.log" 2>&1
@@ -96,7 +100,7 @@ timeout --signal=INT --kill-after=20 "$LIMIT" python3 -m bench.load.scale_out --
   --rate-per-replica "${RATE:-12}" --duration "${DURATION:-15}" \
   ${AUTO:+--autoscale-rates "$AUTO"} --step-s "${STEP_S:-20,70,40}" --settle-s "${SETTLE_S:-20}" \
   --target-ongoing "${TARGET:-16}" --upscale-delay-s "${UPSCALE_DELAY:-2}" --deadline-s $(( LIMIT - 15 )) \
-  --replica-cpus "${REPLICA_CPUS:-$(( (N - 4) / G > 2 ? (N - 4) / G - 1 : 1 ))}" --router "${ROUTER:-least-ongoing}" \
+  --replica-cpus "$RCPUS" --router "${ROUTER:-least-ongoing}" \
   --processes "${PROCESSES:-4}" ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --port "${PORT:-8000}" "${ART[@]}" \
   --out "$OUT" --work "$WORK" 2> "$WORK/scale_out.err"
 echo "bench.load.scale_out: exit $? after $(elapsed) s"
