@@ -10,8 +10,8 @@ Two kinds of level:
 - open loop (`--rate R --duration S`): requests arrive as a Poisson process of R per second for S seconds (the
   arrival times drawn from `--seed`, so a run's request count and schedule are fixed), each sent at its time
   whether or not earlier ones are done; the level ends when the last one does. With `--rate-steps`, one level
-  whose rate steps through the --rate list, S seconds each (an autoscaler's step test; add --per-request for each
-  request's send time, first audio and stalls).
+  whose rate steps through the --rate list, S seconds each or `--duration S1,S2,...` one per step (an autoscaler's
+  step test; add --per-request for each request's send time, first audio and stalls).
 
 Every request streams pcm, so every byte is timed as it arrives (aiohttp clients, made for many concurrent
 connections; httpx's, kept as --client httpx, delayed requests by up to seconds from 64 streams on). Per request:
@@ -173,10 +173,15 @@ def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
         out.append(t)
 
 
-def step_arrivals(rates: list[float], step_s: float, seed: int) -> list[float]:
-    """Arrivals of a Poisson process whose rate steps through `rates`, `step_s` seconds each (one schedule, no gap
-    between steps: step k is poisson_arrivals(rates[k], step_s, seed + k) shifted by k * step_s)."""
-    return [k * step_s + t for k, r in enumerate(rates) for t in poisson_arrivals(r, step_s, seed + k)]
+def step_arrivals(rates: list[float], step_s: float | list[float], seed: int) -> list[float]:
+    """Arrivals of a Poisson process whose rate steps through `rates`, `step_s` seconds each (or step k for step_s[k]
+    seconds): one schedule, no gap between steps: step k is poisson_arrivals(rates[k], its length, seed + k)
+    shifted by the steps before it."""
+    lengths = step_s if isinstance(step_s, list) else [step_s] * len(rates)
+    if len(lengths) != len(rates):
+        raise ValueError(f"{len(rates)} rates need as many step lengths, got {len(lengths)}")
+    starts = [sum(lengths[:k]) for k in range(len(rates))]
+    return [starts[k] + t for k, r in enumerate(rates) for t in poisson_arrivals(r, lengths[k], seed + k)]
 
 
 def parse_cpus(spec: str) -> list[int]:
@@ -326,11 +331,11 @@ async def _metrics(url: str, headers: dict, enabled: bool) -> dict:
 
 
 async def run_level(url: str, body: dict, headers: dict, *, concurrency: int = 0, requests_per_client: int = 1,
-                    rate: float | list[float] = 0.0, duration: float = 0.0, seed: int = 0, processes: int = 1,
+                    rate: float | list[float] = 0.0, duration: float | list[float] = 0.0, seed: int = 0, processes: int = 1,
                     cpus: list[int] | None = None, server_metrics: bool = True, client_kind: str = "aiohttp",
                     stall_tolerance_s: float = 0.001, per_request: bool = False) -> dict:
     """One level: `concurrency` closed-loop clients, or (rate > 0) Poisson arrivals for `duration` s; a list of
-    rates: one schedule stepping through them, `duration` s each (step_arrivals)."""
+    rates: one schedule stepping through them, `duration` s each or a list of one per step (step_arrivals)."""
     if rate:
         steps = isinstance(rate, list)
         arrivals = list(enumerate(step_arrivals(rate, duration, seed) if steps else
@@ -354,7 +359,8 @@ async def run_level(url: str, body: dict, headers: dict, *, concurrency: int = 0
             "client_cpus": [p.get("cpus") for p in parts] if processes > 1 else None,
             "server": server_side(before, after) if server_metrics else None,
             **({"per_request": sorted(({k: r.get(k) for k in PER_REQUEST} for r in results),
-                                      key=lambda r: r["sent"] or 0)} if per_request else {})}
+                                      key=lambda r: r["sent"] or 0),
+                "t0": min(p["t0"] for p in parts)} if per_request else {})}  # t0: the schedule's start (time.time())
 
 
 async def request_body(a, headers: dict) -> tuple[dict, dict]:
@@ -404,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="closed-loop levels: clients at once, e.g. 1,4,16,64 (the default unless --rate)")
     ap.add_argument("--requests", type=int, default=0, help="requests per client (default: max(2, 64 / C))")
     ap.add_argument("--rate", type=_numbers(float), default=None, help="open-loop levels: Poisson arrivals per s")
-    ap.add_argument("--duration", type=float, default=30.0, help="open loop: seconds of arrivals per level")
+    ap.add_argument("--duration", type=_numbers(float), default=[30.0],
+                    help="open loop: seconds of arrivals per level (with --rate-steps: one for all steps, or one each)")
     ap.add_argument("--seed", type=int, default=0, help="open loop: the arrival schedule's seed")
     ap.add_argument("--rate-steps", action="store_true",
                     help="open loop: one level whose rate steps through --rate, --duration s each")
@@ -431,8 +438,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.processes < 1:
         ap.error(f"--processes must be >= 1, got {a.processes}")
-    if a.rate is not None and (min(a.rate) <= 0 or a.duration <= 0):
+    if a.rate is not None and (min(a.rate) <= 0 or min(a.duration) <= 0):
         ap.error("--rate values and --duration must be > 0")
+    if len(a.duration) > 1 and not (a.rate_steps and a.rate is not None and len(a.duration) == len(a.rate)):
+        ap.error(f"several --duration values need --rate-steps and one per --rate value, got {a.duration}")
+    a.duration = a.duration if len(a.duration) > 1 else a.duration[0]
     if a.rate_steps and a.rate is None:
         ap.error("--rate-steps needs --rate r1,r2,...")
     if a.concurrency is None and a.rate is None:

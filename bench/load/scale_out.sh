@@ -1,43 +1,64 @@
 #!/usr/bin/env bash
-# Ray Serve scale-out, one device call on a host with G GPUs (nvidia-h100-x4 / h200-x4: G = 4; x2: G = 2): one
-# replica per GPU; the same per-replica load on G, ..., 2, 1 replicas (closed loop: 32 streams per replica; open
-# loop: 3 requests/s per replica of 10 s audio, 15 s), then an autoscaling step test (1 -> G replicas, target
-# 32 streams per replica, arrivals stepping 2, 4, 8 requests/s, 20 s each). bench/load/scale_out.py does the work.
+# Ray Serve scale-out, one device call on a host with G GPUs (nvidia-h100-x4 / h200-x4: G = 4; x2: G = 2), one
+# replica per GPU; bench/load/scale_out.py does the work:
+#   1. `q3tts warmup --save` on GPU 0, in compile caches of its own: one cold start, which writes the compiled
+#      artifact (as an image build on a GPU builder would);
+#   2. G replicas start in parallel from empty compile caches, each loading the artifact (a new node with the
+#      artifact baked in); then the same per-replica load on G, ..., 2, 1 of them (fewer replicas are the same warm
+#      ones): closed loop, 32 streams per replica, 2 requests each back to back; open loop, Poisson arrivals at 12
+#      requests/s per replica for 15 s; 10 s of audio per request;
+#   3. an autoscaling step test from 1 replica up to G: target 16 ongoing requests per replica (below the streams
+#      one GPU serves without stalls, so a replica is asked for when the queue builds, not after streams stall),
+#      upscale delay 2 s, arrivals stepping 8 -> 24 -> 40 requests/s for 20, 70 and 40 s (the last past one GPU's
+#      stall-free load; the middle one long enough for a replica asked for in it to start); an added replica loads
+#      the artifact too. Per step: arrivals, replicas running, first audio p50/p95/p99, stalls; per added replica:
+#      when Serve asked for it, when it ran, its first request.
 #
-#   bash bench/load/ray_deps.sh              # here, once: .scratch/raywhl/ (Ray + server deps for cp312, packed)
-#   run: kind nvidia-h100-x4, carry [".scratch/raywhl"], timeout_s 600, command: bash bench/load/scale_out.sh
+# The call (one): kind nvidia-h100-x4, timeout_s 600, carry [".scratch/raywhl"], command:
+#   bash bench/load/scale_out.sh
+# (.scratch/raywhl: `bash bench/load/ray_deps.sh` here, once). What comes back, in $OUT (default /tmp/out): only
+# scale_out.json (every level's load JSON, the warm-up's line, Serve's replica log, the per-step table, the replicas'
+# q3tts log lines, all merged), scale_out.md (the tables) and scale_out.log (the logs' tails); the rest stays in WORK.
 #
-# Time: the replicas start once, in parallel (each loads and compiles its engine on its own GPU: the first start
-# on a fresh machine is the long part), then fewer replicas are the same warm ones; everything is bounded by
-# LIMIT so that one call of 9 minutes holds it with the start-up; the results are written after every level,
-# so a cut run keeps what it measured. Results in $OUT (default
-# /tmp/out): scale_out.json, scale_out.md (the table), every bench.load.load JSON, the logs.
+# Time: everything ends within BUDGET (540 s) of the script's start: the warm-up is bounded (WARMUP_LIMIT) and
+# bench.load.scale_out gets what is left (LIMIT) less the shutdown's grace; it saves after every level, shortens
+# the step test's steps to fit what is left (or skips it), and on SIGINT saves what it measured.
 #
-# Knobs (environment): COMPILE (1: torch.compile, as `q3tts serve` does by default on CUDA, the production
-# setting; 0: CUDA graphs without compile, faster start, slower frames; on a CPU 0), PORT (8000), REPLICAS
-# (default 1,2,4 up to G, and G), SLOTS (64: each replica's --max-concurrent), PER_REPLICA (32 streams), RATE
-# (3 req/s per replica), DURATION (15), MAXTOK (126: 10 s of audio), AUTO_RATES (2,4,8; "" skips the step test),
-# STEP_S (20), TARGET (32), SETTLE_S (30), CLIENT_CPUS (the last 4 CPUs), PROCESSES (4 client processes), CKPT
-# (a checkpoint directory instead of a fresh random 0.6B), DEVICE (cuda; cpu for a smoke run), REPLICA_CPUS (the
-# server's CPUs / G - 1: Ray sets each replica's OMP threads to it), ROUTER (least-ongoing | power-of-two), LIMIT
-# (seconds for bench.load.scale_out; default 525 s from the script's start less what came before it).
+# Knobs (environment): COMPILE (1: torch.compile, as `q3tts serve` does by default on CUDA; 0: CUDA graphs without
+# compile; on a CPU 0), ARTIFACT (1: step 1 and the replicas load its file; 0: each replica compiles, the compile
+# cache shared), PORT (8000), REPLICAS (default 1,2,4 up to G, and G), SLOTS (64: each replica's --max-concurrent),
+# PER_REPLICA (32 streams), CLOSED_REQS (2), RATE (12 req/s per replica), DURATION (15), MAXTOK (126: 10 s of audio),
+# MAXSEQ (1024), AUTO_RATES (8,24,40; "" skips the step test), STEP_S (20,70,40: one or one per rate), TARGET (16),
+# UPSCALE_DELAY (2), SETTLE_S (20), CLIENT_CPUS (the last 4 CPUs), PROCESSES (4 client processes), CKPT (a
+# checkpoint directory instead of a fresh random 0.6B), DEVICE (cuda; cpu for a smoke run), GPUS (cpu: replicas),
+# REPLICA_CPUS (the server's CPUs / G - 1: Ray sets each replica's OMP threads to it), ROUTER (least-ongoing |
+# power-of-two), BUDGET (540), WARMUP_LIMIT (240), WORK (/tmp/scale_work).
 #
-# A CPU smoke run (tiny checkpoint, 2 replicas pretending to be GPUs), as validated on the dev machine:
-#   DEVICE=cpu CKPT=<tiny checkpoint> GPUS=2 REPLICAS=2,1 SLOTS=4 PER_REPLICA=2 RATE=1 DURATION=3 MAXTOK=24 \
-#   MAXSEQ=256 AUTO_RATES=1,3 STEP_S=6 TARGET=2 CLIENT_CPUS= PROCESSES=2 REPLICA_CPUS=0.5 bash bench/load/scale_out.sh
+# A CPU smoke run (tiny checkpoint, 2 replicas pretending to be GPUs, the artifact compiled on the CPU):
+#   python3 -m q3tts.cli make-checkpoint --tiny --out /tmp/tiny   # (or any tiny checkpoint directory)
+#   DEVICE=cpu COMPILE=1 CKPT=/tmp/tiny GPUS=2 REPLICAS=2,1 SLOTS=4 PER_REPLICA=2 RATE=1 DURATION=3 MAXTOK=24 \
+#   MAXSEQ=256 AUTO_RATES=1,3 STEP_S=6,10 TARGET=2 CLIENT_CPUS= PROCESSES=2 REPLICA_CPUS=0.5 BUDGET=900 \
+#   bash bench/load/scale_out.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the hosts' rule (KINDS.md)
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/scale_work}
+mkdir -p "$OUT" "$WORK"
 T0=$(date +%s)
+BUDGET=${BUDGET:-540}
+elapsed() { echo $(( $(date +%s) - T0 )); }
+finish() {  # the one log that comes back: the tails of every log of this run
+  for f in "$WORK"/ckpt.log "$WORK"/warmup.log "$WORK"/scale_out.err "$WORK"/[!s]*.err; do
+    [ -f "$f" ] && { echo "=== $f"; tail -c 20000 "$f"; }
+  done > "$OUT/scale_out.log" 2>&1
+}
 if ! python3 -c "import ray.serve" 2>/dev/null; then  # the GPU image has no Ray: the bundle goes first on the path
   tar -C /tmp -xJf .scratch/raywhl/raydeps.tar.xz && export PYTHONPATH=/tmp/raydeps:${PYTHONPATH:-} || exit 1
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 DEVICE=${DEVICE:-cuda}
 [ "$DEVICE" = cpu ] && export Q3TTS_COMPILE=${COMPILE:-0} || export Q3TTS_COMPILE=${COMPILE:-1}
-export Q3TTS_COMPILE_CACHE=${Q3TTS_COMPILE_CACHE:-/tmp/q3tts-compile}  # shared by the replicas
-nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+export Q3TTS_COMPILE_CACHE=$WORK/compile-cache  # the replicas' (shared by them; empty at their first start)
 python3 -c "import sys, torch, ray, fastapi; print(sys.version.split()[0], 'torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'ray', ray.__version__)" || exit 1
 G=$(python3 -c "import torch; print(torch.cuda.device_count())")
 [ "$DEVICE" = cpu ] && G=${GPUS:-2}
@@ -46,20 +67,43 @@ if [ -z "${REPLICAS:-}" ]; then
 fi
 N=$(nproc)
 CLIENT_CPUS=${CLIENT_CPUS-$((N - 4))-$((N - 1))}
-echo "GPUs $G, replicas $REPLICAS, CPUs $N (client: ${CLIENT_CPUS:-shared}), Q3TTS_COMPILE=$Q3TTS_COMPILE"
+SLOTS=${SLOTS:-64}; MAXSEQ=${MAXSEQ:-1024}
+RCPUS=${REPLICA_CPUS:-$(( (N - 4) / G > 2 ? (N - 4) / G - 1 : 1 ))}
+echo "GPUs $G, replicas $REPLICAS, CPUs $N (client: ${CLIENT_CPUS:-shared}), Q3TTS_COMPILE=$Q3TTS_COMPILE, $(elapsed) s"
 if [ -z "${CKPT:-}" ]; then
   CKPT=/tmp/ck06
-  python3 -m bench.make_checkpoint --model 0.6B-CustomVoice --out $CKPT > "$OUT/ckpt.log" 2>&1 || { tail -20 "$OUT/ckpt.log"; exit 1; }
+  python3 -m bench.make_checkpoint --model 0.6B-CustomVoice --out $CKPT > "$WORK/ckpt.log" 2>&1 \
+    || { finish; tail -20 "$WORK/ckpt.log"; exit 1; }
 fi
-AUTO=${AUTO_RATES-2,4,8}
-echo "checkpoint ready after $(( $(date +%s) - T0 )) s"
-LIMIT=${LIMIT:-$(( 525 - ($(date +%s) - T0) ))}  # the call's 9 minutes, less what came before; SIGINT saves
-timeout --signal=INT --kill-after=10 "$LIMIT" python3 -m bench.load.scale_out --ckpt "$CKPT" --device "$DEVICE" \
-  --replicas "$REPLICAS" --slots "${SLOTS:-64}" --max-seq-len "${MAXSEQ:-1024}" --max-new-tokens "${MAXTOK:-126}" \
-  --streams-per-replica "${PER_REPLICA:-32}" --rate-per-replica "${RATE:-3}" --duration "${DURATION:-15}" \
-  ${AUTO:+--autoscale-rates "$AUTO"} --step-s "${STEP_S:-20}" --settle-s "${SETTLE_S:-30}" --target-ongoing "${TARGET:-32}" \
-  --replica-cpus "${REPLICA_CPUS:-$(( (N - 4) / G > 2 ? (N - 4) / G - 1 : 1 ))}" --router "${ROUTER:-least-ongoing}" --processes "${PROCESSES:-4}" \
-  ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --port "${PORT:-8000}" --out "$OUT" 2> "$OUT/scale_out.log"
-echo "bench.load.scale_out: exit $? after $(( $(date +%s) - T0 )) s"
-tail -5 "$OUT/scale_out.log"
+echo "checkpoint ready after $(elapsed) s"
+ART=()
+if [ "${ARTIFACT:-1}" = 1 ] && [ "$Q3TTS_COMPILE" = 1 ]; then  # (nothing is compiled, nothing to save, without)
+  # on GPU 0 (free again before the replicas start), with caches of its own: the replicas' stay empty; with the
+  # replicas' torch threads (Ray sets OMP_NUM_THREADS to a replica's whole CPUs): Inductor's key for a graph with
+  # C++ code holds the thread count, so an artifact built with another finds no hit there
+  OMP_NUM_THREADS=$(python3 -c "print(max(1, int(float('$RCPUS'))))") \
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} Q3TTS_COMPILE_CACHE=$WORK/build-cache \
+    timeout --kill-after=10 "${WARMUP_LIMIT:-240}" python3 -m q3tts.cli warmup --save "$WORK/q3tts.artifact" \
+    --model "$CKPT" --device "$DEVICE" --max-concurrent "$SLOTS" --max-seq-len "$MAXSEQ" > "$WORK/warmup.log" 2>&1
+  rc=$?
+  echo "q3tts warmup --save: exit $rc after $(elapsed) s: $(grep '^{' "$WORK/warmup.log" | tail -1)"
+  [ $rc = 0 ] && [ -f "$WORK/q3tts.artifact" ] && ART=(--artifact "$WORK/q3tts.artifact")  # else: each compiles
+  ART+=(--warmup-json "$WORK/warmup.log")
+fi
+AUTO=${AUTO_RATES-8,24,40}
+GRACE=25  # after SIGINT: Serve's and Ray's shutdown, then the logs
+LIMIT=${LIMIT:-$(( BUDGET - $(elapsed) - GRACE ))}
+echo "bench.load.scale_out: limit $LIMIT s"
+timeout --signal=INT --kill-after=20 "$LIMIT" python3 -m bench.load.scale_out --ckpt "$CKPT" --device "$DEVICE" \
+  --replicas "$REPLICAS" --slots "$SLOTS" --max-seq-len "$MAXSEQ" --max-new-tokens "${MAXTOK:-126}" \
+  --streams-per-replica "${PER_REPLICA:-32}" --closed-requests "${CLOSED_REQS:-2}" \
+  --rate-per-replica "${RATE:-12}" --duration "${DURATION:-15}" \
+  ${AUTO:+--autoscale-rates "$AUTO"} --step-s "${STEP_S:-20,70,40}" --settle-s "${SETTLE_S:-20}" \
+  --target-ongoing "${TARGET:-16}" --upscale-delay-s "${UPSCALE_DELAY:-2}" --deadline-s $(( LIMIT - 15 )) \
+  --replica-cpus "$RCPUS" --router "${ROUTER:-least-ongoing}" \
+  --processes "${PROCESSES:-4}" ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --port "${PORT:-8000}" "${ART[@]}" \
+  --out "$OUT" --work "$WORK" 2> "$WORK/scale_out.err"
+echo "bench.load.scale_out: exit $? after $(elapsed) s"
+finish
+grep "scale_out:" "$WORK/scale_out.err" | tail -20
 cat "$OUT/scale_out.md" 2>/dev/null

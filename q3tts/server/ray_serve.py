@@ -141,6 +141,18 @@ class ReplicaHeaderMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
+def _log_to_stderr(level: str) -> None:
+    """Serve sets up only its own loggers in a replica: without a handler the q3tts ones (model load, compiled
+    artifact, warm-up) would print warnings only. Their lines go to the replica's stderr (Ray's worker-*.err)."""
+    qlog = logging.getLogger("q3tts")
+    if not qlog.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        qlog.addHandler(handler)
+        qlog.setLevel(level.upper())
+        qlog.propagate = False
+
+
 @serve.ingress()  # the app is built per replica, in __serve_build_asgi_app__ (after __init__)
 class Q3TTSReplica:
     """One replica: the model, its engine and the server's FastAPI app, built in the replica's process.
@@ -156,13 +168,16 @@ class Q3TTSReplica:
         from .app import create_app, load_model
         if num_threads:
             torch.set_num_threads(num_threads)
+        _log_to_stderr(settings.log_level)
         self.replica_id = serve.get_replica_context().replica_tag
         t0 = time.perf_counter()
         tts = load_model(settings)
-        log.info("replica %s: loaded %s on %s in %.1f s", self.replica_id, settings.model, tts.device,
-                 time.perf_counter() - t0)
-        self._app = create_app(tts, settings)
+        t1 = time.perf_counter()
+        log.info("replica %s: loaded %s on %s in %.1f s", self.replica_id, settings.model, tts.device, t1 - t0)
+        self._app = create_app(tts, settings)  # builds the engine: compiles, captures its graphs
         self._app.add_middleware(ReplicaHeaderMiddleware, replica=self.replica_id)
+        log.info("replica %s: engine built in %.1f s (%.1f s since the replica started)", self.replica_id,
+                 time.perf_counter() - t1, time.perf_counter() - t0)
 
     def __serve_build_asgi_app__(self):
         return self._app

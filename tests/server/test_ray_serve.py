@@ -347,3 +347,26 @@ def test_deployment_options_state_router_and_autoscaling():
         with pytest.raises(ValueError, match=match):
             build_app({"model": "m", "num_gpus": 0, **args})
     assert LeastOngoingRouter.__mro__[1].__name__ == "FIFOMixin"  # requests leave Serve's queue in arrival order
+
+
+def test_every_replica_gets_the_compiled_artifact_and_logs_its_start(tmp_path, capsys):
+    import logging
+
+    from q3tts.server.ray_serve import _log_to_stderr, build_app
+    d = build_app({"model": "m", "num_gpus": 0, "replicas": 1, "max_replicas": 3,
+                   "compile_artifact": str(tmp_path / "a.bin")})._bound_deployment
+    settings, _ = d.init_args  # one bound init for the first replica and those the autoscaler adds
+    assert settings.compile_artifact == str(tmp_path / "a.bin")
+    qlog = logging.getLogger("q3tts")
+    saved = qlog.handlers[:], qlog.level, qlog.propagate
+    try:  # a replica's process: Serve configures only its own loggers
+        qlog.handlers[:] = []
+        _log_to_stderr("info")
+        logging.getLogger("q3tts.server").info("replica r: engine built")
+        logging.getLogger("q3tts.engine").debug("not at info")
+        _log_to_stderr("info")  # once: no second handler
+        assert len(qlog.handlers) == 1
+    finally:
+        qlog.handlers[:], qlog.level, qlog.propagate = saved
+    err = capsys.readouterr().err
+    assert "INFO q3tts.server: replica r: engine built" in err and "not at info" not in err

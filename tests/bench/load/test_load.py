@@ -140,6 +140,18 @@ def test_step_arrivals_join_the_steps_without_a_gap():
     a = load.step_arrivals([5.0, 50.0], 10.0, seed=4)
     first, second = load.poisson_arrivals(5.0, 10.0, 4), load.poisson_arrivals(50.0, 10.0, 5)
     assert a == first + [10.0 + t for t in second] and a == sorted(a)
+    b = load.step_arrivals([5.0, 50.0, 20.0], [10.0, 4.0, 6.0], seed=4)  # a length per step
+    lengths = [load.poisson_arrivals(r, d, 4 + k) for k, (r, d) in enumerate([(5.0, 10.0), (50.0, 4.0), (20.0, 6.0)])]
+    assert b == lengths[0] + [10.0 + t for t in lengths[1]] + [14.0 + t for t in lengths[2]]
+    with pytest.raises(ValueError, match="2 rates need as many step lengths, got 3"):
+        load.step_arrivals([5.0, 50.0], [1.0, 2.0, 3.0], seed=0)
+
+
+def test_several_durations_need_rate_steps_and_one_per_rate(capsys):
+    for args in (["--rate", "1,2", "--duration", "3,4"], ["--rate", "1,2", "--rate-steps", "--duration", "3,4,5"]):
+        with pytest.raises(SystemExit):
+            load.main(args)
+        assert "several --duration values need --rate-steps and one per --rate value" in capsys.readouterr().err
 
 
 def test_client_cpus_are_shared_out():
