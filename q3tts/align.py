@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,13 +27,16 @@ from .config import read_json
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
+from .engine.graphs import gc_paused, side_stream
 from .models.audio_encoder import (
+    HOP,
     SAMPLE_RATE,
     Ragged,
     encoder_layer,
     log_mel,
     mel_filters,
     reflect_rows,
+    reflect_rows_device,
     tokens_after_cnn,
     valid_frames,
 )
@@ -60,11 +64,113 @@ class _Item:
         return self
 
 
+class _PaddedPass:
+    """The aligner's fast pass (ForcedAligner(graphs=True)): the batch right-padded to a bucket of (rows, audio
+    chunks, prompt tokens) and run as Thinker.forward_padded, whose shapes depend on the bucket only. On CUDA each
+    bucket's pass (audio encoder, LM, head, argmax: about a thousand kernels) is captured once as a CUDA graph and
+    replayed: one launch instead of a Python call per kernel. The graphs share one memory pool and are captured
+    lazily, at most max_graphs of them (later buckets run the same padded pass uncaptured).
+
+    NOTE(aligner): a row's words equal the eager pass's with rows_alone: padding rows, padding chunks (zeroed
+    frames, as the official pads a row's tail chunk) and padding tokens never reach a real one (per-row STFT and
+    floor, per-window key masks, right padding under is_causal). Rows under one conv chunk of frames (< 1 s) are
+    padded differently by the official, so a batch with one runs eagerly."""
+
+    TOKEN_STEP = 32  # prompt tokens are padded to a multiple of this; rows to a power of two
+
+    def __init__(self, aligner: "ForcedAligner", max_graphs: int = 32):
+        self.aligner, self.max_graphs = aligner, max_graphs
+        self.capture = aligner.device.type == "cuda"
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.inputs: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}  # the graphs' static inputs
+        self.pool = None
+        self.capture_s = 0.0  # time spent capturing, all buckets
+
+    def key(self, frames: list[int], lengths: list[int]) -> tuple[int, int, int] | None:
+        """(rows, chunks, tokens) of the bucket for rows of these mel frames and prompt lengths; None: not padded."""
+        enc = self.aligner.cfg.audio
+        chunk = 2 * enc.n_window
+        if min(frames) < chunk:
+            return None
+        per = enc.n_window_infer // chunk  # chunks in an attention window
+        C = max(-(-f // chunk) for f in frames)
+        C = C if C <= per else -(-C // per) * per
+        return 1 << (len(frames) - 1).bit_length(), C, -(-max(lengths) // self.TOKEN_STEP) * self.TOKEN_STEP
+
+    def _buffers(self, key: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        B, C, S = key
+        a, enc = self.aligner, self.aligner.thinker.audio_tower
+        T, dev = enc.window_tokens(C), a.device
+        return dict(ids=torch.zeros(B, S, dtype=torch.int64, device=dev),  # [B, S] prompts, right-padded
+                    mel=torch.zeros(B, a.cfg.audio.num_mel_bins, C * 2 * a.cfg.audio.n_window, dtype=a.dtype,
+                                    device=dev),  # [B, mel, C * chunk]
+                    mask=torch.ones(B * C * enc.window_tokens(1) // T, T, dtype=torch.bool, device=dev),  # [W, T]
+                    audio_at=torch.zeros(B, S, dtype=torch.int64, device=dev))  # [B, S]
+
+    def _pass(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.aligner.thinker.forward_padded(x["ids"], x["mel"], x["mask"], x["audio_at"]).argmax(-1)  # [B, S]
+
+    def _graph(self, key, x: dict[str, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (cuBLAS handles, the allocator), then capture into the shared pool. Capture errors
+        are thread-local: synthesis may launch on other streams meanwhile."""
+        t0 = time.perf_counter()
+        with side_stream():
+            self._pass(x)
+        g = torch.cuda.CUDAGraph()
+        with gc_paused(), torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._pass(x)
+        self.pool = g.pool()
+        self.capture_s += time.perf_counter() - t0
+        return g, out
+
+    def __call__(self, items: list[_Item], rows: list[np.ndarray], frames: list[int]) -> np.ndarray | None:
+        """classes [B, S] (host) for the rows' prompts rows (the audio_pad runs as long as tokens_after_cnn(frames));
+        None: the batch is not for the padded pass (a row under one chunk)."""
+        key = self.key(frames, [len(r) for r in rows])
+        if key is None:
+            return None
+        a, (Bb, C, S) = self.aligner, key
+        B, enc = len(items), a.cfg.audio
+        x = self.inputs.get(key) or self._buffers(key)
+        # features: each row's log-mel alone (reflect padding at its own ends, its own floor), zero past its frames
+        flat = torch.from_numpy(np.concatenate([it.wav for it in items])).to(a.device)
+        mel = log_mel(reflect_rows_device(flat, [it.wav.shape[0] for it in items]), a._filters, frames, center=False)
+        past = torch.arange(mel.shape[2], device=a.device)[None, :] >= torch.as_tensor(frames, device=a.device)[:, None]
+        x["mel"].zero_()
+        x["mel"][:B, :, :mel.shape[2]] = mel.masked_fill(past[:, None], 0.0)
+        # prompts right-padded; each audio_pad slot's embedding in the encoder output [B * C * t]
+        ids = np.zeros((Bb, S), np.int64)
+        audio_at = np.zeros((Bb, S), np.int64)
+        t = tokens_after_cnn(2 * enc.n_window)
+        T = a.thinker.audio_tower.window_tokens(C)
+        W = C * t // T  # windows a row
+        mask = np.zeros((Bb, W, T), bool)
+        for b, (r, f) in enumerate(zip(rows, frames)):
+            n = tokens_after_cnn(f)
+            ids[b, :len(r)] = r
+            audio_at[b, 1:1 + n] = b * C * t + np.arange(n)  # the prompt's audio_pad run starts at slot 1
+            mask[b].reshape(-1)[:n] = True
+        mask = mask.reshape(Bb * W, T)
+        mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
+        for name, v in (("ids", ids), ("audio_at", audio_at), ("mask", mask)):
+            x[name].copy_(torch.from_numpy(v))
+        if not self.capture:
+            return self._pass(x)[:B].cpu().numpy()
+        if key not in self.graphs and len(self.graphs) < self.max_graphs:
+            self.inputs[key] = x
+            self.graphs[key] = self._graph(key, x)
+        if key in self.graphs:
+            g, out = self.graphs[key]
+            g.replay()
+            return out[:B].cpu().numpy()
+        return self._pass(x)[:B].cpu().numpy()
+
+
 class ForcedAligner:
     """Audio + its transcript -> the time of every word."""
 
     def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path,
-                 compile: bool = False):
+                 compile: bool = False, graphs: bool = False):
         self.thinker, self.tokenizer, self.cfg, self.model_dir = thinker, tokenizer, cfg, model_dir
         self.compiled = compile
         if compile:  # one compiled function per layer kind serves every layer; token counts and batch are dynamic
@@ -77,13 +183,15 @@ class ForcedAligner:
         if self._ids["<timestamp>"] != cfg.timestamp_token_id:
             raise ValueError(f"{model_dir}: the tokenizer's <timestamp> is id {self._ids['<timestamp>']}, "
                              f"config.json says {cfg.timestamp_token_id}")
+        self._padded = _PaddedPass(self) if graphs else None
         self._lock = threading.Lock()  # one pass at a time (the worker's thread and direct callers)
         # the last class ends here: longer audio has words the head cannot place
         self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None, compile: bool = False) -> "ForcedAligner":
+                        dtype: torch.dtype | str | None = None, compile: bool = False,
+                        graphs: bool = False) -> "ForcedAligner":
         """Load a forced-aligner checkpoint (hub id or local directory in the official layout).
 
         Args:
@@ -93,13 +201,15 @@ class ForcedAligner:
             dtype: default bf16 on CUDA, fp32 on CPU.
             compile: torch.compile the decoder and encoder layers (norms, RoPE, the attention glue and the MLP's
                 activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
+            graphs: batches of rows aligned as alone (and single utterances) run padded to a bucket of shapes, each
+                bucket's pass captured as one CUDA graph on first use (CUDA; elsewhere the padded pass runs as is).
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
         cfg = parse_aligner_config(read_json(d / "config.json"))
-        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile)
+        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile, graphs)
         if compile:
             aligner.warmup()
         return aligner
@@ -218,28 +328,42 @@ class ForcedAligner:
         with self._lock:
             return self._forward(items, rows_alone)
 
-    def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
-        """One forward for the batch: every row's prompt packed end to end, one host sync (the classes)."""
-        mel, frames = self._features(items, rows_alone)
-        audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
+    def _prompts(self, items: list[_Item], frames: list[int]) -> list[np.ndarray]:
+        """Each row's prompt ids: <|audio_start|>, tokens_after_cnn(frames) audio_pad, <|audio_end|>, the words with
+        their <timestamp> pairs."""
         rows = []
         for it, f in zip(items, frames):
             words_ids = self.tokenizer.encode(prompt_text(it.words).split("<|audio_end|>", 1)[1])
-            rows.append([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
-                        + [self._ids["<|audio_end|>"]] + words_ids)
+            rows.append(np.array([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
+                                 + [self._ids["<|audio_end|>"]] + words_ids, np.int64))
+        return rows
+
+    def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
+        """One forward for the batch, one host sync (the classes): the padded pass (graphs=True) when every row is
+        aligned as alone, else every row's prompt packed end to end."""
+        ts = self.cfg.timestamp_token_id
+        if self._padded is not None and (rows_alone or len(items) == 1):
+            frames = [it.wav.shape[0] // HOP for it in items]  # a row's own frames (log_mel of it alone)
+            rows = self._prompts(items, frames)
+            classes = self._padded(items, rows, frames)  # [B, S] or None
+            if classes is not None:
+                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
+        mel, frames = self._features(items, rows_alone)
+        audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
+        rows = self._prompts(items, frames)
         ids = np.concatenate(rows)  # [N]
-        select = np.flatnonzero(ids == self.cfg.timestamp_token_id)  # the timestamp slots, row after row
+        select = np.flatnonzero(ids == ts)  # the timestamp slots, row after row
         logits = self.thinker(torch.from_numpy(ids).to(self.device), Ragged.of([len(r) for r in rows], self.device),
                               audio, torch.from_numpy(select).to(self.device))  # [M, classify_num]
         classes = logits.argmax(-1).cpu().numpy()
-        out, at = [], 0
+        starts = np.cumsum([len(r) for r in rows])[:-1]  # where rows 1.. begin in ids
+        return self._times(items, np.split(classes, np.searchsorted(select, starts)))
+
+    def _times(self, items: list[_Item], classes: list[np.ndarray]) -> list[list[WordTime]]:
+        """Each row's words timed from the classes at its <timestamp> slots."""
         seg = np.float32(self.cfg.timestamp_segment_time)
-        for it, r in zip(items, rows):
-            n = int(np.count_nonzero(np.asarray(r) == self.cfg.timestamp_token_id))
-            # ms as the official computes them: int class x float32 segment time
-            out.append(word_times(it.words, [float(np.float32(c) * seg) for c in classes[at:at + n]]))
-            at += n
-        return out
+        # ms as the official computes them: int class x float32 segment time
+        return [word_times(it.words, [float(np.float32(c) * seg) for c in cls]) for it, cls in zip(items, classes)]
 
 
 class AlignerWorker:
