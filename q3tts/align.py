@@ -26,6 +26,7 @@ from .audio import resample, to_mono
 from .config import read_json
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
 from .inputs.prompt import TextTokenizer
+from .models.resample import Polyphase
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
 from .engine.graphs import gc_paused, side_stream
 from .models.audio_encoder import (
@@ -37,6 +38,7 @@ from .models.audio_encoder import (
     mel_filters,
     reflect_rows,
     reflect_rows_device,
+    rows_of,
     tokens_after_cnn,
     valid_frames,
 )
@@ -63,6 +65,12 @@ class _Item:
             self.wav, self.sample_rate, self.prepared = np.clip(wav, -1.0, 1.0).astype(np.float32), SAMPLE_RATE, True
         return self
 
+    @property
+    def num_samples(self) -> int:
+        """Its length at 16 kHz (what resample() returns)."""
+        return self.wav.shape[0] if self.prepared or self.sample_rate == SAMPLE_RATE else \
+            int(np.ceil(self.wav.shape[0] * (float(SAMPLE_RATE) / self.sample_rate)))
+
 
 class _PaddedPass:
     """The aligner's fast pass (ForcedAligner(graphs=True)): the batch right-padded to a bucket of (rows, audio
@@ -78,9 +86,11 @@ class _PaddedPass:
 
     TOKEN_STEP = 32  # prompt tokens are padded to a multiple of this; rows to a power of two
 
-    def __init__(self, aligner: "ForcedAligner", max_graphs: int = 32):
+    def __init__(self, aligner: "ForcedAligner", resample_on_device: bool, max_graphs: int = 32):
         self.aligner, self.max_graphs = aligner, max_graphs
         self.capture = aligner.device.type == "cuda"
+        self.resample_on_device = resample_on_device
+        self.resamplers: dict[int, Polyphase | None] = {}  # by input rate: soxr's filter on the device
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.inputs: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}  # the graphs' static inputs
         self.pool = None
@@ -123,6 +133,29 @@ class _PaddedPass:
         self.capture_s += time.perf_counter() - t0
         return g, out
 
+    def _wavs(self, items: list[_Item]) -> torch.Tensor:
+        """The rows' 16 kHz waveforms in [-1, 1], [B, max num_samples] on the device: resampled there by soxr's own
+        filter when every unprepared row has one rate that has one (Polyphase), else prepared on the CPU (soxr)."""
+        rates = {it.sample_rate for it in items if not it.prepared}
+        f = None
+        if self.resample_on_device and len(rates) == 1 and all(not it.prepared for it in items):
+            sr = rates.pop()
+            if sr not in self.resamplers:
+                self.resamplers[sr] = Polyphase.of(sr, SAMPLE_RATE) if sr != SAMPLE_RATE else None
+            f = self.resamplers[sr]
+            if f is None and sr != SAMPLE_RATE:
+                items = [it.ready() for it in items]
+        else:
+            items = [it.ready() for it in items]
+        dev = self.aligner.device
+        n = [it.wav.shape[0] for it in items]
+        wav = rows_of(torch.from_numpy(np.concatenate([it.wav for it in items])).to(dev), n)  # [B, max n]
+        if f is not None:
+            wav = f(wav, n)
+        # as _Item.ready (and the official): a row whose peak is past 1 is scaled back into [-1, 1], then clipped
+        peak = wav.abs().amax(1, keepdim=True)
+        return torch.where(peak > 1.0, wav / peak, wav).clamp(-1.0, 1.0)
+
     def __call__(self, items: list[_Item], rows: list[np.ndarray], frames: list[int]) -> np.ndarray | None:
         """classes [B, S] (host) for the rows' prompts rows (the audio_pad runs as long as tokens_after_cnn(frames));
         None: the batch is not for the padded pass (a row under one chunk)."""
@@ -133,8 +166,8 @@ class _PaddedPass:
         B, enc = len(items), a.cfg.audio
         x = self.inputs.get(key) or self._buffers(key)
         # features: each row's log-mel alone (reflect padding at its own ends, its own floor), zero past its frames
-        flat = torch.from_numpy(np.concatenate([it.wav for it in items])).to(a.device)
-        mel = log_mel(reflect_rows_device(flat, [it.wav.shape[0] for it in items]), a._filters, frames, center=False)
+        mel = log_mel(reflect_rows_device(self._wavs(items), [it.num_samples for it in items]), a._filters, frames,
+                      center=False)
         past = torch.arange(mel.shape[2], device=a.device)[None, :] >= torch.as_tensor(frames, device=a.device)[:, None]
         x["mel"].zero_()
         x["mel"][:B, :, :mel.shape[2]] = mel.masked_fill(past[:, None], 0.0)
@@ -170,7 +203,7 @@ class ForcedAligner:
     """Audio + its transcript -> the time of every word."""
 
     def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path,
-                 compile: bool = False, graphs: bool = False):
+                 compile: bool = False, graphs: bool = False, resample_on_device: bool | None = None):
         self.thinker, self.tokenizer, self.cfg, self.model_dir = thinker, tokenizer, cfg, model_dir
         self.compiled = compile
         if compile:  # one compiled function per layer kind serves every layer; token counts and batch are dynamic
@@ -183,7 +216,8 @@ class ForcedAligner:
         if self._ids["<timestamp>"] != cfg.timestamp_token_id:
             raise ValueError(f"{model_dir}: the tokenizer's <timestamp> is id {self._ids['<timestamp>']}, "
                              f"config.json says {cfg.timestamp_token_id}")
-        self._padded = _PaddedPass(self) if graphs else None
+        on_device = self.device.type == "cuda" if resample_on_device is None else resample_on_device
+        self._padded = _PaddedPass(self, on_device) if graphs else None
         self._lock = threading.Lock()  # one pass at a time (the worker's thread and direct callers)
         # the last class ends here: longer audio has words the head cannot place
         self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
@@ -191,7 +225,7 @@ class ForcedAligner:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, compile: bool = False,
-                        graphs: bool = False) -> "ForcedAligner":
+                        graphs: bool = False, resample_on_device: bool | None = None) -> "ForcedAligner":
         """Load a forced-aligner checkpoint (hub id or local directory in the official layout).
 
         Args:
@@ -203,13 +237,15 @@ class ForcedAligner:
                 activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
             graphs: batches of rows aligned as alone (and single utterances) run padded to a bucket of shapes, each
                 bucket's pass captured as one CUDA graph on first use (CUDA; elsewhere the padded pass runs as is).
+            resample_on_device: with graphs, resample 24 (or 8, 48) kHz input to 16 kHz on the aligner's device with
+                soxr's own filter (q3tts.models.resample) instead of soxr on the CPU; default: on CUDA.
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
         cfg = parse_aligner_config(read_json(d / "config.json"))
-        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile, graphs)
+        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile, graphs, resample_on_device)
         if compile:
             aligner.warmup()
         return aligner
@@ -294,7 +330,7 @@ class ForcedAligner:
         """
         batch = isinstance(audio, (list, tuple))
         if not batch:
-            return self._run([self._item(audio, sample_rate, text, language, -1)])[0]
+            return self._run([self._item(audio, sample_rate, text, language, -1, ready=False)])[0]
         n = len(audio)
         if n == 0:
             raise ValueError("audio is an empty list")
@@ -303,7 +339,7 @@ class ForcedAligner:
             per[name] = list(v) if isinstance(v, (list, tuple)) else [v] * n
             if len(per[name]) != n:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
-        items = [self._item(a, sr, t, lang, i) for i, (a, sr, t, lang) in
+        items = [self._item(a, sr, t, lang, i, ready=False) for i, (a, sr, t, lang) in
                  enumerate(zip(audio, per["sample_rate"], per["text"], per["language"]))]
         return self._run(items, rows_alone)
 
@@ -343,11 +379,12 @@ class ForcedAligner:
         aligned as alone, else every row's prompt packed end to end."""
         ts = self.cfg.timestamp_token_id
         if self._padded is not None and (rows_alone or len(items) == 1):
-            frames = [it.wav.shape[0] // HOP for it in items]  # a row's own frames (log_mel of it alone)
+            frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
             rows = self._prompts(items, frames)
             classes = self._padded(items, rows, frames)  # [B, S] or None
             if classes is not None:
                 return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
+        items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
         rows = self._prompts(items, frames)
@@ -419,7 +456,7 @@ class AlignerWorker:
                 continue
             try:
                 with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
-                    words = self.aligner._run([it.ready() for it, _ in batch], rows_alone=True)
+                    words = self.aligner._run([it for it, _ in batch], rows_alone=True)
                     if self._stream is not None:
                         self._stream.synchronize()
             except BaseException as e:  # noqa: BLE001 - the callers get the error; the worker lives on

@@ -12,7 +12,7 @@ import torch
 
 import q3tts.align as align_mod
 from q3tts.align import ForcedAligner
-from q3tts.models.audio_encoder import reflect_rows, reflect_rows_device, tokens_after_cnn
+from q3tts.models.audio_encoder import reflect_rows, reflect_rows_device, rows_of, tokens_after_cnn
 from tests.test_align import CASES, PARITY, aligner, audio, checkpoint, expected, run_case_with
 
 
@@ -125,7 +125,8 @@ def test_reflect_rows_on_the_device_equal_the_host():
     rng = np.random.default_rng(0)
     wavs = [rng.standard_normal(n).astype(np.float32) for n in (321, 1000, 4567)]
     host, _ = reflect_rows(wavs)
-    dev = reflect_rows_device(torch.from_numpy(np.concatenate(wavs)), [w.shape[0] for w in wavs])
+    lengths = [w.shape[0] for w in wavs]
+    dev = reflect_rows_device(rows_of(torch.from_numpy(np.concatenate(wavs)), lengths), lengths)
     assert torch.equal(dev, torch.from_numpy(host))
 
 
@@ -167,3 +168,36 @@ def test_cuda_graphs_equal_the_padded_pass_uncaptured():
     a._padded.capture = False
     assert _rows_alone(a, names, texts) == graphed
     assert graphed == [r for r in _rows_alone(aligner(), names, texts)]
+
+
+def test_device_resampler_is_soxrs_filter():
+    """Polyphase (soxr's filter read off its impulse responses, run as a float64 FFT correlation) against
+    q3tts.audio.resample (soxr_hq) on noise, a tone and the fixtures' 24 kHz audio, rows of different lengths in one
+    call. Max abs difference 1e-6: both compute the same filter; soxr rounds its sums to float32 (about 2.4e-7 here)."""
+    from q3tts.audio import resample
+    from q3tts.models.resample import Polyphase
+    rng = np.random.default_rng(0)
+    for sr in (24000, 8000, 48000):
+        f = Polyphase.of(sr, 16000)
+        assert f is not None
+        wavs = [(0.3 * rng.standard_normal(int(sr * 1.3))).astype(np.float32),
+                np.sin(np.arange(sr + 7) * 0.3).astype(np.float32)]
+        if sr == 24000:
+            wavs.append(audio("d")[0])
+        lengths = [w.shape[0] for w in wavs]
+        got = f(rows_of(torch.from_numpy(np.concatenate(wavs)), lengths), lengths)
+        for w, g in zip(wavs, got):
+            want = resample(w, sr, 16000)
+            assert f.out_len(w.shape[0]) == want.shape[0]
+            assert np.abs(g[:want.shape[0]].numpy() - want).max() <= 1e-6
+            assert not g[want.shape[0]:].any()
+    assert Polyphase.of(44100, 16000) is None  # a period of 441 input samples: soxr on the CPU
+
+
+@pytest.mark.parametrize("name", ["en_24k", "long_windowed"])
+def test_resampling_on_the_device_gives_the_officials_words(name):
+    """24 kHz (en_24k) and 8 kHz (long) audio resampled by the device filter: the official's words and times."""
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", graphs=True, resample_on_device=True)
+    case = CASES[name]
+    assert run_case_with(a, case) == expected(case)
+    assert any(f is not None for f in a._padded.resamplers.values())

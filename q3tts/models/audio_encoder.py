@@ -121,16 +121,24 @@ def reflect_rows(wavs: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     return out, [w.shape[0] // HOP for w in wavs]
 
 
-def reflect_rows_device(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """reflect_rows on the device: flat [sum of lengths] (the rows' waveforms packed end to end) -> [B, max_len + 400],
-    each row reflect-padded by N_FFT // 2 at both of its own ends, then zeros (one gather: the same values)."""
-    pad, dev = N_FFT // 2, flat.device
+def rows_of(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """flat [sum of lengths] (waveforms packed end to end) -> [B, max_len], each row zero-padded (one gather)."""
+    dev = flat.device
     n = torch.as_tensor(lengths, device=dev)[:, None]  # [B, 1]
     start = torch.as_tensor(np.cumsum([0] + lengths[:-1]), device=dev)[:, None]
+    j = torch.arange(max(lengths), device=dev)[None, :]
+    return flat[start + torch.minimum(j, n - 1)] * (j < n)
+
+
+def reflect_rows_device(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """reflect_rows on the device: rows [B, L] (row b's first lengths[b] samples) -> [B, max_len + 400], each row
+    reflect-padded by N_FFT // 2 at both of its own ends, then zeros (one gather: the same values)."""
+    pad, dev = N_FFT // 2, rows.device
+    n = torch.as_tensor(lengths, device=dev)[:, None]  # [B, 1]
     j = torch.arange(max(lengths) + 2 * pad, device=dev)[None, :] - pad  # [1, L'] sample index in the row
     src = j.abs()  # the start: sample -k is sample k (pad < every row's length, see ForcedAligner._item)
     src = torch.where(src >= n, 2 * (n - 1) - src, src).clamp(min=0)  # the end: sample n - 1 + k is n - 1 - k
-    return flat[start + src] * (j < n + pad)  # [B, L']
+    return rows.gather(1, src.expand(rows.shape[0], -1)) * (j < n + pad)  # [B, L']
 
 
 def valid_frames(num_samples: int, padded_len: int) -> int:
