@@ -141,8 +141,8 @@ def test_rows_under_one_chunk_run_eagerly(padded_calls):
 def test_buckets():
     p = fast()._padded
     per = fast().cfg.audio.n_window_infer // (2 * fast().cfg.audio.n_window)
-    assert p.key([500] * 3, [100, 117, 90]) == (4, 5, 128)  # rows to a power of two, tokens to a multiple of 32
-    assert p.key([100], [33]) == (1, 1, 64)
+    assert p.key([500] * 3, [100, 117, 90]) == (4, 5, 128)  # rows to a power of two, tokens to a multiple of 16
+    assert p.key([100], [33]) == (1, 1, 48)
     assert p.key([930, 500], [10, 10])[1] == 2 * per  # past one window: whole windows of chunks
     assert p.key([99, 500], [10, 10]) is None
 
