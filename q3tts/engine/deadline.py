@@ -142,7 +142,9 @@ class DeadlinePolicy:
 
     def admits(self, req: EngineRequest, admitted: int, budget: float, now: float) -> bool:
         """Whether req may join the `admitted` newcomers already chosen this step under `budget` (seconds)."""
-        if now - req.arrival_time >= self.max_wait_s:
+        # (the wait runs from when its prompt was ready: a long text's later segment or a streamed text's request
+        # may be queued long after its arrival_time)
+        if now - (req.arrival_time if req.ready_at is None else req.ready_at) >= self.max_wait_s:
             return True  # waited long enough: it goes, whatever the others' slack
         # NOTE(first): with no row at risk (budget >= 0) and nothing measured yet, the estimate is 0: the first goes
         return self.times.prefill.estimate(admitted + 1) <= budget
@@ -169,8 +171,8 @@ class DeadlinePolicy:
             if n == 0:
                 continue
             slack = r.slack(now)
-            if slack is None:  # not playing yet: its first audio as soon as it is long enough
-                if n >= self.first_chunk_frames(r, contended):
+            if slack is None:  # not playing yet: its first audio as soon as it is long enough (or its text stalls it)
+                if n >= self.first_chunk_frames(r, contended) or not r.can_run:
                     must.append((now, i, r, n))
             elif slack < self.horizon_s:
                 must.append((now + slack, i, r, n))
@@ -227,7 +229,7 @@ def full_chunks(reqs: list[EngineRequest]) -> list[tuple[EngineRequest, int]]:
             n = 0
         else:
             pending = r.num_frames - r.frames_vocoded
-            n = pending if last else (r.next_chunk_size() if pending >= r.next_chunk_size() else 0)
+            n = pending if last else (whole_chunks(r.stream, r.frames_vocoded, pending)[:1] or [0])[0]
         if n > 0 or last:
             plan.append((r, n))
     return plan

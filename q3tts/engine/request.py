@@ -51,6 +51,7 @@ class EngineRequest:
     prepared: PreparedRequest  # layout, speaker embedding, ref codes, sampling params
     stream: StreamOptions | None = None  # None: offline (codes only, decoded by the caller)
     arrival_time: float = field(default_factory=time.perf_counter)
+    ready_at: float | None = None  # when a schedule() first found its prompt ready (the deadline policy's wait)
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     frames: list = field(default_factory=list)  # generated frames, each a [K] int64 tensor on the device
@@ -101,7 +102,3 @@ class EngineRequest:
         """Seconds of emitted audio its listener has not played yet at `now` (a player that started at the first
         chunk; < 0: it stalled); None before the first chunk (and for offline requests)."""
         return None if self.first_sent_at is None else self.audio_sent_s - (now - self.first_sent_at)
-
-    def next_chunk_size(self) -> int:
-        s = self.stream
-        return min(s.chunk_frames, s.first_chunk_frames << min(self.chunks_emitted, 30))

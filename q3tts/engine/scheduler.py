@@ -105,10 +105,13 @@ class Scheduler:
         out.decode = [self.running[s] for s in sorted(self.running)]
         self.free_slots.sort(reverse=True)
         max_len = 0  # Lmax of the padded prefill batch
+        ready = [r for r in self.waiting if r.prompt_ready]
         if self.policy is not None:
             now = time.perf_counter() if now is None else now
             budget = self.policy.admission_budget(out.decode, now)  # seconds of prefill the running rows allow
-        for req in [r for r in self.waiting if r.prompt_ready]:
+            for r in ready:
+                r.ready_at = now if r.ready_at is None else r.ready_at
+        for req in ready:
             if not self.free_slots or len(out.prefill) == self.max_prefills_per_step:
                 break
             if self.policy is not None and not self.policy.admits(req, len(out.prefill), budget, now):

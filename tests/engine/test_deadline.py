@@ -194,6 +194,35 @@ def test_admission_respects_the_smallest_slack():
     assert [r.request_id for r in out.prefill] == [f"r{i}" for i in range(16, 20)] and late in s.waiting
 
 
+def test_the_wait_bound_runs_from_when_the_prompt_was_ready():
+    """A request whose arrival_time is long past (a long text's later segment, a streamed text's request whose prompt
+    has just filled) waits for slack as a newcomer does: its bound runs from when a schedule() first found it ready."""
+    now = 10.0
+    pol = policy(frame=0.01, vocode=0.0, prefill=0.005, margin_s=0.02)
+    s = Scheduler(max_slots=8, policy=pol)
+    r = playing(0, slack=0.0, pending=16)  # at risk: no prefill fits
+    r.slot = 0
+    s.running[0], s.free_slots = r, list(range(7, 0, -1))
+    seg = stream_req(1, arrival=0.0)
+    s.add(seg)
+    assert pol.admission_budget([r], now) < 0
+    assert s.schedule(now).prefill == [] and seg.ready_at == now
+    assert s.schedule(now + pol.max_wait_s / 2).prefill == []
+    assert s.schedule(now + pol.max_wait_s).prefill == [seg]
+
+
+def test_a_row_stalled_on_its_text_sends_its_whole_chunks_at_once():
+    """A row not yet playing whose streamed text has not come sends the whole chunks it has (holding them back for a
+    bigger first chunk gains nothing while it cannot run)."""
+    pol = policy(frame=0.05)  # long steps: a first chunk of several frames
+    r = stream_req(0)
+    r.status, r.frames = RequestStatus.RUNNING, [0]  # one frame: its first whole chunk (StreamOptions(1, 16))
+    assert pol.first_chunk_frames(r, contended=True) > 1
+    assert pol.plan_chunks([r, stream_req(1)], 10.0) == []  # it can run: it waits for a bigger first chunk
+    r.prepared.text, r.text_fed = SimpleNamespace(), 0  # now waiting for streamed text
+    assert not r.can_run and pol.plan_chunks([r, stream_req(1)], 10.0) == [(r, 1)]
+
+
 def test_the_first_newcomer_goes_whenever_no_row_is_at_risk():
     """Before any prefill was measured, one newcomer goes while no row is at risk (budget >= 0); once a prefill is
     known to take longer than the slack allows, newcomers wait (until max_wait_s)."""
