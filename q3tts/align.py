@@ -24,11 +24,10 @@ import torch
 
 from .audio import resample, to_mono
 from .config import read_json
+from .engine.graphs import gc_paused, side_stream
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
 from .inputs.prompt import TextTokenizer
-from .models.resample import Polyphase
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
-from .engine.graphs import gc_paused, side_stream
 from .models.audio_encoder import (
     HOP,
     SAMPLE_RATE,
@@ -42,6 +41,7 @@ from .models.audio_encoder import (
     tokens_after_cnn,
     valid_frames,
 )
+from .models.resample import Polyphase
 from .weights import resolve_model_dir
 
 __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
@@ -245,7 +245,8 @@ class ForcedAligner:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
         cfg = parse_aligner_config(read_json(d / "config.json"))
-        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile, graphs, resample_on_device)
+        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile, graphs,
+                      resample_on_device)
         if compile:
             aligner.warmup()
         return aligner

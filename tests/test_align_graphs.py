@@ -13,7 +13,7 @@ import torch
 import q3tts.align as align_mod
 from q3tts.align import ForcedAligner
 from q3tts.models.audio_encoder import reflect_rows, reflect_rows_device, rows_of, tokens_after_cnn
-from tests.test_align import CASES, PARITY, aligner, audio, checkpoint, expected, run_case_with
+from tests.test_align import CASES, aligner, audio, checkpoint, expected, run_case_with
 
 
 @lru_cache(maxsize=1)
@@ -165,9 +165,8 @@ def test_cuda_graphs_equal_the_padded_pass_uncaptured():
     graphed = _rows_alone(a, names, texts)
     assert len(a._padded.graphs) == 1
     assert _rows_alone(a, names[::-1], texts[::-1]) == graphed[::-1] and len(a._padded.graphs) == 1
-    a._padded.capture = False
+    a._padded.capture = False  # the same pass launched op by op, on the graph's own inputs
     assert _rows_alone(a, names, texts) == graphed
-    assert graphed == [r for r in _rows_alone(aligner(), names, texts)]
 
 
 def test_device_resampler_is_soxrs_filter():
