@@ -200,3 +200,16 @@ def test_resampling_on_the_device_gives_the_officials_words(name):
     case = CASES[name]
     assert run_case_with(a, case) == expected(case)
     assert any(f is not None for f in a._padded.resamplers.values())
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_align_leaves_the_callers_audio_as_it_was(graphs):
+    """align() keeps a float32 waveform without copying it: nothing of the pass writes into it (peak scaling, clipping
+    and resampling make new arrays), and a loud row (peak past 1) gets the words of a copy of it aligned alone."""
+    a = fast() if graphs else aligner()
+    wav, sr = audio("d")
+    loud = wav * 4.0
+    before = loud.copy()
+    got = a.align([loud, wav], sr, ["one two", "three four"], "English", rows_alone=True)
+    assert np.array_equal(loud, before)
+    assert got[0] == aligner().align(before.copy(), sr, "one two", "English")

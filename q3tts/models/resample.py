@@ -82,7 +82,7 @@ class Polyphase:
         span = max(L + self.left, self.q * (periods - 1) + taps)  # the padded rows' samples the outputs read
         n = 1 << (span + taps).bit_length()  # no wrap-around: t + i < n for every read
         x = F.pad(rows.double(), (self.left, 0))
-        w = torch.from_numpy(self.weight).to(rows.device)  # [p, taps] float64
+        w = torch.from_numpy(self.weight).to(rows.device, non_blocking=True)  # [p, taps] float64
         z = torch.fft.irfft(torch.fft.rfft(x, n)[:, None] * torch.fft.rfft(w, n).conj(), n)  # [B, p, n]
         y = z[..., :self.q * periods:self.q]  # [B, p, periods]
         y = y.transpose(1, 2).reshape(B, -1)[:, :n_out].float()
