@@ -212,10 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     aligners, words = {}, {}
     for v in variants:
         t0 = time.perf_counter()
-        aligners[v] = ForcedAligner.from_pretrained(ckpt, device=device, dtype=dtype, compile=v == "compiled",
-                                                    graphs=v == "graphs")
-        load = time.perf_counter() - t0  # compiled: the warm-up's compilations included
-        r, words[v] = measure_aligner(aligners[v], wavs, texts, sr, a.repeats, device)
+        try:
+            aligners[v] = ForcedAligner.from_pretrained(ckpt, device=device, dtype=dtype, compile=v == "compiled",
+                                                        graphs=v == "graphs")
+            load = time.perf_counter() - t0  # compiled: the warm-up's compilations included
+            r, words[v] = measure_aligner(aligners[v], wavs, texts, sr, a.repeats, device)
+        except Exception as e:  # noqa: BLE001 - one device run: a failing variant is reported, the others still run
+            aligners.pop(v, None)
+            result[v] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+            print(json.dumps({v: result[v]}), flush=True)
+            continue
         # ready: loaded, and the first one-utterance and batch calls done (compilations, graph captures)
         r = dict(load_s=round(load, 2), ready_s=round(load + r["first_call_s"] + r["batch_first_call_s"], 2), **r)
         r["aligner_ms_per_audio_second"] = round(r["batch_ms"] / audio_s, 3)
@@ -232,16 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         kw = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=frames)
         synth, _ = timed(lambda: tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), **kw), 1, device)
         result["synthesis_ms"] = round(synth * 1000, 1)
-        for v in variants:
+        for v in aligners:
             r = result[v]
             r["share_of_synthesis"] = round(r["batch_ms"] / result["synthesis_ms"], 4)
             r["pass_share_of_synthesis"] = round(r["batch_pass_ms"] / result["synthesis_ms"], 4)
-        if a.streams:
+        if a.streams and aligners:
+            last = list(aligners)[-1]  # the last variant that ran
             result["streams_alone"] = streams_beside(tts, None, texts, wavs, sr, a.streams, frames)
-            worker = AlignerWorker(aligners[variants[-1]])
+            worker = AlignerWorker(aligners[last])
             try:
-                result[f"streams_beside_{variants[-1]}_aligner"] = streams_beside(tts, worker, texts, wavs, sr,
-                                                                                  a.streams, frames)
+                result[f"streams_beside_{last}_aligner"] = streams_beside(tts, worker, texts, wavs, sr, a.streams,
+                                                                         frames)
             finally:
                 worker.close()
     line = json.dumps(result)
