@@ -83,6 +83,11 @@ def segments(text, opts: LongFormOptions, language=None, max_chars: int | None =
     return segs
 
 
+def first_seed(seed: int | None) -> int:
+    """The seed of segment 0 (segment i uses it + i): the call's, or one drawn once for the whole text."""
+    return seed if seed is not None else random.randrange(1 << 31)
+
+
 class SegmentPreparer:
     """Segment i -> its PreparedRequest: `prepare(text_i, seed=seed + i, **kwargs)`, where the seed is the call's
     (or one drawn once for the whole text)."""
@@ -90,9 +95,7 @@ class SegmentPreparer:
     def __init__(self, prepare: Callable[..., list[PreparedRequest]], texts: list[str], kwargs: dict):
         self.prepare, self.texts = prepare, texts
         self.kwargs = dict(kwargs)
-        self.seed = self.kwargs.pop("seed", None)
-        if self.seed is None:
-            self.seed = random.randrange(1 << 31)
+        self.seed = first_seed(self.kwargs.pop("seed", None))
 
     def __len__(self) -> int:
         return len(self.texts)

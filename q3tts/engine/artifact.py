@@ -21,6 +21,7 @@ never a kernel built for other shapes or another GPU (torch's and Triton's own k
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -116,11 +117,16 @@ def save_artifact(path: str | os.PathLike, ckpt, built: dict | None = None) -> d
               "sections": [[k, len(v)] for k, v in sections.items()], "triton_root": root}
     raw = json.dumps(header).encode()
     tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + struct.pack("<Q", len(raw)) + raw)
-        for v in sections.values():
-            f.write(v)
-    os.replace(tmp, path)  # never a half-written artifact under the final name
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(raw)) + raw)
+            for v in sections.values():
+                f.write(v)
+        os.replace(tmp, path)  # never a half-written artifact under the final name
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # a failed write (disk full, interrupted) leaves nothing behind
+        raise
     return header
 
 

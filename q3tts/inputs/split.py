@@ -28,6 +28,7 @@ _SENTENCE_ASCII = ".!?…"
 _SENTENCE_CJK = "。！？"  # no space follows these
 _CLAUSE_ASCII = ",;:"
 _CLAUSE_CJK = "、，；："
+_STOPS = set(_CLOSERS + "(")  # with whitespace: where the look back for the word before a period stops
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 
 # abbreviations that end in "." without ending a sentence (lower case, without their final period)
@@ -66,20 +67,25 @@ def split_text(text: str, granularity: str = "sentence", language: str | None = 
     Returns:
         the segments, in order, each stripped of outer whitespace.
     """
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"split_granularity must be one of {['none', *GRANULARITIES]}, got {granularity!r}")
     if not isinstance(text, str):
         raise ValueError(f"text must be a str to be split, got {type(text).__name__}")  # noqa: TRY004 (user input)
-    if max_chars < 1 or min_chars < 0:
-        raise ValueError("max_chars must be >= 1 and min_chars >= 0")
-    lang = (language or "auto").strip().lower()
-    abbrevs = _ABBREVIATIONS.get(lang, _ALL_ABBREVIATIONS) | _ABBREVIATIONS["english"]
+    abbrevs = _options(granularity, language, max_chars, min_chars)
     spans = _spans(text, _boundaries(text, abbrevs, clause=granularity == "clause"))
     pieces = []
     for a, b in spans:
         pieces += _fit(text, a, b, max_chars, abbrevs)
     pieces = _merge_tiny(text, pieces, max_chars, min_chars)
     return [text[a:b].strip() for a, b in pieces]
+
+
+def _options(granularity: str, language: str | None, max_chars: int, min_chars: int) -> set[str]:
+    """Check split_text's options -> the abbreviations that do not end a sentence in `language`."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"split_granularity must be one of {['none', *GRANULARITIES]}, got {granularity!r}")
+    if max_chars < 1 or min_chars < 0:
+        raise ValueError("max_chars must be >= 1 and min_chars >= 0")
+    lang = (language or "auto").strip().lower()
+    return _ABBREVIATIONS.get(lang, _ALL_ABBREVIATIONS) | _ABBREVIATIONS["english"]
 
 
 # --------------------------------------------------------------------------- boundaries
@@ -122,7 +128,7 @@ def _ends_here(text: str, i: int, j: int, end: int, abbrevs: set[str]) -> bool:
     if text[i] != "." or j - i > 1 and text[i + 1] in ".…":
         return True  # ! ? … , ; : and ellipses end it
     k = i
-    while k > 0 and not text[k - 1].isspace() and text[k - 1] not in _CLOSERS + "(":
+    while k > 0 and not text[k - 1].isspace() and text[k - 1] not in _STOPS:
         k -= 1
     word = text[k:i].lower()
     if word in abbrevs or (len(word) == 1 and text[k].isupper()):
@@ -221,7 +227,6 @@ def _merge_open(text: str, parts: list[tuple[int, int]], max_chars: int,
 
 # --------------------------------------------------------------------------- streamed text
 _CANDIDATES = set(_SENTENCE_ASCII + _SENTENCE_CJK + _CLAUSE_ASCII + _CLAUSE_CJK + _CLOSERS + "\n")
-_STOPS = set(_CLOSERS + "(")  # with whitespace: where _ends_here's look back for the word before a period stops
 
 
 class SplitStream:
@@ -242,9 +247,7 @@ class SplitStream:
 
     def __init__(self, granularity: str = "sentence", language: str | None = None, max_chars: int = MAX_CHARS,
                  min_chars: int = MIN_CHARS, max_pending: int | None = None):
-        split_text("", granularity, language, max_chars, min_chars)  # the same checks and errors
-        lang = (language or "auto").strip().lower()
-        self.abbrevs = _ABBREVIATIONS.get(lang, _ALL_ABBREVIATIONS) | _ABBREVIATIONS["english"]
+        self.abbrevs = _options(granularity, language, max_chars, min_chars)
         self.clause, self.max_chars, self.min_chars = granularity == "clause", max_chars, min_chars
         self.max_pending = 2 * max_chars if max_pending is None else max_pending
         self.text = ""  # the text from a little before `base` (what _ends_here may look back at), to its end

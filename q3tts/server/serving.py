@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import random
 import re
 import time
 import uuid
@@ -317,7 +316,7 @@ class SpeechServing:
     def _segment_preparer(self, req: SpeechOptions, text_of, run: Run):
         """prepare(i) for the segments of one long request: segment i's text (awaited from text_of(i); None: there
         is none) prepared with seed + i, the voice resolved once; its prompt counted in run.input_tokens."""
-        seed = req.seed if req.seed is not None else random.randrange(1 << 31)
+        seed = longform.first_seed(req.seed)
         cache: dict = {}
 
         async def prepare(i: int) -> PreparedRequest | None:

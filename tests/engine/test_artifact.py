@@ -49,6 +49,17 @@ def test_round_trip_and_fingerprint(ckpt, tmp_path):
     assert not os.path.exists(f"{f}.tmp")
 
 
+def test_a_failed_write_leaves_no_file_behind(ckpt, tmp_path, monkeypatch):
+    f = tmp_path / "a.q3c"
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(artifact.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        save_artifact(f, ckpt)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_mismatch_names_the_fields(ckpt):
     here = fingerprint(ckpt)
     other = dict(here, torch="0.0.1", device_name="NVIDIA H100 80GB HBM3 sm_90")
