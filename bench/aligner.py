@@ -8,11 +8,13 @@
 A random-weight checkpoint in the official layout (q3tts/randomckpt.py) at the real dimensions of
 Qwen/Qwen3-ForcedAligner-0.6B (as third-party ports state them: its config.json is not in our reference set; weight
 values do not change speed), or the tiny one of the golden fixtures. The utterances are synthetic audio (tones and
-noise at 24 kHz, as the engine outputs) with a transcript of 3 words a second. Per variant (--variants: eager, and
-compiled = ForcedAligner(compile=True)), the median wall time over --repeats runs after a warm-up of: one utterance
-and the batch of --utterances (each row alone, as the server's AlignerWorker runs them) through align() (with the CPU
-preparation: checks and soxr resampling, which the worker does on its own thread) and through the device pass alone
-(prepared items); load_s includes the compiled variant's compilations. With --tts DIR (a TTS checkpoint, e.g. from
+noise at 24 kHz, as the engine outputs) with a transcript of 3 words a second. Per variant (--variants: eager;
+compiled = ForcedAligner(compile=True); graphs = ForcedAligner(graphs=True): padded buckets, one CUDA graph per
+bucket captured on first use, 24 -> 16 kHz on the device), the median wall time over --repeats runs after a warm-up
+of: one utterance and the batch of --utterances (each row alone, as the server's AlignerWorker runs them) through
+align() (with the CPU preparation: checks, and soxr resampling where the variant resamples on the CPU) and through
+the pass alone (checked items; eager's resampled before it); load_s includes the compiled variant's compilations,
+ready_s the first calls too (graph captures: capture_s), words_vs_eager compares the batch's words with eager's. With --tts DIR (a TTS checkpoint, e.g. from
 bench/make_checkpoint.py), the same call times synthesizing the batch (the aligner's share of it, whole and pass
 only), then --streams synthesis streams at once, alone and beside an AlignerWorker kept busy with the batch (the last
 variant): first audio and the stall of a player that starts at each stream's first chunk.
@@ -97,20 +99,36 @@ def timed(fn, repeats: int, device: torch.device) -> tuple[float, float]:
 
 
 def measure_aligner(aligner: ForcedAligner, wavs: list, texts: list[str], sr: int, repeats: int,
-                    device: torch.device) -> dict:
+                    device: torch.device) -> tuple[dict, list]:
     """One utterance alone and the whole batch (each row alone, as the AlignerWorker runs them), each through
-    align() (CPU preparation included: checks, soxr resampling) and through the device pass only (prepared items)."""
+    align() (CPU preparation included: checks, and soxr resampling where the variant does it on the CPU) and through
+    the pass alone (checked items: eager's are resampled before, graphs resamples on the device inside its pass).
+    -> (the figures, the batch's words)."""
     one, first = timed(lambda: aligner.align(wavs[0], sr, texts[0], "English"), repeats, device)
-    batch, _ = timed(lambda: aligner.align(wavs, sr, texts, "English", rows_alone=True), repeats, device)
+    batch, batch_first = timed(lambda: aligner.align(wavs, sr, texts, "English", rows_alone=True), repeats, device)
+    padded = aligner._padded is not None
     t0 = time.perf_counter()
-    items = [aligner._item(w, sr, t, "English", i) for i, (w, t) in enumerate(zip(wavs, texts))]
+    items = [aligner._item(w, sr, t, "English", i, ready=not padded) for i, (w, t) in enumerate(zip(wavs, texts))]
     prep = time.perf_counter() - t0
     one_pass, _ = timed(lambda: aligner._run(items[:1]), repeats, device)
     batch_pass, _ = timed(lambda: aligner._run(items, rows_alone=True), repeats, device)
+    words = aligner.align(wavs, sr, texts, "English", rows_alone=True)
     ms = lambda x: round(x * 1000, 2)  # noqa: E731
-    return dict(first_call_s=round(first, 2), one_utterance_ms=ms(one), one_utterance_pass_ms=ms(one_pass),
-                batch_ms=ms(batch), batch_prep_ms=ms(prep), batch_pass_ms=ms(batch_pass),
-                batch_ms_per_utterance=round(batch * 1000 / len(wavs), 3))
+    r = dict(first_call_s=round(first, 2), batch_first_call_s=round(batch_first, 2), one_utterance_ms=ms(one),
+             one_utterance_pass_ms=ms(one_pass), batch_ms=ms(batch), batch_prep_ms=ms(prep),
+             batch_pass_ms=ms(batch_pass), batch_ms_per_utterance=round(batch * 1000 / len(wavs), 3))
+    if padded:
+        r.update(graphs_captured=len(aligner._padded.graphs), capture_s=round(aligner._padded.capture_s, 2),
+                 resampled_on_device=any(f is not None for f in aligner._padded.resamplers.values()))
+    return r, words
+
+
+def same_words(a: list[list], b: list[list]) -> dict:
+    """Rows whose words and times are equal, and the largest time difference (ms) where they differ."""
+    diff = [max((abs(x.start_s - y.start_s) + abs(x.end_s - y.end_s) for x, y in zip(ra, rb)), default=0.0)
+            if len(ra) == len(rb) else float("inf") for ra, rb in zip(a, b)]
+    return dict(rows_equal=sum(ra == rb for ra, rb in zip(a, b)), rows=len(a),
+                max_time_diff_ms=round(max(diff, default=0.0) * 1000, 1))
 
 
 def streams_beside(tts, worker, texts: list[str], wavs: list, sr: int, num_streams: int, frames: int) -> dict:
@@ -167,16 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--utterances", type=int, default=64, help="the batch: utterances aligned at once")
     ap.add_argument("--seconds", type=float, default=5.0, help="audio per utterance")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--variants", default="eager,compiled",
-                    help="aligner variants to time, comma-separated: eager, compiled (ForcedAligner compile=True)")
+    ap.add_argument("--variants", default="eager,graphs",
+                    help="aligner variants to time, comma-separated: eager, compiled (ForcedAligner compile=True), "
+                         "graphs (ForcedAligner graphs=True: padded buckets, one CUDA graph per bucket, resampling "
+                         "on the device)")
     ap.add_argument("--tts", default=None, help="also time synthesizing the batch with this TTS checkpoint")
     ap.add_argument("--streams", type=int, default=16,
                     help="with --tts: synthesis streams timed alone and beside a busy aligner worker (0: skip)")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     a = ap.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    if not variants or set(variants) - {"eager", "compiled"}:
-        ap.error(f"--variants: accepted eager, compiled; got {a.variants!r}")
+    if not variants or set(variants) - {"eager", "compiled", "graphs"}:
+        ap.error(f"--variants: accepted eager, compiled, graphs; got {a.variants!r}")
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ckpt = Path(a.checkpoint) if a.checkpoint else make_checkpoint(
@@ -189,14 +209,26 @@ def main(argv: list[str] | None = None) -> int:
                   device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   dtype=str(dtype).removeprefix("torch."), seconds_per_utterance=a.seconds,
                   words_per_utterance=len(texts[0].split()), utterances=a.utterances, repeats=a.repeats)
-    aligners = {}
+    aligners, words = {}, {}
     for v in variants:
         t0 = time.perf_counter()
-        aligners[v] = ForcedAligner.from_pretrained(ckpt, device=device, dtype=dtype, compile=v == "compiled")
-        load = time.perf_counter() - t0  # compiled: the warm-up's compilations included
-        r = dict(load_s=round(load, 2), **measure_aligner(aligners[v], wavs, texts, sr, a.repeats, device))
+        try:
+            aligners[v] = ForcedAligner.from_pretrained(ckpt, device=device, dtype=dtype, compile=v == "compiled",
+                                                        graphs=v == "graphs")
+            load = time.perf_counter() - t0  # compiled: the warm-up's compilations included
+            r, words[v] = measure_aligner(aligners[v], wavs, texts, sr, a.repeats, device)
+        except Exception as e:  # noqa: BLE001 - one device run: a failing variant is reported, the others still run
+            aligners.pop(v, None)
+            result[v] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+            print(json.dumps({v: result[v]}), flush=True)
+            continue
+        # ready: loaded, and the first one-utterance and batch calls done (compilations, graph captures)
+        r = dict(load_s=round(load, 2), ready_s=round(load + r["first_call_s"] + r["batch_first_call_s"], 2), **r)
         r["aligner_ms_per_audio_second"] = round(r["batch_ms"] / audio_s, 3)
+        if v != "eager" and "eager" in words:
+            r["words_vs_eager"] = same_words(words[v], words["eager"])
         result[v] = r
+        print(json.dumps({v: r}), flush=True)  # each variant as it is done (a cut-off run keeps what it measured)
     if a.tts:
         from q3tts import TTS
         from q3tts.align import AlignerWorker
@@ -206,16 +238,17 @@ def main(argv: list[str] | None = None) -> int:
         kw = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=frames)
         synth, _ = timed(lambda: tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), **kw), 1, device)
         result["synthesis_ms"] = round(synth * 1000, 1)
-        for v in variants:
+        for v in aligners:
             r = result[v]
             r["share_of_synthesis"] = round(r["batch_ms"] / result["synthesis_ms"], 4)
             r["pass_share_of_synthesis"] = round(r["batch_pass_ms"] / result["synthesis_ms"], 4)
-        if a.streams:
+        if a.streams and aligners:
+            last = list(aligners)[-1]  # the last variant that ran
             result["streams_alone"] = streams_beside(tts, None, texts, wavs, sr, a.streams, frames)
-            worker = AlignerWorker(aligners[variants[-1]])
+            worker = AlignerWorker(aligners[last])
             try:
-                result[f"streams_beside_{variants[-1]}_aligner"] = streams_beside(tts, worker, texts, wavs, sr,
-                                                                                  a.streams, frames)
+                result[f"streams_beside_{last}_aligner"] = streams_beside(tts, worker, texts, wavs, sr, a.streams,
+                                                                         frames)
             finally:
                 worker.close()
     line = json.dumps(result)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,19 +24,24 @@ import torch
 
 from .audio import resample, to_mono
 from .config import read_json
+from .engine.graphs import gc_paused, side_stream
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
 from .models.audio_encoder import (
+    HOP,
     SAMPLE_RATE,
     Ragged,
     encoder_layer,
     log_mel,
     mel_filters,
     reflect_rows,
+    reflect_rows_device,
+    rows_of,
     tokens_after_cnn,
     valid_frames,
 )
+from .models.resample import Polyphase
 from .weights import resolve_model_dir
 
 __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
@@ -59,12 +65,167 @@ class _Item:
             self.wav, self.sample_rate, self.prepared = np.clip(wav, -1.0, 1.0).astype(np.float32), SAMPLE_RATE, True
         return self
 
+    @property
+    def num_samples(self) -> int:
+        """Its length at 16 kHz (what resample() returns)."""
+        return self.wav.shape[0] if self.prepared or self.sample_rate == SAMPLE_RATE else \
+            int(np.ceil(self.wav.shape[0] * (float(SAMPLE_RATE) / self.sample_rate)))
+
+
+class _PaddedPass:
+    """The aligner's fast pass (ForcedAligner(graphs=True)): the batch right-padded to a bucket of (rows, audio
+    chunks, prompt tokens) and run as Thinker.forward_padded, whose shapes depend on the bucket only. On CUDA each
+    bucket's pass (audio encoder, LM, head, argmax: about a thousand kernels) is captured once as a CUDA graph and
+    replayed: one launch instead of a Python call per kernel. The graphs share one memory pool and are captured
+    lazily, at most max_graphs of them (later buckets run the same padded pass uncaptured).
+
+    NOTE(aligner): a row's words equal the eager pass's with rows_alone: padding rows, padding chunks (zeroed
+    frames, as the official pads a row's tail chunk) and padding tokens never reach a real one (per-row STFT and
+    floor, per-window key masks, right padding under is_causal). Rows under one conv chunk of frames (< 1 s) are
+    padded differently by the official, so a batch with one runs eagerly."""
+
+    TOKEN_STEP = 16  # prompt tokens are padded to a multiple of this; rows to a power of two
+
+    def __init__(self, aligner: "ForcedAligner", resample_on_device: bool, max_graphs: int = 32):
+        self.aligner, self.max_graphs = aligner, max_graphs
+        self.capture = aligner.device.type == "cuda"
+        self.resample_on_device = resample_on_device
+        self.resamplers: dict[int, Polyphase | None] = {}  # by input rate: soxr's filter on the device
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.inputs: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}  # the graphs' static inputs
+        self.pool = None
+        self.capture_s = 0.0  # time spent capturing, all buckets
+        self.staging: torch.Tensor | None = None  # [samples] float32, pinned: the rows' waveforms on their way in
+        self.staged: torch.cuda.Event | None = None  # the last copy out of staging
+
+    def key(self, frames: list[int], lengths: list[int]) -> tuple[int, int, int] | None:
+        """(rows, chunks, tokens) of the bucket for rows of these mel frames and prompt lengths; None: not padded."""
+        enc = self.aligner.cfg.audio
+        chunk = 2 * enc.n_window
+        if min(frames) < chunk:
+            return None
+        per = enc.n_window_infer // chunk  # chunks in an attention window
+        C = max(-(-f // chunk) for f in frames)
+        C = C if C <= per else -(-C // per) * per
+        return 1 << (len(frames) - 1).bit_length(), C, -(-max(lengths) // self.TOKEN_STEP) * self.TOKEN_STEP
+
+    def _buffers(self, key: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        B, C, S = key
+        a, enc = self.aligner, self.aligner.thinker.audio_tower
+        T, dev = enc.window_tokens(C), a.device
+        return dict(ids=torch.zeros(B, S, dtype=torch.int64, device=dev),  # [B, S] prompts, right-padded
+                    mel=torch.zeros(B, a.cfg.audio.num_mel_bins, C * 2 * a.cfg.audio.n_window, dtype=a.dtype,
+                                    device=dev),  # [B, mel, C * chunk]
+                    mask=torch.ones(B * C * enc.window_tokens(1) // T, T, dtype=torch.bool, device=dev),  # [W, T]
+                    audio_at=torch.zeros(B, S, dtype=torch.int64, device=dev))  # [B, S]
+
+    def _pass(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.aligner.thinker.forward_padded(x["ids"], x["mel"], x["mask"], x["audio_at"]).argmax(-1)  # [B, S]
+
+    def _graph(self, key, x: dict[str, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up on a side stream (cuBLAS handles, the allocator), then capture into the shared pool. Capture errors
+        are thread-local: synthesis may launch on other streams meanwhile."""
+        t0 = time.perf_counter()
+        with side_stream():
+            self._pass(x)
+        g = torch.cuda.CUDAGraph()
+        with gc_paused(), torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._pass(x)
+        self.pool = g.pool()
+        self.capture_s += time.perf_counter() - t0
+        return g, out
+
+    def _wavs(self, items: list[_Item]) -> torch.Tensor:
+        """The rows' 16 kHz waveforms in [-1, 1], [B, max num_samples] on the device: resampled there by soxr's own
+        filter when every unprepared row has one rate that has one (Polyphase), else prepared on the CPU (soxr)."""
+        rates = {it.sample_rate for it in items if not it.prepared}
+        f = None
+        if self.resample_on_device and len(rates) == 1 and all(not it.prepared for it in items):
+            sr = rates.pop()
+            if sr not in self.resamplers:
+                self.resamplers[sr] = Polyphase.of(sr, SAMPLE_RATE) if sr != SAMPLE_RATE else None
+            f = self.resamplers[sr]
+            if f is None and sr != SAMPLE_RATE:
+                items = [it.ready() for it in items]
+        else:
+            items = [it.ready() for it in items]
+        n = [it.wav.shape[0] for it in items]
+        wav = rows_of(self._upload([it.wav for it in items]), n)  # [B, max n]
+        if f is not None:
+            wav = f(wav, n)
+        # as _Item.ready (and the official): a row whose peak is past 1 is scaled back into [-1, 1], then clipped
+        peak = wav.abs().amax(1, keepdim=True)
+        return torch.where(peak > 1.0, wav / peak, wav).clamp(-1.0, 1.0)
+
+    def _upload(self, wavs: list[np.ndarray]) -> torch.Tensor:
+        """The waveforms packed end to end on the device [sum of lengths]. On CUDA through one pinned buffer, reused
+        (grown when short): no fresh host pages to fault in, one asynchronous copy, which the next upload waits for
+        before it writes the buffer again (its event; passes end with a host sync anyway)."""
+        total = sum(w.shape[0] for w in wavs)
+        if self.aligner.device.type != "cuda":
+            return torch.from_numpy(np.concatenate(wavs))
+        if self.staged is not None:
+            self.staged.synchronize()
+        if self.staging is None or self.staging.shape[0] < total:
+            self.staging = torch.empty(max(total, 2 * (0 if self.staging is None else self.staging.shape[0])),
+                                       dtype=torch.float32, pin_memory=True)
+        host, at = self.staging.numpy(), 0
+        for w in wavs:
+            host[at:at + w.shape[0]] = w
+            at += w.shape[0]
+        out = self.staging[:total].to(self.aligner.device, non_blocking=True)
+        self.staged = torch.cuda.Event()
+        self.staged.record()
+        return out
+
+    def __call__(self, items: list[_Item], rows: list[np.ndarray], frames: list[int]) -> np.ndarray | None:
+        """classes [B, S] (host) for the rows' prompts rows (the audio_pad runs as long as tokens_after_cnn(frames));
+        None: the batch is not for the padded pass (a row under one chunk)."""
+        key = self.key(frames, [len(r) for r in rows])
+        if key is None:
+            return None
+        a, (Bb, C, S) = self.aligner, key
+        B, enc = len(items), a.cfg.audio
+        x = self.inputs.get(key) or self._buffers(key)
+        # features: each row's log-mel alone (reflect padding at its own ends, its own floor), zero past its frames
+        mel = log_mel(reflect_rows_device(self._wavs(items), [it.num_samples for it in items]), a._filters, frames,
+                      center=False)
+        past = torch.arange(mel.shape[2], device=a.device)[None, :] >= torch.as_tensor(frames, device=a.device)[:, None]
+        x["mel"].zero_()
+        x["mel"][:B, :, :mel.shape[2]] = mel.masked_fill(past[:, None], 0.0)
+        # prompts right-padded; each audio_pad slot's embedding in the encoder output [B * C * t]
+        ids = np.zeros((Bb, S), np.int64)
+        audio_at = np.zeros((Bb, S), np.int64)
+        t = tokens_after_cnn(2 * enc.n_window)
+        T = a.thinker.audio_tower.window_tokens(C)
+        W = C * t // T  # windows a row
+        mask = np.zeros((Bb, W, T), bool)
+        for b, (r, f) in enumerate(zip(rows, frames)):
+            n = tokens_after_cnn(f)
+            ids[b, :len(r)] = r
+            audio_at[b, 1:1 + n] = b * C * t + np.arange(n)  # the prompt's audio_pad run starts at slot 1
+            mask[b].reshape(-1)[:n] = True
+        mask = mask.reshape(Bb * W, T)
+        mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
+        for name, v in (("ids", ids), ("audio_at", audio_at), ("mask", mask)):
+            x[name].copy_(torch.from_numpy(v))
+        if not self.capture:
+            return self._pass(x)[:B].cpu().numpy()
+        if key not in self.graphs and len(self.graphs) < self.max_graphs:
+            self.inputs[key] = x
+            self.graphs[key] = self._graph(key, x)
+        if key in self.graphs:
+            g, out = self.graphs[key]
+            g.replay()
+            return out[:B].cpu().numpy()
+        return self._pass(x)[:B].cpu().numpy()
+
 
 class ForcedAligner:
     """Audio + its transcript -> the time of every word."""
 
     def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path,
-                 compile: bool = False):
+                 compile: bool = False, graphs: bool = False, resample_on_device: bool | None = None):
         self.thinker, self.tokenizer, self.cfg, self.model_dir = thinker, tokenizer, cfg, model_dir
         self.compiled = compile
         if compile:  # one compiled function per layer kind serves every layer; token counts and batch are dynamic
@@ -77,13 +238,16 @@ class ForcedAligner:
         if self._ids["<timestamp>"] != cfg.timestamp_token_id:
             raise ValueError(f"{model_dir}: the tokenizer's <timestamp> is id {self._ids['<timestamp>']}, "
                              f"config.json says {cfg.timestamp_token_id}")
+        on_device = self.device.type == "cuda" if resample_on_device is None else resample_on_device
+        self._padded = _PaddedPass(self, on_device) if graphs else None
         self._lock = threading.Lock()  # one pass at a time (the worker's thread and direct callers)
         # the last class ends here: longer audio has words the head cannot place
         self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
-                        dtype: torch.dtype | str | None = None, compile: bool = False) -> "ForcedAligner":
+                        dtype: torch.dtype | str | None = None, compile: bool = False,
+                        graphs: bool = False, resample_on_device: bool | None = None) -> "ForcedAligner":
         """Load a forced-aligner checkpoint (hub id or local directory in the official layout).
 
         Args:
@@ -93,13 +257,18 @@ class ForcedAligner:
             dtype: default bf16 on CUDA, fp32 on CPU.
             compile: torch.compile the decoder and encoder layers (norms, RoPE, the attention glue and the MLP's
                 activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
+            graphs: batches of rows aligned as alone (and single utterances) run padded to a bucket of shapes, each
+                bucket's pass captured as one CUDA graph on first use (CUDA; elsewhere the padded pass runs as is).
+            resample_on_device: with graphs, resample 24 (or 8, 48) kHz input to 16 kHz on the aligner's device with
+                soxr's own filter (q3tts.models.resample) instead of soxr on the CPU; default: on CUDA.
         """
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
         cfg = parse_aligner_config(read_json(d / "config.json"))
-        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile)
+        aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile, graphs,
+                      resample_on_device)
         if compile:
             aligner.warmup()
         return aligner
@@ -134,8 +303,11 @@ class ForcedAligner:
                              + ", ".join(x.capitalize() for x in langs))
         return split_words(text, language)
 
-    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True) -> _Item:
-        """Checked (ValueError naming the problem) and, with ready, prepared for the pass (_Item.ready)."""
+    def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True,
+              copy: bool = True) -> _Item:
+        """Checked (ValueError naming the problem) and, with ready, prepared for the pass (_Item.ready). copy False:
+        a float32 waveform is kept as the caller's array, not copied (align(), which returns before the caller can
+        change it; a copy of a fresh array costs page faults: about a quarter of the checks' time)."""
         what = f"item {i}: " if i >= 0 else ""
         words = self.words(text, language, what)
         if isinstance(audio, torch.Tensor):
@@ -150,7 +322,7 @@ class ForcedAligner:
             raise ValueError(f"{what}sample_rate must be an integer, got {sample_rate!r}") from None
         if not 8000 <= sr <= 192000:
             raise ValueError(f"{what}sample_rate {sr} is outside 8000..192000 Hz")
-        wav = to_mono(wav.astype(np.float32))
+        wav = to_mono(wav.astype(np.float32, copy=copy))
         if not np.isfinite(wav).all():
             raise ValueError(f"{what}audio has NaN or infinite samples")
         if wav.shape[0] / sr > self.max_seconds:
@@ -184,7 +356,7 @@ class ForcedAligner:
         """
         batch = isinstance(audio, (list, tuple))
         if not batch:
-            return self._run([self._item(audio, sample_rate, text, language, -1)])[0]
+            return self._run([self._item(audio, sample_rate, text, language, -1, ready=False, copy=False)])[0]
         n = len(audio)
         if n == 0:
             raise ValueError("audio is an empty list")
@@ -193,7 +365,7 @@ class ForcedAligner:
             per[name] = list(v) if isinstance(v, (list, tuple)) else [v] * n
             if len(per[name]) != n:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
-        items = [self._item(a, sr, t, lang, i) for i, (a, sr, t, lang) in
+        items = [self._item(a, sr, t, lang, i, ready=False, copy=False) for i, (a, sr, t, lang) in
                  enumerate(zip(audio, per["sample_rate"], per["text"], per["language"]))]
         return self._run(items, rows_alone)
 
@@ -218,28 +390,43 @@ class ForcedAligner:
         with self._lock:
             return self._forward(items, rows_alone)
 
-    def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
-        """One forward for the batch: every row's prompt packed end to end, one host sync (the classes)."""
-        mel, frames = self._features(items, rows_alone)
-        audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
+    def _prompts(self, items: list[_Item], frames: list[int]) -> list[np.ndarray]:
+        """Each row's prompt ids: <|audio_start|>, tokens_after_cnn(frames) audio_pad, <|audio_end|>, the words with
+        their <timestamp> pairs."""
         rows = []
         for it, f in zip(items, frames):
             words_ids = self.tokenizer.encode(prompt_text(it.words).split("<|audio_end|>", 1)[1])
-            rows.append([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
-                        + [self._ids["<|audio_end|>"]] + words_ids)
+            rows.append(np.array([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
+                                 + [self._ids["<|audio_end|>"]] + words_ids, np.int64))
+        return rows
+
+    def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
+        """One forward for the batch, one host sync (the classes): the padded pass (graphs=True) when every row is
+        aligned as alone, else every row's prompt packed end to end."""
+        ts = self.cfg.timestamp_token_id
+        if self._padded is not None and (rows_alone or len(items) == 1):
+            frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
+            rows = self._prompts(items, frames)
+            classes = self._padded(items, rows, frames)  # [B, S] or None
+            if classes is not None:
+                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
+        items = [it.ready() for it in items]
+        mel, frames = self._features(items, rows_alone)
+        audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
+        rows = self._prompts(items, frames)
         ids = np.concatenate(rows)  # [N]
-        select = np.flatnonzero(ids == self.cfg.timestamp_token_id)  # the timestamp slots, row after row
+        select = np.flatnonzero(ids == ts)  # the timestamp slots, row after row
         logits = self.thinker(torch.from_numpy(ids).to(self.device), Ragged.of([len(r) for r in rows], self.device),
                               audio, torch.from_numpy(select).to(self.device))  # [M, classify_num]
         classes = logits.argmax(-1).cpu().numpy()
-        out, at = [], 0
+        starts = np.cumsum([len(r) for r in rows])[:-1]  # where rows 1.. begin in ids
+        return self._times(items, np.split(classes, np.searchsorted(select, starts)))
+
+    def _times(self, items: list[_Item], classes: list[np.ndarray]) -> list[list[WordTime]]:
+        """Each row's words timed from the classes at its <timestamp> slots."""
         seg = np.float32(self.cfg.timestamp_segment_time)
-        for it, r in zip(items, rows):
-            n = int(np.count_nonzero(np.asarray(r) == self.cfg.timestamp_token_id))
-            # ms as the official computes them: int class x float32 segment time
-            out.append(word_times(it.words, [float(np.float32(c) * seg) for c in classes[at:at + n]]))
-            at += n
-        return out
+        # ms as the official computes them: int class x float32 segment time
+        return [word_times(it.words, [float(np.float32(c) * seg) for c in cls]) for it, cls in zip(items, classes)]
 
 
 class AlignerWorker:
@@ -295,7 +482,7 @@ class AlignerWorker:
                 continue
             try:
                 with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
-                    words = self.aligner._run([it.ready() for it, _ in batch], rows_alone=True)
+                    words = self.aligner._run([it for it, _ in batch], rows_alone=True)
                     if self._stream is not None:
                         self._stream.synchronize()
             except BaseException as e:  # noqa: BLE001 - the callers get the error; the worker lives on

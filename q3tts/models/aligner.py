@@ -88,6 +88,22 @@ def lm_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch
     return x + F.linear(F.silu(gate) * up, m.down_proj.weight)
 
 
+def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """lm_layer on rows right-padded to one length: x [B, S, D], cos / sin [S, Dh] -> [B, S, D]. NOTE(aligner): as in
+    lm_layer, right padding + is_causal keeps every real token's output that of its row alone."""
+    a, m = layer.self_attn, layer.mlp
+    H, Hkv, Dh = a.num_heads, a.num_kv_heads, a.head_dim
+    B, S, _ = x.shape
+    q, k, v = F.linear(layer.input_layernorm(x), a.qkv_weight).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+    q = apply_rope(a.q_norm(q.view(B, S, H, Dh)), cos, sin).transpose(1, 2)  # [B, H, S, Dh]
+    k = apply_rope(a.k_norm(k.view(B, S, Hkv, Dh)), cos, sin).transpose(1, 2)  # [B, Hkv, S, Dh]
+    v = v.view(B, S, Hkv, Dh).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, S, Dh]
+    x = x + F.linear(out.transpose(1, 2).reshape(B, S, H * Dh), a.o_proj.weight)
+    gate, up = F.linear(layer.post_attention_layernorm(x), m.gate_up_weight).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, m.down_proj.weight)
+
+
 class Thinker(nn.Module):
     """Names = checkpoint keys under `thinker.`."""
 
@@ -125,6 +141,23 @@ class Thinker(nn.Module):
         for layer in self.model.layers:  # a one-pass prefill: no K/V cache
             x = self.layer_fn(layer, x, cos[0], sin[0], rows)
         return self.lm_head(self.model.norm(x.index_select(0, select)))
+
+
+    def forward_padded(self, input_ids: torch.Tensor, mel: torch.Tensor, window_mask: torch.Tensor,
+                       audio_at: torch.Tensor) -> torch.Tensor:
+        """forward on fixed shapes (no host data, for CUDA-graph capture): input_ids [B, S] each row's prompt
+        right-padded; mel / window_mask as AudioEncoder.forward_padded; audio_at [B, S] int64: for an audio_pad slot
+        the index of its embedding in the encoder's output flattened to [B * A], anything for the others
+        -> logits [B, S, classify_num] at every slot (a row's positions are 0..S-1, as forward's)."""
+        audio = self.audio_tower.forward_padded(mel, window_mask)  # [B, A, D]
+        B, S = input_ids.shape
+        x = self.model.embed_tokens(input_ids)  # [B, S, D]
+        audio = audio.reshape(-1, x.shape[-1]).index_select(0, audio_at.view(-1)).view(B, S, -1)
+        x = torch.where((input_ids == self.cfg.audio_token_id)[..., None], audio.to(x.dtype), x)
+        cos, sin = rope_cos_sin(torch.arange(S, device=x.device)[None], self.inv_freq, x.dtype)  # [1, S, Dh]
+        for layer in self.model.layers:
+            x = lm_layer_padded(layer, x, cos[0], sin[0])
+        return self.lm_head(self.model.norm(x))
 
 
 ALIGNER_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json")

@@ -121,6 +121,26 @@ def reflect_rows(wavs: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     return out, [w.shape[0] // HOP for w in wavs]
 
 
+def rows_of(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """flat [sum of lengths] (waveforms packed end to end) -> [B, max_len], each row zero-padded (one gather)."""
+    dev = flat.device
+    n = torch.as_tensor(lengths, device=dev)[:, None]  # [B, 1]
+    start = torch.as_tensor(np.cumsum([0] + lengths[:-1]), device=dev)[:, None]
+    j = torch.arange(max(lengths), device=dev)[None, :]
+    return flat[start + torch.minimum(j, n - 1)] * (j < n)
+
+
+def reflect_rows_device(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """reflect_rows on the device: rows [B, L] (row b's first lengths[b] samples) -> [B, max_len + 400], each row
+    reflect-padded by N_FFT // 2 at both of its own ends, then zeros (one gather: the same values)."""
+    pad, dev = N_FFT // 2, rows.device
+    n = torch.as_tensor(lengths, device=dev)[:, None]  # [B, 1]
+    j = torch.arange(max(lengths) + 2 * pad, device=dev)[None, :] - pad  # [1, L'] sample index in the row
+    src = j.abs()  # the start: sample -k is sample k (pad < every row's length, see ForcedAligner._item)
+    src = torch.where(src >= n, 2 * (n - 1) - src, src).clamp(min=0)  # the end: sample n - 1 + k is n - 1 - k
+    return rows.gather(1, src.expand(rows.shape[0], -1)) * (j < n + pad)  # [B, L']
+
+
 def valid_frames(num_samples: int, padded_len: int) -> int:
     """Mel frames of a row of num_samples samples in a batch padded to padded_len (the official attention mask:
     every 160th sample, trimmed to padded_len // 160 columns)."""
@@ -197,6 +217,20 @@ def encoder_layer(layer: AudioEncoderLayer, qkv_w: torch.Tensor, qkv_b: torch.Te
     return x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
 
 
+def encoder_layer_padded(layer: AudioEncoderLayer, qkv_w: torch.Tensor, qkv_b: torch.Tensor, x: torch.Tensor,
+                         mask: torch.Tensor) -> torch.Tensor:
+    """encoder_layer on windows already padded to one length: x [W, T, D] -> [W, T, D]; mask [W, T] bool, the keys a
+    window's queries see (its real tokens; all T for a window with none, so no softmax row is empty). Every op is
+    per token or per window: a padding token never changes a real one."""
+    a = layer.self_attn
+    W, T, D = x.shape
+    H = a.num_heads
+    q, k, v = F.linear(layer.self_attn_layer_norm(x), qkv_w, qkv_b).view(W, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])  # [W, H, T, Dh]
+    x = x + a.out_proj(out.transpose(1, 2).reshape(W, T, D))
+    return x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+
+
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
     """[length, channels]: sin | cos halves (the official SinusoidsPositionEmbedding)."""
     inc = np.log(max_timescale) / (channels // 2 - 1)
@@ -225,9 +259,23 @@ class AudioEncoder(nn.Module):
         self.layer_fn = encoder_layer  # the owner may put a compiled encoder_layer here (q3tts.align)
 
     def fuse_qkv(self) -> None:
-        """Concatenate each layer's q/k/v weights and biases once after loading (one GEMM instead of three)."""
-        self.qkv = [(torch.cat([p.weight for p in ps]), torch.cat([p.bias for p in ps])) for ps in
-                    ((x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj) for x in self.layers)]
+        """Concatenate each layer's q/k/v weights and biases once after loading (one GEMM instead of three). The
+        per-name parameters become views into the fused tensors, so the weights are held once."""
+        self.qkv = []
+        for layer in self.layers:
+            ps = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            w, b = torch.cat([p.weight.detach() for p in ps]), torch.cat([p.bias.detach() for p in ps])
+            for p, wv, bv in zip(ps, w.split([p.out_features for p in ps]), b.split([p.out_features for p in ps])):
+                p.weight.data, p.bias.data = wv, bv
+            self.qkv.append((w, b))
+
+    def _conv(self, x: torch.Tensor) -> torch.Tensor:
+        """Chunks [C, mel, w] of w frames -> tokens [C, t, D]: 3 stride-2 convs + GELU, conv_out, the sinusoidal
+        positions (restarting in every chunk)."""
+        x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x[:, None]))))))  # [C, c, mel', t]
+        C, c, m, t = x.shape
+        x = self.conv_out(x.permute(0, 3, 1, 2).reshape(C, t, c * m))  # [C, t, D]
+        return x + self.positional_embedding[:t].to(x.dtype)
 
     def _chunks(self, mel: torch.Tensor, frames: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Every utterance's conv chunks through the convs -> (tokens [sum of chunk token counts, D] in utterance and
@@ -242,7 +290,7 @@ class AudioEncoder(nn.Module):
         B, M, F_ = mel.shape
         n_chunks = [-(-f // chunk) for f in frames]
         lens = [min(chunk, f - s) for f in frames for s in range(0, f, chunk)]
-        pieces, order = [], []  # per group [C_g * t_g, D]; where each chunk's tokens start in their concatenation
+        pieces = []  # per group of chunks of one padded length w_g: [C_g, mel, w_g]
         starts = np.zeros(len(lens), np.int64)
         first = np.cumsum([0] + n_chunks[:-1])
         long_rows = [b for b, f in enumerate(frames) if f >= chunk]
@@ -252,8 +300,7 @@ class AudioEncoder(nn.Module):
             x = mel[long_rows]
             n = torch.as_tensor([frames[b] for b in long_rows], device=mel.device)
             keep = torch.arange(F_, device=mel.device)[None, :] < n[:, None]  # [R, F]
-            x = F.pad(x * keep[:, None].to(x.dtype), (0, C * chunk - F_)) if C * chunk >= F_ else \
-                (x * keep[:, None].to(x.dtype))[..., :C * chunk]
+            x = F.pad(x * keep[:, None].to(x.dtype), (0, C * chunk - F_))  # F_ is the longest row's: C * chunk >= F_
             x = x.view(len(long_rows), M, C, chunk).permute(0, 2, 1, 3)  # [R, C, mel, chunk]
             sel = [r * C + j for r, b in enumerate(long_rows) for j in range(n_chunks[b])]
             pieces.append(x.reshape(-1, M, chunk).index_select(0, torch.as_tensor(sel, device=mel.device)))
@@ -262,7 +309,6 @@ class AudioEncoder(nn.Module):
                 for j in range(n_chunks[b]):
                     starts[first[b] + j] = base
                     base += t
-            order.append(t)
         short = {}
         for b, f in enumerate(frames):
             if f < chunk:
@@ -273,17 +319,35 @@ class AudioEncoder(nn.Module):
             for b in rows:
                 starts[first[b]] = base
                 base += t
-            order.append(t)
         outs = []
-        for x, t in zip(pieces, order):
-            x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x[:, None]))))))  # [C, c, mel', t]
-            C, c, m, t = x.shape
-            x = self.conv_out(x.permute(0, 3, 1, 2).reshape(C, t, c * m))  # [C, t, D]
-            outs.append((x + self.positional_embedding[:t].to(x.dtype)).reshape(C * t, -1))  # positions restart
+        for x in pieces:
+            outs.append(self._conv(x).flatten(0, 1))  # [C_g * t_g, D]
         counts = [_conv_len(n) for n in lens]
         take = np.concatenate([np.arange(n) + s for n, s in zip(counts, starts)])
         flat = outs[0] if len(outs) == 1 else torch.cat(outs)
         return flat.index_select(0, torch.from_numpy(take).to(mel.device)), counts
+
+    def forward_padded(self, mel: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The encoder on fixed shapes (no host data, for CUDA-graph capture): mel [B, num_mel_bins, C * chunk], each
+        row's frames past its own zeroed (its chunks zero-padded as the official pads them), C <= the chunks of an
+        attention window or a multiple of them; mask [B * C * t // T, T] bool (window_mask) -> [B, C * t, output_dim]:
+        row b's first tokens_after_cnn(frames[b]) tokens are its audio embeddings, the rest padding.
+        NOTE(aligner): only for rows of at least one chunk of frames (a shorter utterance's single chunk is as long as
+        it is, not chunk frames: forward handles those)."""
+        B, M, L = mel.shape
+        chunk = 2 * self.cfg.n_window
+        C = L // chunk
+        x = self._conv(mel.view(B, M, C, chunk).permute(0, 2, 1, 3).reshape(B * C, M, chunk))  # [B * C, t, D]
+        T = mask.shape[1]
+        x = x.reshape(-1, T, x.shape[-1])  # [W, T, D]: a row's chunks in order, cut into its attention windows
+        for layer, (w, b) in zip(self.layers, self.qkv):
+            x = encoder_layer_padded(layer, w, b, x, mask)
+        return self.proj2(F.gelu(self.proj1(self.ln_post(x)))).reshape(B, -1, self.cfg.output_dim)
+
+    def window_tokens(self, num_chunks: int) -> int:
+        """T of forward_padded's windows for rows padded to num_chunks chunks (C <= a window's chunks: C * t)."""
+        per = self.cfg.n_window_infer // (2 * self.cfg.n_window)
+        return _conv_len(2 * self.cfg.n_window) * min(per, num_chunks)
 
     def forward(self, mel: torch.Tensor, frames: list[int]) -> torch.Tensor:
         """mel [B, num_mel_bins, F] (row b's first frames[b] frames are its log-mel) -> audio embeddings
@@ -294,8 +358,6 @@ class AudioEncoder(nn.Module):
         window = _conv_len(2 * cfg.n_window) * (cfg.n_window_infer // (2 * cfg.n_window))
         spans = [min(window, n - s) for n in map(tokens_after_cnn, frames) for s in range(0, n, window)]
         win = Ragged.of(spans, mel.device)
-        if not self.qkv:
-            self.fuse_qkv()
         for layer, (w, b) in zip(self.layers, self.qkv):
             tokens = self.layer_fn(layer, w, b, tokens, win)
         return self.proj2(F.gelu(self.proj1(self.ln_post(tokens))))

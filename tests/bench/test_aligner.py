@@ -19,6 +19,17 @@ def test_tiny_run_reports_its_figures(tmp_path):
     assert abs(e["aligner_ms_per_audio_second"] - e["batch_ms"] / 4.5) < 0.01
 
 
+def test_graphs_variant_runs_beside_eager_with_its_words(tmp_path):
+    """The padded variant (graphs): its figures, and the batch's words compared with eager's (equal on CPU, fp32)."""
+    out = tmp_path / "aligner.json"
+    assert bench.main(["--size", "tiny", "--device", "cpu", "--utterances", "3", "--seconds", "1.5", "--repeats", "1",
+                       "--variants", "eager,graphs", "--out", str(out)]) == 0
+    g = json.loads(out.read_text())["graphs"]
+    assert g["batch_ms"] > 0 and g["batch_pass_ms"] > 0 and g["ready_s"] >= g["load_s"]
+    assert g["graphs_captured"] == 0 and g["resampled_on_device"] is False  # CPU: uncaptured, soxr on the CPU
+    assert g["words_vs_eager"] == {"rows_equal": 3, "rows": 3, "max_time_diff_ms": 0.0}
+
+
 def test_unknown_variant_is_refused():
     with pytest.raises(SystemExit):
-        bench.main(["--size", "tiny", "--device", "cpu", "--variants", "eager,graphs"])
+        bench.main(["--size", "tiny", "--device", "cpu", "--variants", "eager,cuda_graphs"])

@@ -1,0 +1,215 @@
+"""ForcedAligner(graphs=True), the padded bucketed pass: the same words and times as the eager pass (and the official
+fixtures), with padding rows, chunks and tokens that never reach a real one. On CPU the padded pass runs as is; the
+CUDA-graph replay of it is checked on a GPU (the `gpu` marker)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+
+import q3tts.align as align_mod
+from q3tts.align import ForcedAligner
+from q3tts.models.audio_encoder import reflect_rows, reflect_rows_device, rows_of, tokens_after_cnn
+from tests.test_align import CASES, aligner, audio, checkpoint, expected, run_case_with
+
+
+@lru_cache(maxsize=1)
+def fast() -> ForcedAligner:
+    return ForcedAligner.from_pretrained(checkpoint(), device="cpu", graphs=True)
+
+
+@pytest.fixture
+def padded_calls(monkeypatch):
+    """Each padded pass's bucket key (None: the batch ran eagerly)."""
+    calls = []
+    orig = align_mod._PaddedPass.__call__
+
+    def spy(self, items, rows, frames):
+        out = orig(self, items, rows, frames)
+        calls.append(self.key(frames, [len(r) for r in rows]) if out is not None else None)
+        return out
+    monkeypatch.setattr(align_mod._PaddedPass, "__call__", spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["en", "zh", "mixed", "en_24k", "long_windowed"])
+def test_padded_pass_equals_the_official(name, padded_calls):
+    """Single utterances of a second or more go through the padded pass (long_windowed: two attention windows, its
+    chunks padded to a multiple of a window) and give the official's words and times."""
+    case = CASES[name]
+    assert run_case_with(fast(), case) == expected(case)
+    assert padded_calls and padded_calls[-1] is not None
+
+
+def _rows_alone(a: ForcedAligner, names: list[str], texts: list[str], lang: str = "English"):
+    items = [audio(n) for n in names]
+    return a.align([w for w, _ in items], [sr for _, sr in items], texts, lang, rows_alone=True)
+
+
+def test_padded_batch_equals_eager_rows_alone(padded_calls):
+    """Three rows of different lengths padded to a bucket of four rows: each row's words and times are the eager
+    pass's (rows_alone), and the longest row's are the official's for it alone."""
+    names = ["c", "b", "d", "long"]
+    texts = [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0], CASES["long_windowed"]["text"][0]]
+    for k in (3, 4):
+        got = _rows_alone(fast(), names[:k], texts[:k])
+        assert got == _rows_alone(aligner(), names[:k], texts[:k])
+        assert padded_calls[-1][0] == 4  # rows bucketed to a power of two
+    assert got[0] == expected(CASES["en"])[0]
+
+
+def test_padded_logits_equal_eager_logits():
+    """Under the argmax: the padded pass's logits at the <timestamp> slots equal the packed pass's (fp32 GEMM order
+    differs with the padded shapes: 1e-4)."""
+    a = fast()
+    items = [a._item(*audio(n), t, "English", i) for i, (n, t) in enumerate([("c", "a b c d"), ("b", "e f")])]
+    frames = [it.wav.shape[0] // 160 for it in items]
+    rows = a._prompts(items, frames)
+    key = a._padded.key(frames, [len(r) for r in rows])
+    x = a._padded._buffers(key)
+    captured = {}
+    orig = a._padded._pass
+
+    def spy(inputs):
+        captured["logits"] = a.thinker.forward_padded(inputs["ids"], inputs["mel"], inputs["mask"],
+                                                      inputs["audio_at"])
+        return orig(inputs)
+    a._padded._pass = spy
+    try:
+        with torch.inference_mode():
+            a._padded(items, rows, frames)
+            mel, fr = a._features(items, rows_alone=True)
+            audio_emb = a.thinker.audio_tower(mel, fr)
+            ids = np.concatenate(rows)
+            select = np.flatnonzero(ids == a.cfg.timestamp_token_id)
+            from q3tts.models.audio_encoder import Ragged
+            ref = a.thinker(torch.from_numpy(ids), Ragged.of([len(r) for r in rows], "cpu"), audio_emb,
+                            torch.from_numpy(select))
+    finally:
+        del a._padded._pass
+    got = torch.cat([captured["logits"][b, :len(r)][torch.from_numpy(r == a.cfg.timestamp_token_id)]
+                     for b, r in enumerate(rows)])
+    assert x["ids"].shape[0] == 2 and got.shape == ref.shape
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_encoder_padded_equals_packed():
+    """AudioEncoder.forward_padded (rows zero-padded to whole chunks, windows masked) gives each row's tokens of
+    forward (packed, windows cut per row), for rows of one chunk, a tail and two windows."""
+    tower = aligner().thinker.audio_tower
+    g = torch.Generator().manual_seed(3)
+    frames = [100, 250, 1130]
+    chunk = 2 * tower.cfg.n_window
+    C = 16  # 1130 frames: 12 chunks, padded to two windows of 8
+    mel = torch.zeros(len(frames), 128, C * chunk)
+    for b, f in enumerate(frames):
+        mel[b, :, :f] = torch.randn(128, f, generator=g) * 0.5
+    T = tower.window_tokens(C)
+    W = C * tokens_after_cnn(chunk) // T
+    mask = torch.zeros(len(frames), W, T, dtype=torch.bool)
+    for b, f in enumerate(frames):
+        mask[b].view(-1)[:tokens_after_cnn(f)] = True
+    mask = mask.view(-1, T)
+    mask[~mask.any(1)] = True
+    with torch.inference_mode():
+        padded = tower.forward_padded(mel, mask)
+        packed = tower(mel[:, :, :max(frames)], frames).split([tokens_after_cnn(f) for f in frames])
+    for b, p in enumerate(packed):
+        torch.testing.assert_close(padded[b, :p.shape[0]], p, atol=1e-5, rtol=1e-5)
+
+
+def test_reflect_rows_on_the_device_equal_the_host():
+    rng = np.random.default_rng(0)
+    wavs = [rng.standard_normal(n).astype(np.float32) for n in (321, 1000, 4567)]
+    host, _ = reflect_rows(wavs)
+    lengths = [w.shape[0] for w in wavs]
+    dev = reflect_rows_device(rows_of(torch.from_numpy(np.concatenate(wavs)), lengths), lengths)
+    assert torch.equal(dev, torch.from_numpy(host))
+
+
+def test_rows_under_one_chunk_run_eagerly(padded_calls):
+    """The official pads a sub-second utterance's single chunk to its own length, not a chunk: such a batch runs
+    the eager pass, with the official's words."""
+    case = CASES["short"]
+    assert run_case_with(fast(), case) == expected(case)
+    assert padded_calls == [None]
+
+
+def test_buckets():
+    p = fast()._padded
+    per = fast().cfg.audio.n_window_infer // (2 * fast().cfg.audio.n_window)
+    assert p.key([500] * 3, [100, 117, 90]) == (4, 5, 128)  # rows to a power of two, tokens to a multiple of 16
+    assert p.key([100], [33]) == (1, 1, 48)
+    assert p.key([930, 500], [10, 10])[1] == 2 * per  # past one window: whole windows of chunks
+    assert p.key([99, 500], [10, 10]) is None
+
+
+def test_fused_qkv_weights_are_held_once():
+    enc = aligner().thinker.audio_tower
+    for layer, (w, b) in zip(enc.layers, enc.qkv):
+        a = layer.self_attn
+        assert a.q_proj.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        assert a.v_proj.bias.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        assert torch.equal(w[-a.v_proj.out_features:], a.v_proj.weight)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_the_padded_pass_uncaptured():
+    """On CUDA (fp32): the captured graph's replay gives the words of the same padded pass launched op by op, and a
+    second batch of the same bucket replays the graph captured by the first."""
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cuda", dtype=torch.float32, graphs=True)
+    names, texts = ["c", "b", "d"], [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0]]
+    graphed = _rows_alone(a, names, texts)
+    assert len(a._padded.graphs) == 1
+    assert _rows_alone(a, names[::-1], texts[::-1]) == graphed[::-1] and len(a._padded.graphs) == 1
+    a._padded.capture = False  # the same pass launched op by op, on the graph's own inputs
+    assert _rows_alone(a, names, texts) == graphed
+
+
+def test_device_resampler_is_soxrs_filter():
+    """Polyphase (soxr's filter read off its impulse responses, run as a float64 FFT correlation) against
+    q3tts.audio.resample (soxr_hq) on noise, a tone and the fixtures' 24 kHz audio, rows of different lengths in one
+    call. Max abs difference 1e-6: both compute the same filter; soxr rounds its sums to float32 (about 2.4e-7 here)."""
+    from q3tts.audio import resample
+    from q3tts.models.resample import Polyphase
+    rng = np.random.default_rng(0)
+    for sr in (24000, 8000, 48000):
+        f = Polyphase.of(sr, 16000)
+        assert f is not None
+        wavs = [(0.3 * rng.standard_normal(int(sr * 1.3))).astype(np.float32),
+                np.sin(np.arange(sr + 7) * 0.3).astype(np.float32)]
+        if sr == 24000:
+            wavs.append(audio("d")[0])
+        lengths = [w.shape[0] for w in wavs]
+        got = f(rows_of(torch.from_numpy(np.concatenate(wavs)), lengths), lengths)
+        for w, g in zip(wavs, got):
+            want = resample(w, sr, 16000)
+            assert f.out_len(w.shape[0]) == want.shape[0]
+            assert np.abs(g[:want.shape[0]].numpy() - want).max() <= 1e-6
+            assert not g[want.shape[0]:].any()
+    assert Polyphase.of(44100, 16000) is None  # a period of 441 input samples: soxr on the CPU
+
+
+@pytest.mark.parametrize("name", ["en_24k", "long_windowed"])
+def test_resampling_on_the_device_gives_the_officials_words(name):
+    """24 kHz (en_24k) and 8 kHz (long) audio resampled by the device filter: the official's words and times."""
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", graphs=True, resample_on_device=True)
+    case = CASES[name]
+    assert run_case_with(a, case) == expected(case)
+    assert any(f is not None for f in a._padded.resamplers.values())
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_align_leaves_the_callers_audio_as_it_was(graphs):
+    """align() keeps a float32 waveform without copying it: nothing of the pass writes into it (peak scaling, clipping
+    and resampling make new arrays), and a loud row (peak past 1) gets the words of a copy of it aligned alone."""
+    a = fast() if graphs else aligner()
+    wav, sr = audio("d")
+    loud = wav * 4.0
+    before = loud.copy()
+    got = a.align([loud, wav], sr, ["one two", "three four"], "English", rows_alone=True)
+    assert np.array_equal(loud, before)
+    assert got[0] == aligner().align(before.copy(), sr, "one two", "English")
