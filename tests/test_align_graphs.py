@@ -165,6 +165,9 @@ def test_cuda_graphs_equal_the_padded_pass_uncaptured():
     graphed = _rows_alone(a, names, texts)
     assert len(a._padded.graphs) == 1
     assert _rows_alone(a, names[::-1], texts[::-1]) == graphed[::-1] and len(a._padded.graphs) == 1
+    # the pass entered directly, outside align()'s inference mode, writes the same captured inputs
+    items = [a._item(*audio(n), t, "English", i, ready=False) for i, (n, t) in enumerate(zip(names, texts))]
+    assert a._run(items, rows_alone=True) == graphed
     a._padded.capture = False  # the same pass launched op by op, on the graph's own inputs
     assert _rows_alone(a, names, texts) == graphed
 
