@@ -247,7 +247,7 @@ class ForcedAligner:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, compile: bool = False,
-                        graphs: bool | None = None, resample_on_device: bool | None = None) -> "ForcedAligner":
+                        graphs: bool = False, resample_on_device: bool | None = None) -> "ForcedAligner":
         """Load a forced-aligner checkpoint (hub id or local directory in the official layout).
 
         Args:
@@ -258,8 +258,8 @@ class ForcedAligner:
             compile: torch.compile the decoder and encoder layers (norms, RoPE, the attention glue and the MLP's
                 activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
             graphs: batches of rows aligned as alone (and single utterances) run padded to a bucket of shapes, each
-                bucket's pass captured as one CUDA graph on first use (CUDA; elsewhere the padded pass runs as is);
-                default: on CUDA.
+                bucket's pass captured as one CUDA graph on first use (CUDA; elsewhere the padded pass runs as is).
+                Off by default: on the GPU in bf16 its words are not yet shown equal to the eager pass's.
             resample_on_device: with graphs, resample 24 (or 8, 48) kHz input to 16 kHz on the aligner's device with
                 soxr's own filter (q3tts.models.resample) instead of soxr on the CPU; default: on CUDA.
         """
@@ -268,7 +268,6 @@ class ForcedAligner:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         d = resolve_model_dir(name_or_path, required=ALIGNER_FILES, weights=("model",))
         cfg = parse_aligner_config(read_json(d / "config.json"))
-        graphs = device.type == "cuda" if graphs is None else graphs
         aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile, graphs,
                       resample_on_device)
         if compile:
