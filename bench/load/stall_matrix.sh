@@ -60,8 +60,11 @@ load() {  # load NAME PORT ARGS...: one bench/load/load.py run against a server,
 }
 serve 06 8006
 serve 17 8017
-ready 0.6B 8006 && load 06-closed 8006 --concurrency "$C06" --requests "$REQS" --max-new-tokens "$FRAMES"
-ready 1.7B 8017 && {
+# both ready before any load: a server still compiling and capturing shares the GPU with the one under load
+ready 0.6B 8006; R06=$?
+ready 1.7B 8017; R17=$?
+[ $R06 = 0 ] && load 06-closed 8006 --concurrency "$C06" --requests "$REQS" --max-new-tokens "$FRAMES"
+[ $R17 = 0 ] && {
   load 17-closed 8017 --concurrency "$C17" --requests "$REQS" --max-new-tokens "$FRAMES"
   load 17-poisson 8017 --rate "$RATES" --duration "$POISSON_S" --max-new-tokens "$POISSON_FRAMES" --no-warmup
 }
