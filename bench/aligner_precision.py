@@ -43,12 +43,12 @@ def record(thinker) -> dict:
     return seen
 
 
-def rows_of_pass(seen: dict, rows: list[np.ndarray], ts: int) -> list[dict]:
+def rows_of_pass(seen: dict, rows: list[np.ndarray], frames: list[int], ts: int) -> list[dict]:
     """Each row's mel [mel, f], encoder output [n, D] and <timestamp> logits [m, classes], float32: the eager pass's
     cut out of its packed tensors, the padded pass's out of [B, ...]."""
     out = []
     if "lm" in seen:
-        (mel, frames), audio = seen["enc"]
+        mel, audio = seen["enc"][0][0], seen["enc"][1]
         logits = seen["lm"][1]  # [M, classes], rows in order
         at_a = at_l = 0
         for b, (r, f) in enumerate(zip(rows, frames)):
@@ -58,9 +58,21 @@ def rows_of_pass(seen: dict, rows: list[np.ndarray], ts: int) -> list[dict]:
     else:
         (mel, _mask), audio = seen["enc_padded"]
         logits = seen["lm_padded"][1]  # [B, S, classes]
-        for b, r in enumerate(rows):
-            out.append(dict(mel=mel[b], audio=audio[b], logits=logits[b, :len(r)][torch.from_numpy(r == ts)]))
+        for b, (r, f) in enumerate(zip(rows, frames)):
+            out.append(dict(mel=mel[b, :, :f], audio=audio[b, :tokens_after_cnn(f)],
+                            logits=logits[b, :len(r)][torch.from_numpy(r == ts)]))
     return [{k: v.float() for k, v in d.items()} for d in out]
+
+
+def compare(words_a, rows_a, words_b, rows_b) -> dict:
+    """Two passes' words and per-row tensors: rows with equal words, <timestamp> slots of another class, and the
+    largest differences of the mel, the encoder's output and the logits."""
+    def most(k):
+        return max(float((x[k] - y[k]).abs().max()) for x, y in zip(rows_a, rows_b))
+    return dict(rows_equal=sum(x == y for x, y in zip(words_a, words_b)), rows=len(words_a),
+                slots_differ=sum(int((x["logits"].argmax(-1) != y["logits"].argmax(-1)).sum())
+                                 for x, y in zip(rows_a, rows_b)),
+                mel_max_abs_diff=most("mel"), audio_max_abs_diff=most("audio"), logits_max_abs_diff=most("logits"))
 
 
 def gap(logits: torch.Tensor) -> torch.Tensor:
@@ -93,45 +105,42 @@ def main(argv: list[str] | None = None) -> int:
         words_e = eager.align(wavs, sr, texts, "English", rows_alone=True)
         res: dict = dict(eager_s=round(time.perf_counter() - t0, 1))
         items = [eager._item(w, sr, t, "English", i) for i, (w, t) in enumerate(zip(wavs, texts))]
-        prompts = eager._prompts(items, [it.wav.shape[0] // 160 for it in items])
-        r_e = rows_of_pass(seen, prompts, ts)
+        frames = [it.wav.shape[0] // 160 for it in items]
+        prompts = eager._prompts(items, frames)
+        r_e = rows_of_pass(seen, prompts, frames, ts)
         if eager32 is None:
             eager32 = (words_e, r_e)
         else:
-            res["eager_vs_fp32_eager"] = dict(
-                rows_equal=sum(x == y for x, y in zip(words_e, eager32[0])),
-                slots_differ=sum(int((x["logits"].argmax(-1) != y["logits"].argmax(-1)).sum())
-                                 for x, y in zip(r_e, eager32[1])),
-                logits_max_abs_diff=max(float((x["logits"] - y["logits"]).abs().max()) for x, y in zip(r_e, eager32[1])))
+            res["eager_vs_fp32_eager"] = compare(words_e, r_e, *eager32)
         for on_device in (True, False):
             seen.clear()
             fast = ForcedAligner(eager.thinker, eager.tokenizer, eager.cfg, eager.model_dir, graphs=True,
                                  resample_on_device=on_device)
             t0 = time.perf_counter()
             words_p = fast.align(wavs, sr, texts, "English", rows_alone=True)
-            v = dict(padded_s=round(time.perf_counter() - t0, 1), rows=[])
-            r_p = rows_of_pass(seen, prompts, ts)
+            padded_s = round(time.perf_counter() - t0, 1)
+            r_p = rows_of_pass(seen, prompts, frames, ts)
+            v = dict(padded_s=padded_s, vs_eager=compare(words_p, r_p, words_e, r_e))
+            if dtype != torch.float32:
+                v["vs_fp32_eager"] = compare(words_p, r_p, *eager32)
+            gaps32 = torch.cat([gap(x["logits"]) for x in eager32[1]])
+            flips = []
             for b, (x, y) in enumerate(zip(r_e, r_p)):
-                f = x["mel"].shape[1]
                 le, lp = x["logits"], y["logits"]
                 ce, cp = le.argmax(-1), lp.argmax(-1)
-                flips = torch.nonzero(ce != cp).flatten()
-                g32 = gap(eager32[1][b]["logits"])
-                g = gap(le)
-                # the move of (eager's class - padded's class) between the passes, at each flipped slot
-                i = flips
-                move = (le[i, ce[i]] - le[i, cp[i]]) - (lp[i, ce[i]] - lp[i, cp[i]])
-                v["rows"].append(dict(
-                    words_equal=words_e[b] == words_p[b], slots=int(le.shape[0]), slots_differ=int(flips.numel()),
-                    mel_max_abs_diff=float((x["mel"] - y["mel"][:, :f]).abs().max()),
-                    audio_max_abs_diff=float((x["audio"] - y["audio"][:x["audio"].shape[0]]).abs().max()),
-                    audio_max_abs=float(x["audio"].abs().max()),
-                    logits_max_abs_diff=float((le - lp).abs().max()), logits_max_abs=float(le.abs().max()),
-                    min_gap_fp32=float(g32.min()), min_gap=float(g.min()),
-                    flips=[dict(slot=int(s), gap_fp32=round(float(g32[s]), 4), gap=round(float(g[s]), 4),
-                                move=round(float(mv), 4), logits_diff=round(float((le[s] - lp[s]).abs().max()), 4))
-                           for s, mv in zip(flips.tolist(), move.tolist())]))
-            v["rows_equal"] = sum(r["words_equal"] for r in v["rows"])
+                g32, g = gap(eager32[1][b]["logits"]), gap(le)
+                for s in torch.nonzero(ce != cp).flatten().tolist():
+                    e, p_ = int(ce[s]), int(cp[s])
+                    # how far (logit[eager's class] - logit[padded's class]) moved between the passes
+                    move = (le[s, e] - le[s, p_]) - (lp[s, e] - lp[s, p_])
+                    flips.append(dict(row=b, slot=s, gap_fp32=round(float(g32[s]), 4), gap=round(float(g[s]), 4),
+                                      move=round(float(move), 4),
+                                      logits_diff=round(float((le[s] - lp[s]).abs().max()), 4)))
+            worst = max((f["gap_fp32"] for f in flips), default=0.0)
+            v.update(slots=int(gaps32.numel()), median_gap_fp32=round(float(gaps32.median()), 4),
+                     flips_max_gap_fp32=worst,
+                     slots_gap_fp32_at_most_that=int((gaps32 <= worst).sum()) if flips else 0,
+                     flips=flips)
             res[f"padded_resample_on_device_{on_device}"] = v
             print(json.dumps({name: {f"padded_resample_on_device_{on_device}": v}}), flush=True)
         result[name] = res

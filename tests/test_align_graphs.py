@@ -12,7 +12,7 @@ import torch
 
 import q3tts.align as align_mod
 from q3tts.align import ForcedAligner
-from q3tts.models.audio_encoder import reflect_rows, reflect_rows_device, rows_of, tokens_after_cnn
+from q3tts.models.audio_encoder import Ragged, reflect_rows, reflect_rows_device, rows_of, tokens_after_cnn
 from tests.test_align import CASES, aligner, audio, checkpoint, expected, run_case_with
 
 
@@ -216,3 +216,85 @@ def test_align_leaves_the_callers_audio_as_it_was(graphs):
     got = a.align([loud, wav], sr, ["one two", "three four"], "English", rows_alone=True)
     assert np.array_equal(loud, before)
     assert got[0] == aligner().align(before.copy(), sr, "one two", "English")
+
+
+def _bf16_passes(a: ForcedAligner, wavs: list[np.ndarray], sr: int, texts: list[str]) -> dict[str, list]:
+    """The eager pass (rows_alone) and the padded pass of `a` on the same rows: each row's mel into the audio encoder
+    [mel, frames] and logits at its <timestamp> slots [m, classes], in the model's dtype."""
+    ts = a.cfg.timestamp_token_id
+    items = [a._item(w, sr, t, "English", i, ready=False) for i, (w, t) in enumerate(zip(wavs, texts))]
+    frames = [it.num_samples // 160 for it in items]
+    rows = a._prompts(items, frames)
+    seen = {}
+
+    def spy(x):
+        seen["mel"] = x["mel"].clone()
+        seen["logits"] = a.thinker.forward_padded(x["ids"], x["mel"], x["mask"], x["audio_at"])
+        return seen["logits"].argmax(-1)
+    a._padded._pass = spy
+    try:
+        with torch.inference_mode():
+            a._padded(items, rows, frames)
+            ready = [it.ready() for it in items]
+            mel, fr = a._features(ready, rows_alone=True)
+            assert fr == frames
+            select = np.flatnonzero(np.concatenate(rows) == ts)
+            eager = a.thinker(torch.from_numpy(np.concatenate(rows)), Ragged.of([len(r) for r in rows], "cpu"),
+                              a.thinker.audio_tower(mel, fr), torch.from_numpy(select))
+    finally:
+        del a._padded._pass
+    m = np.cumsum([int((r == ts).sum()) for r in rows])[:-1]
+    return dict(padded_mel=[seen["mel"][b, :, :f] for b, f in enumerate(frames)],
+                eager_mel=[mel[b, :, :f] for b, f in enumerate(frames)],
+                padded=[seen["logits"][b, :len(r)][torch.from_numpy(r == ts)] for b, r in enumerate(rows)],
+                eager=list(eager.tensor_split(torch.from_numpy(m))))
+
+
+@lru_cache(maxsize=2)
+def _bf16_runs(on_device: bool) -> tuple[dict, dict]:
+    """_bf16_passes in float32 and in bfloat16, on three 24 kHz rows (resampled on the device or by soxr)."""
+    from q3tts.audio import resample
+    wavs = [audio("d")[0]] + [resample(audio(n)[0], 16000, 24000) for n in ("c", "b")]
+    texts = [CASES["en_24k"]["text"][0], CASES["en"]["text"][0], "one two three four"]
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", dtype=dtype, graphs=True,
+                                          resample_on_device=on_device)
+        out.append(_bf16_passes(a, wavs, 24000, texts))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_bf16_padded_features_are_the_eager_ones_rounded(on_device):
+    """The padded pass's log-mel is the eager pass's: equal when both resample with soxr; with the device resampler
+    (within 1e-6 of soxr) the float32 mels differ by under 1e-4, and the bf16 features are those mels rounded: apart
+    by that difference plus bf16's rounding of each (a step of the value's last bit where a value sits near a
+    rounding boundary) - the only difference the padded pass adds to the features."""
+    f32, bf16 = _bf16_runs(on_device)
+    for p32, e32, p16, e16 in zip(f32["padded_mel"], f32["eager_mel"], bf16["padded_mel"], bf16["eager_mel"]):
+        assert p16.dtype == e16.dtype == torch.bfloat16
+        if not on_device:
+            assert torch.equal(p32, e32) and torch.equal(p16, e16)
+            continue
+        assert (p32 - e32).abs().max() < 1e-4
+        # round to nearest in bf16 (8 significant bits) moves a value by at most 2^-8 of it
+        assert torch.equal(p16, p32.to(torch.bfloat16)) and torch.equal(e16, e32.to(torch.bfloat16))
+        assert ((p16.float() - e16.float()).abs() <= (p32 - e32).abs() + 2.0 ** -8 * (p32.abs() + e32.abs())).all()
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_bf16_padded_logits_within_bf16_rounding_of_eager(on_device):
+    """In bf16 the padded pass's <timestamp> logits differ from the eager pass's by no more than two bf16 roundings of
+    the same float32 pass can: twice the eager bf16 pass's own distance from float32 (both passes round the same
+    computation along other GEMM shapes, or from features one bf16 step apart). An argmax can therefore change only
+    at slots whose top-2 gap is under that difference: a near tie, which random weights (near-uniform logits over
+    5000 classes) make common (bench/aligner_precision.py); in float32 the passes agree to 1e-4
+    (test_padded_logits_equal_eager_logits)."""
+    f32, bf16 = _bf16_runs(on_device)
+    ref = torch.cat(f32["eager"])
+    eager, padded = torch.cat(bf16["eager"]).float(), torch.cat(bf16["padded"]).float()
+    assert eager.shape == padded.shape == ref.shape
+    bf16_error = (eager - ref).abs().max()
+    assert bf16_error > 0  # the bound is bf16's own rounding, not zero
+    assert (padded - eager).abs().max() <= 2 * bf16_error
+    torch.testing.assert_close(torch.cat(f32["padded"]), ref, atol=1e-4, rtol=1e-4)
