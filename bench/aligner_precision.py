@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.aligner import make_checkpoint, utterance
+from bench.aligner import make_checkpoint, same_words, utterance
 from q3tts.align import ForcedAligner
 from q3tts.models.audio_encoder import tokens_after_cnn
 
@@ -65,11 +65,12 @@ def rows_of_pass(seen: dict, rows: list[np.ndarray], frames: list[int], ts: int)
 
 
 def compare(words_a, rows_a, words_b, rows_b) -> dict:
-    """Two passes' words and per-row tensors: rows with equal words, <timestamp> slots of another class, and the
-    largest differences of the mel, the encoder's output and the logits."""
+    """Two passes' words and per-row tensors: rows with equal words (and the largest time difference, as
+    bench/aligner.py reports it), <timestamp> slots of another class, and the largest differences of the mel, the
+    encoder's output and the logits."""
     def most(k):
         return max(float((x[k] - y[k]).abs().max()) for x, y in zip(rows_a, rows_b))
-    return dict(rows_equal=sum(x == y for x, y in zip(words_a, words_b)), rows=len(words_a),
+    return dict(**same_words(words_a, words_b),
                 slots_differ=sum(int((x["logits"].argmax(-1) != y["logits"].argmax(-1)).sum())
                                  for x, y in zip(rows_a, rows_b)),
                 mel_max_abs_diff=most("mel"), audio_max_abs_diff=most("audio"), logits_max_abs_diff=most("logits"))
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                     e, p_ = int(ce[s]), int(cp[s])
                     # how far (logit[eager's class] - logit[padded's class]) moved between the passes
                     move = (le[s, e] - le[s, p_]) - (lp[s, e] - lp[s, p_])
-                    flips.append(dict(row=b, slot=s, gap_fp32=round(float(g32[s]), 4), gap=round(float(g[s]), 4),
+                    flips.append(dict(row=b, slot=s, classes=(e, p_), gap_fp32=round(float(g32[s]), 4), gap=round(float(g[s]), 4),
                                       move=round(float(move), 4),
                                       logits_diff=round(float((le[s] - lp[s]).abs().max()), 4)))
             worst = max((f["gap_fp32"] for f in flips), default=0.0)
