@@ -4,11 +4,12 @@ both passes on the same random-weight checkpoint and the same utterances, in flo
 
     python3 -m bench.aligner_precision --rows 4 --seconds 5 --out /tmp/precision.json     # real dimensions, CPU
 
-Per dtype, variant and row: words equal to the eager pass's; the largest difference padded vs eager of the mel
-features, of the audio encoder's output and of the logits at the <timestamp> slots; the smallest top-2 gap of the
-eager logits at those slots (float32 and this dtype); and for every slot whose class differs, its top-2 gap beside
-how much (logit[eager's class] - logit[padded's class]) moved between the passes. Rounding explains a flip whose
-gap is below the move, the move being within twice the logits' difference. The checkpoint is written in bf16 (as
+Per dtype and padded variant, against the eager pass (and, in bf16, against the fp32 eager pass): rows with equal
+words, the largest time difference, slots of another class, the largest differences of the mel, the encoder's
+output and the <timestamp> logits; the median fp32 top-2 gap over all slots; for every slot whose class changed, the
+two classes, its top-2 gap in fp32 and in this dtype, how far (logit[eager's class] - logit[padded's class]) moved
+between the passes (a change needs a move past the gap; a move is at most twice the logits' difference), and how
+many slots have an fp32 gap no larger than the largest changed one's. The checkpoint is written in bf16 (as
 bench/aligner.py writes it for a GPU), so both dtypes run the same weight values.
 """
 
@@ -85,7 +86,7 @@ def gap(logits: torch.Tensor) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=("real", "tiny"), default="real")
-    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=4, help="utterances, aligned as one batch (rows alone)")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
