@@ -355,7 +355,7 @@ class AudioEncoder(nn.Module):
         cfg = self.cfg
         tokens, _ = self._chunks(mel, frames)  # [N, D]
         # attention windows: n_window_infer frames = window tokens of t per chunk, cut per utterance
-        window = _conv_len(2 * cfg.n_window) * (cfg.n_window_infer // (2 * cfg.n_window))
+        window = self.window_tokens(cfg.n_window_infer // (2 * cfg.n_window))  # tokens of a whole attention window
         spans = [min(window, n - s) for n in map(tokens_after_cnn, frames) for s in range(0, n, window)]
         win = Ragged.of(spans, mel.device)
         for layer, (w, b) in zip(self.layers, self.qkv):
