@@ -259,7 +259,7 @@ class ForcedAligner:
                 activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
             graphs: batches of rows aligned as alone (and single utterances) run padded to a bucket of shapes, each
                 bucket's pass captured as one CUDA graph on first use (CUDA; elsewhere the padded pass runs as is).
-                Off by default: on the GPU in bf16 its words are not yet shown equal to the eager pass's.
+                Off by default: beside it, synthesis streams' first audio rose on an H100 (BENCHMARKS.md).
             resample_on_device: with graphs, resample 24 (or 8, 48) kHz input to 16 kHz on the aligner's device with
                 soxr's own filter (q3tts.models.resample) instead of soxr on the CPU; default: on CUDA.
         """
