@@ -7,7 +7,7 @@ Everything from the socket to the engine's step is the real code: uvicorn, the m
 processor, AsyncEngine, the Engine's scheduling, prompt embedding (a tiny random model on the CPU), chunking and
 encoding. Only the device's work becomes a wait that releases the GIL, as a wait for the GPU does: each frame
 (decode-ms, every step with a running row), each admission's prefill (prefill-ms) and each step's vocoding
-(vocode-ms, when a chunk is due); the frames are code 1 (never EOS) and the audio silence. Given the step times
+(vocode-ms, when a chunk is due; prefill-ms + prefill-ms-per-request x the newcomers); the frames are code 1 (never EOS) and the audio silence. Given the step times
 measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
 HTTP side or the client is the limit, without a GPU.
 """
@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.golden: th
 class PacedRunner:
     """The engine's ModelRunner with prefill and frame as GIL-free waits; the rest (slots, prompts) is the real one."""
 
-    def __init__(self, runner, prefill_s: float, decode_s: float):
+    def __init__(self, runner, prefill_s: float, decode_s: float, prefill_per_request_s: float = 0.0):
         self._runner, self.prefill_s, self.decode_s = runner, prefill_s, decode_s
+        self.prefill_per_request_s = prefill_per_request_s  # a batched prefill's part that grows with its rows
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -40,7 +41,7 @@ class PacedRunner:
         return self.prefill_batch(lo, prepared, [], [p.params for p in prepared])
 
     def prefill_batch(self, lo, prefills, trailings, params, graphs: bool = True) -> list[int]:
-        time.sleep(self.prefill_s)
+        time.sleep(self.prefill_s + self.prefill_per_request_s * len(prefills))
         return [1] * len(prefills)
 
     def decode_frame(self, B: int, active: list[bool]):
@@ -64,7 +65,8 @@ class PacedVocoder:
         return [np.zeros(codes.shape[0] * 1920, dtype=np.float32) for _, codes in work]
 
 
-def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0):
+def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
+              prefill_ms_per_request: float = 0.0):
     """The server's app on the tiny random CustomVoice checkpoint of the tests, its device work paced."""
     from q3tts import TTS
     from q3tts.server.app import create_app
@@ -75,7 +77,7 @@ def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, 
     app = create_app(tts, ServerSettings(model="paced", max_concurrent=slots, max_queue=4 * slots, max_seq_len=512,
                                          voice_dir=tempfile.mkdtemp(prefix="q3tts-paced-")))
     engine = app.state.engine.engine  # its thread waits for work: no step runs before the first request
-    engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000)
+    engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000, prefill_ms_per_request / 1000)
     engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
     return app
 
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-ms", type=float, default=6.8, help="one frame for all running rows")
     ap.add_argument("--vocode-ms", type=float, default=4.0, help="a step's vocoding, when some chunk is due")
     ap.add_argument("--prefill-ms", type=float, default=5.0, help="a step's prefill of its newcomers (one batch)")
+    ap.add_argument("--prefill-ms-per-request", type=float, default=0.0,
+                    help="added to --prefill-ms per newcomer of the batch")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the server process (Python's default 5 ms)")
     a = ap.parse_args(argv)
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO)
-    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, a.prefill_ms)
+    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, a.prefill_ms, a.prefill_ms_per_request)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 

@@ -14,7 +14,8 @@ and the engine measures each part as a moving average (`StepTimes`). The policy 
     with all its whole chunks; the others go nearest deadline first within a frame budget per step, so when many
     chunks fall due in one step, those that can wait go in the next steps instead of lengthening this one;
   - first chunk: the first audio waits until its whole chunks outlast a step and two prefills (the first chunk
-    alone while steps are short), so a young stream does not hold the next newcomers back;
+    alone while steps are short), so a young stream does not hold the next newcomers back (burst_wave: while
+    requests queue, the next wave's prefill instead);
   - admission: a prefill delays every running row by its time, so newcomers go while their estimated prefill
     (`PrefillCost`: with its fixed part) fits into every playing row's slack less the steps until its next whole
     chunk and the margin (`admission_budget`): the first goes whenever no row is at risk (one newcomer's prefill
@@ -110,12 +111,27 @@ class DeadlinePolicy:
         max_wait_s: a ready request waiting this long is admitted even while rows are at risk.
         min_vocode_frames: the per-step frame budget of chunks that could wait is max(this, 2 x streaming rows):
             twice what the rows make per step, so a backlog drains.
+        first_chunk_prefills: the prefills (of one newcomer) a first send covers while the engine is contended.
+        burst_wave: > 0: while requests wait for admission, a first send covers instead the prefill of the next
+            wave, min(waiting, burst_wave) newcomers, so the young rows' slack lets that wave in at once (0: off).
+        prefill_cap: a step's measured prefill enters the estimate as at most this many times the estimate for its
+            newcomers (inf: as measured), so one slow step (the GIL held by a burst of requests arriving) does
+            not hold admission back for the many steps the average takes to forget it.
     """
 
     margin_s: float = 0.02
     max_wait_s: float = 1.0
     min_vocode_frames: int = 64
+    first_chunk_prefills: float = 2.0
+    burst_wave: int = 0
+    prefill_cap: float = math.inf
     times: StepTimes = field(default_factory=StepTimes)
+
+    def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None) -> None:
+        """One step's measured phases into `times` (StepTimes.record), the prefill capped by prefill_cap."""
+        if admitted and self.times.prefill.samples and math.isfinite(self.prefill_cap):
+            prefill_s = min(prefill_s, self.prefill_cap * self.times.prefill.estimate(admitted))
+        self.times.record(prefill_s, admitted, frame_s, vocode_s)
 
     @property
     def horizon_s(self) -> float:
@@ -123,11 +139,15 @@ class DeadlinePolicy:
         step may prefill a newcomer)."""
         return 2 * self.times.step_s + self.times.prefill.estimate(1) + self.margin_s
 
-    def first_chunk_frames(self, req: EngineRequest, contended: bool = True) -> int:
+    def first_chunk_frames(self, req: EngineRequest, contended: bool = True, waiting: int = 0) -> int:
         """The least audio (frames) of req's first send: enough to cover the next step and, while other requests
-        share the engine (`contended`), two prefills; at least its first chunk, at most its largest."""
+        share the engine (`contended`), first_chunk_prefills prefills, or with burst_wave and `waiting` requests
+        queued the next wave's prefill; at least its first chunk, at most its largest."""
         s = req.stream
-        prefills = 2 * self.times.prefill.estimate(1) if contended else 0.0
+        if self.burst_wave > 0 and waiting > 0:
+            prefills = self.times.prefill.estimate(min(waiting, self.burst_wave))
+        else:
+            prefills = self.first_chunk_prefills * self.times.prefill.estimate(1) if contended else 0.0
         need = math.ceil((self.times.step_s + prefills + self.margin_s) / FRAME_S)
         return max(s.first_chunk_frames, min(s.chunk_frames, need))
 
@@ -172,7 +192,7 @@ class DeadlinePolicy:
                 continue
             slack = r.slack(now)
             if slack is None:  # not playing yet: its first audio as soon as it is long enough (or its text stalls it)
-                if n >= self.first_chunk_frames(r, contended) or not r.can_run:
+                if n >= self.first_chunk_frames(r, contended, waiting) or not r.can_run:
                     must.append((now, i, r, n))
             elif slack < self.horizon_s:
                 must.append((now + slack, i, r, n))
