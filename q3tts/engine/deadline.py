@@ -104,6 +104,13 @@ class StepTimes:
             self.vocode.add(vocode_s)
 
 
+# $Q3TTS_DEADLINE_<NAME>: DeadlinePolicy's field, the value's unit and its least value (an unset variable: the default)
+DEADLINE_ENV = {"MARGIN_MS": ("margin_s", 1e-3, 0.0), "MAX_WAIT_MS": ("max_wait_s", 1e-3, 0.0),
+                "MIN_VOCODE_FRAMES": ("min_vocode_frames", 1, 1),
+                "FIRST_CHUNK_PREFILLS": ("first_chunk_prefills", 1, 0.0),
+                "BURST_WAVE": ("burst_wave", 1, 0), "PREFILL_CAP": ("prefill_cap", 1, 1.0)}
+
+
 @dataclass(slots=True)
 class DeadlinePolicy:
     """Args:
@@ -126,6 +133,26 @@ class DeadlinePolicy:
     burst_wave: int = 0
     prefill_cap: float = math.inf
     times: StepTimes = field(default_factory=StepTimes)
+
+    @classmethod
+    def from_env(cls, environ) -> DeadlinePolicy:
+        """A policy with the fields that $Q3TTS_DEADLINE_<NAME> variables set (DEADLINE_ENV); ValueError
+        naming the variable for a value that is not a number of its kind or is below its least value."""
+        fields = {}
+        for name, (attr, unit, least) in DEADLINE_ENV.items():
+            raw = environ.get(f"Q3TTS_DEADLINE_{name}")
+            if raw is None or raw.strip() == "":
+                continue
+            kind = int if isinstance(least, int) else float
+            try:
+                value = kind(raw)
+            except ValueError:
+                value = None
+            if value is None or value != value or value < least:  # (value != value: nan)
+                what = "an integer" if kind is int else "a number"
+                raise ValueError(f"$Q3TTS_DEADLINE_{name}={raw!r}: expected {what} >= {least}")
+            fields[attr] = value * unit
+        return cls(**fields)
 
     def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None) -> None:
         """One step's measured phases into `times` (StepTimes.record), the prefill capped by prefill_cap."""

@@ -15,8 +15,8 @@ for parity. Streaming requests get AudioChunks from the exact stateful decoder (
 Deadline-aware streaming (q3tts.engine.deadline; opt-in: $Q3TTS_DEADLINE=1 or Engine(deadline=True)): the
 scheduler admits newcomers as the running streams' slack allows, and the chunks that are due go nearest deadline
 first (a stream about to run dry at once, several of its chunks together if it was left waiting); the step's phases
-are measured into the policy's moving averages after every step (its knobs: $Q3TTS_DEADLINE_<NAME>, DEADLINE_ENV).
-A stream's audio is cut into the same chunks whatever the timing: the same bits.
+are measured into the policy's moving averages after every step (its knobs: $Q3TTS_DEADLINE_<NAME>,
+DeadlinePolicy.from_env). A stream's audio is cut into the same chunks whatever the timing: the same bits.
 
 Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
 then every newly committed text token is handed to its row; frame k runs once token k is there (or the
@@ -75,33 +75,6 @@ class EngineCounters:
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("admit", "decode", "vocode"), 0.0))
 
 
-# $Q3TTS_DEADLINE_<NAME>: DeadlinePolicy's field, the value's unit and its least value (an unset variable: the default)
-DEADLINE_ENV = {"MARGIN_MS": ("margin_s", 1e-3, 0.0), "MAX_WAIT_MS": ("max_wait_s", 1e-3, 0.0),
-                "MIN_VOCODE_FRAMES": ("min_vocode_frames", 1, 1),
-                "FIRST_CHUNK_PREFILLS": ("first_chunk_prefills", 1, 0.0),
-                "BURST_WAVE": ("burst_wave", 1, 0), "PREFILL_CAP": ("prefill_cap", 1, 1.0)}
-
-
-def deadline_policy(environ) -> DeadlinePolicy:
-    """The deadline policy with the fields that $Q3TTS_DEADLINE_<NAME> variables set (DEADLINE_ENV); ValueError
-    naming the variable for a value that is not a number of its kind or is below its least value."""
-    fields = {}
-    for name, (attr, unit, least) in DEADLINE_ENV.items():
-        raw = environ.get(f"Q3TTS_DEADLINE_{name}")
-        if raw is None or raw.strip() == "":
-            continue
-        kind = int if isinstance(least, int) else float
-        try:
-            value = kind(raw)
-        except ValueError:
-            value = None
-        if value is None or value != value or value < least:  # (value != value: nan)
-            raise ValueError(f"$Q3TTS_DEADLINE_{name}={raw!r}: expected {'an integer' if kind is int else 'a number'}"
-                             f" >= {least}")
-        fields[attr] = value * unit
-    return DeadlinePolicy(**fields)
-
-
 class Engine:
     def __init__(self, ckpt: Checkpoint, max_slots: int | None = 8, max_seq_len: int | None = 4096,
                  max_queue: int = 256, use_cuda_graphs: bool | None = None, compile: bool | None = None,
@@ -135,7 +108,7 @@ class Engine:
         self.runner.capture_graphs()
         if deadline is None:
             deadline = os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes")
-        self.policy = deadline_policy(os.environ) if deadline else None
+        self.policy = DeadlinePolicy.from_env(os.environ) if deadline else None
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)

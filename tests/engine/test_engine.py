@@ -323,24 +323,3 @@ def test_code_predictor_steps_reuse_the_layers_compiled_for_the_talker():
         runner.warm_up_frames([(2, 64, True)])
     variants = torch._dynamo.eval_frame._debug_get_cache_entry_list(DecoderLayer.forward.__code__)
     assert len(variants) == 2
-
-
-def test_the_deadline_policy_reads_its_knobs_from_the_environment():
-    """$Q3TTS_DEADLINE_<NAME> sets DeadlinePolicy's fields (ms to s); none set: the defaults; a bad value: an error
-    naming the variable and what it accepts."""
-    from q3tts.engine.deadline import DeadlinePolicy
-    from q3tts.engine.engine import deadline_policy
-    default = DeadlinePolicy()
-    pol = deadline_policy({"Q3TTS_DEADLINE_MAX_WAIT_MS": "150", "Q3TTS_DEADLINE_MARGIN_MS": "10",
-                           "Q3TTS_DEADLINE_BURST_WAVE": "16", "Q3TTS_DEADLINE_PREFILL_CAP": "2",
-                           "Q3TTS_DEADLINE_FIRST_CHUNK_PREFILLS": "0", "Q3TTS_DEADLINE_MIN_VOCODE_FRAMES": "32"})
-    assert (pol.max_wait_s, pol.margin_s, pol.burst_wave, pol.prefill_cap, pol.first_chunk_prefills,
-            pol.min_vocode_frames) == (pytest.approx(0.15), pytest.approx(0.01), 16, 2.0, 0.0, 32)
-    same = deadline_policy({"Q3TTS_DEADLINE_MAX_WAIT_MS": ""})
-    assert (same.max_wait_s, same.margin_s, same.burst_wave, same.prefill_cap, same.first_chunk_prefills) == (
-        default.max_wait_s, default.margin_s, default.burst_wave, default.prefill_cap, default.first_chunk_prefills)
-    for name, raw, accepted in [("BURST_WAVE", "1.5", "an integer >= 0"), ("MAX_WAIT_MS", "-1", "a number >= 0"),
-                                ("PREFILL_CAP", "0.5", "a number >= 1"), ("MARGIN_MS", "nan", "a number >= 0"),
-                                ("MIN_VOCODE_FRAMES", "lots", "an integer >= 1")]:
-        with pytest.raises(ValueError, match=rf"Q3TTS_DEADLINE_{name}=.*{raw}.*expected {accepted}"):
-            deadline_policy({f"Q3TTS_DEADLINE_{name}": raw})
