@@ -8,7 +8,8 @@
 #     then 64 streams of 10 s in that voice (CBASE; REQS requests each): audio s/s, first audio, stalls with the
 #     reference codes in every prefill and decoded in front of every stream's first chunk (ICL)
 # The servers start together (their compiles overlap; each holds only its weights and what its slots need,
-# 128 x 1024 positions: all three fit an 80 GB H100, BENCHMARKS.md's peak memory at as many positions); on a GPU
+# 128 x 1024 positions: BENCHMARKS.md's peak memory per server at as many positions sums to under an 80 GB H100,
+# not yet run as three on one GPU); on a GPU
 # under 70 GiB (nvidia-smi's memory.total) or with BASE_TOGETHER=0 the Base server starts once the other two have
 # stopped. The levels run one server at a time (the others idle); the whole run stays under LIMIT s (default 540
 # with BASE=1, else 420), each wait and level bounded by what is left. JSON per server in $OUT, all of it in
