@@ -9,9 +9,8 @@
 #     reference codes in every prefill and decoded in front of every stream's first chunk (ICL)
 # The servers start together (their compiles overlap; each holds only its weights and what its slots need,
 # 128 x 1024 positions: BENCHMARKS.md's peak memory per server at as many positions sums to under an 80 GB H100,
-# not yet run as three on one GPU); on a GPU
-# under 70 GiB (nvidia-smi's memory.total) or with BASE_TOGETHER=0 the Base server starts once the other two have
-# stopped. The levels run one server at a time (the others idle); the whole run stays under LIMIT s (default 540
+# not yet run as three on one GPU); on a GPU under 70 GiB (nvidia-smi's memory.total) or with BASE_TOGETHER=0 the
+# Base server starts once the other two have stopped. The levels run one server at a time (the others idle); the whole run stays under LIMIT s (default 540
 # with BASE=1, else 420), each wait and level bounded by what is left. JSON per server in $OUT, all of it in
 # $OUT/stall_matrix.json (runs["17base-closed"]: the Base level), one summary table at the end.
 #   run: command: bash bench/load/stall_matrix.sh, timeout_s 600   (one H100; the deadline policy on; Q3TTS_DEADLINE=0: the old one)
