@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .audio import resample, to_mono
+from .audio import resample, resampled_length, to_mono
 from .config import read_json
 from .engine.graphs import gc_paused, side_stream
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
@@ -68,8 +68,8 @@ class _Item:
     @property
     def num_samples(self) -> int:
         """Its length at 16 kHz (what resample() returns)."""
-        return self.wav.shape[0] if self.prepared or self.sample_rate == SAMPLE_RATE else \
-            int(np.ceil(self.wav.shape[0] * (float(SAMPLE_RATE) / self.sample_rate)))
+        n = self.wav.shape[0]
+        return n if self.prepared else resampled_length(n, self.sample_rate, SAMPLE_RATE)
 
 
 class _PaddedPass:
@@ -329,7 +329,7 @@ class ForcedAligner:
         if wav.shape[0] / sr > self.max_seconds:
             raise ValueError(f"{what}audio of {wav.shape[0] / sr:.1f} s is longer than this aligner's "
                              f"{self.max_seconds:g} s ({self.cfg.classify_num} timestamp classes); align it in parts")
-        if int(np.ceil(wav.shape[0] * (float(SAMPLE_RATE) / sr))) < 2 * 160:  # the length resample() gives
+        if resampled_length(wav.shape[0], sr, SAMPLE_RATE) < 2 * 160:
             # shorter than two mel frames: the reflect-padded STFT is undefined
             raise ValueError(f"{what}audio of {wav.shape[0] / sr * 1000:.0f} ms is too short to align")
         item = _Item(words, wav, sr)

@@ -293,6 +293,12 @@ def validate_audio(wav: np.ndarray, sr: int, limits: AudioLimits | None = None, 
 
 
 # --------------------------------------------------------------------------- resampling
+def resampled_length(num_samples: int, orig_sr: int, target_sr: int = TARGET_SR) -> int:
+    """Samples resample() returns for num_samples at orig_sr. NOTE(resample-length): librosa's float expression,
+    ceil(N * (target / orig)) (22050 -> 24000 rounds up)."""
+    return int(np.ceil(num_samples * (float(target_sr) / orig_sr)))
+
+
 def resample(wav: np.ndarray, orig_sr: int, target_sr: int = TARGET_SR) -> np.ndarray:
     """Band-limited resampling, identical to `librosa.resample(wav, orig_sr=, target_sr=)` (librosa 0.11
     defaults: soxr "soxr_hq", then fixed to ceil(N * target / orig) samples). float32 in, float32 out."""
@@ -303,9 +309,7 @@ def resample(wav: np.ndarray, orig_sr: int, target_sr: int = TARGET_SR) -> np.nd
         import soxr
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise ImportError("resampling needs the 'soxr' package: pip install soxr") from e
-    ratio = float(target_sr) / orig_sr
-    # NOTE(resample-length): librosa's float expression (22050 -> 24000 rounds up)
-    n = int(np.ceil(wav.shape[-1] * ratio))
+    n = resampled_length(wav.shape[-1], orig_sr, target_sr)
     y = soxr.resample(wav, orig_sr, target_sr, quality=RESAMPLE_QUALITY)
     if y.shape[-1] > n:
         y = y[..., :n]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..audio import resample
+from ..audio import resample, resampled_length
 
 MAX_PERIOD = 8  # q: input samples per filter period (24k -> 16k: 3; 44.1k -> 16k: 441, left to the CPU)
 
@@ -68,7 +68,7 @@ class Polyphase:
 
     def out_len(self, n: int) -> int:
         """Samples q3tts.audio.resample returns for n (librosa's length, ceil)."""
-        return int(np.ceil(n * (float(self.target_sr) / self.orig_sr)))
+        return resampled_length(n, self.orig_sr, self.target_sr)
 
     def __call__(self, rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """rows [B, L] float32 (row b's first lengths[b] samples, zeros after) -> [B, max out_len] float32, zeros past
