@@ -24,7 +24,7 @@ import torch
 
 from .audio import resample, resampled_length, to_mono
 from .config import read_json
-from .engine.graphs import gc_paused, side_stream
+from .engine.graphs import capture_beside, gc_paused, side_stream
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
@@ -123,14 +123,13 @@ class _PaddedPass:
         return self.aligner.thinker.forward_padded(x["ids"], x["mel"], x["mask"], x["audio_at"]).argmax(-1)  # [B, S]
 
     def _graph(self, key, x: dict[str, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up on a side stream (cuBLAS handles, the allocator), then capture into the shared pool. Capture errors
-        are thread-local: synthesis may launch on other streams meanwhile."""
+        """Warm up on a side stream (cuBLAS handles, the allocator), then capture into the shared pool, beside the
+        engine's steps (no device sync, no cache flush, no cycle collection: capture_beside)."""
         t0 = time.perf_counter()
         with side_stream():
             self._pass(x)
-        g = torch.cuda.CUDAGraph()
-        with gc_paused(), torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._pass(x)
+        with gc_paused(collect=False):
+            g, out = capture_beside(lambda: self._pass(x), self.pool)
         self.pool = g.pool()
         self.capture_s += time.perf_counter() - t0
         return g, out
@@ -225,7 +224,7 @@ class ForcedAligner:
     """Audio + its transcript -> the time of every word."""
 
     def __init__(self, thinker: Thinker, tokenizer: TextTokenizer, cfg: AlignerConfig, model_dir: Path,
-                 compile: bool = False, graphs: bool = False, resample_on_device: bool | None = None):
+                 compile: bool = False, graphs: bool | None = None, resample_on_device: bool | None = None):
         self.thinker, self.tokenizer, self.cfg, self.model_dir = thinker, tokenizer, cfg, model_dir
         self.compiled = compile
         if compile:  # one compiled function per layer kind serves every layer; token counts and batch are dynamic
@@ -239,7 +238,8 @@ class ForcedAligner:
             raise ValueError(f"{model_dir}: the tokenizer's <timestamp> is id {self._ids['<timestamp>']}, "
                              f"config.json says {cfg.timestamp_token_id}")
         on_device = self.device.type == "cuda" if resample_on_device is None else resample_on_device
-        self._padded = _PaddedPass(self, on_device) if graphs else None
+        self._padded = _PaddedPass(self, on_device) if (self.device.type == "cuda" if graphs is None else graphs) \
+            else None
         self._lock = threading.Lock()  # one pass at a time (the worker's thread and direct callers)
         # the last class ends here: longer audio has words the head cannot place
         self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
@@ -247,7 +247,7 @@ class ForcedAligner:
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
                         dtype: torch.dtype | str | None = None, compile: bool = False,
-                        graphs: bool = False, resample_on_device: bool | None = None) -> "ForcedAligner":
+                        graphs: bool | None = None, resample_on_device: bool | None = None) -> "ForcedAligner":
         """Load a forced-aligner checkpoint (hub id or local directory in the official layout).
 
         Args:
@@ -258,8 +258,8 @@ class ForcedAligner:
             compile: torch.compile the decoder and encoder layers (norms, RoPE, the attention glue and the MLP's
                 activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
             graphs: batches of rows aligned as alone (and single utterances) run padded to a bucket of shapes, each
-                bucket's pass captured as one CUDA graph on first use (CUDA; elsewhere the padded pass runs as is).
-                Off by default: beside it, synthesis streams' first audio rose on an H100 (BENCHMARKS.md).
+                bucket's pass captured as one CUDA graph on first use, beside running synthesis (CUDA; elsewhere the
+                padded pass runs as is). Default: on CUDA.
             resample_on_device: with graphs, resample 24 (or 8, 48) kHz input to 16 kHz on the aligner's device with
                 soxr's own filter (q3tts.models.resample) instead of soxr on the CPU; default: on CUDA.
         """
@@ -270,14 +270,15 @@ class ForcedAligner:
         cfg = parse_aligner_config(read_json(d / "config.json"))
         aligner = cls(load_thinker(d, cfg, device, dtype), TextTokenizer(d), cfg, d, compile, graphs,
                       resample_on_device)
-        if compile:
+        if compile or aligner._padded is not None and aligner._padded.capture:
             aligner.warmup()
         return aligner
 
     def warmup(self) -> None:
-        """Compile now, not in a caller's first pass (compiling holds the interpreter for seconds: a server's streams
-        would stall behind it). A batch of one and a batch of two rows, one longer than an attention window: the
-        shapes that torch.compile specializes (sizes 1 and more); other sizes reuse these graphs."""
+        """Compile, load the kernels and capture the first graphs now, not in a caller's first pass (compiling holds
+        the interpreter for seconds: a server's streams would stall behind it). A batch of one and a batch of two
+        rows, one longer than an attention window: the shapes that torch.compile specializes (sizes 1 and more);
+        other sizes reuse these compilations (graphs: each bucket is captured on first use)."""
         rng = np.random.default_rng(0)
         window_s = self.cfg.audio.n_window_infer * 160 / SAMPLE_RATE
         wav = lambda s: (0.1 * rng.standard_normal(int(s * SAMPLE_RATE))).astype(np.float32)  # noqa: E731

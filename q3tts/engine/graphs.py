@@ -21,14 +21,16 @@ log = logging.getLogger("q3tts.engine")
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cycle collector paused for a loop of CUDA-graph captures, after one collection.
+def gc_paused(collect: bool = True) -> Iterator[None]:
+    """Python's cycle collector paused for a loop of CUDA-graph captures, after one collection (collect=False: none,
+    for a capture beside running streams: a collection holds the interpreter, and their steps wait for it).
     - Paused: a collection during a capture can free an engine dropped earlier, whose graphs then reset mid-capture
       and invalidate it (seen in the GPU tests, which build engine after engine in one process).
     - Once per loop, not per capture: with Dynamo and Inductor loaded a collection is slow, and a start-up captures
       about a hundred graphs."""
     enabled = gc.isenabled()
-    gc.collect()
+    if collect:
+        gc.collect()
     gc.disable()
     try:
         yield
@@ -52,6 +54,24 @@ def capture(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, objec
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, pool=pool):
         out = fn()
+    return g, out
+
+
+def capture_beside(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """capture, while other threads go on launching (the forced aligner's worker beside the engine's steps).
+    torch.cuda.graph first synchronizes the device and empties the allocator's cache, whose cudaFree waits for every
+    stream: the running streams' steps would stop behind it. Here neither; the capture's errors are this thread's only
+    (thread_local), so launches of other threads meanwhile are allowed."""
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        g.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            out = fn()
+        finally:
+            g.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
     return g, out
 
 

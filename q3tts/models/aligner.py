@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import invariant
 from ..config import DecoderLayerConfig
+from ..kernels.prefill import prefill_glue_applies, qk_norm_rope, silu_mul
 from ..weights import check_prefixes, load_module, read_tensors, safetensors_files
 from .audio_encoder import AudioEncoder, AudioEncoderConfig, Ragged, parse_audio_encoder_config, sinusoids
 from .layers import DecoderLayer, RMSNorm, apply_rope, fuse_projections, rope_cos_sin, rope_inv_freq
@@ -94,13 +96,22 @@ def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin
     a, m = layer.self_attn, layer.mlp
     H, Hkv, Dh = a.num_heads, a.num_kv_heads, a.head_dim
     B, S, _ = x.shape
-    q, k, v = F.linear(layer.input_layernorm(x), a.qkv_weight).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-    q = apply_rope(a.q_norm(q.view(B, S, H, Dh)), cos, sin).transpose(1, 2)  # [B, H, S, Dh]
-    k = apply_rope(a.k_norm(k.view(B, S, Hkv, Dh)), cos, sin).transpose(1, 2)  # [B, Hkv, S, Dh]
-    v = v.view(B, S, Hkv, Dh).transpose(1, 2)
+    glue = prefill_glue_applies(x)  # CUDA bf16: the norms, RoPE and SiLU * up fused (kernels.prefill), same values
+    norm = (lambda n, t: invariant.rms_norm(t, n.weight, n.eps)) if glue else (lambda n, t: n(t))
+    qkv = F.linear(norm(layer.input_layernorm, x), a.qkv_weight)  # [B, S, (H + 2 Hkv) Dh]
+    v = qkv[..., (H + Hkv) * Dh:].view(B, S, Hkv, Dh).transpose(1, 2)  # [B, Hkv, S, Dh]
+    if glue:
+        q, k = qk_norm_rope(qkv, a.q_norm, a.k_norm, cos, sin, H, Hkv)
+    else:
+        q, k, _ = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        q = apply_rope(a.q_norm(q.view(B, S, H, Dh)), cos, sin).transpose(1, 2)  # [B, H, S, Dh]
+        k = apply_rope(a.k_norm(k.view(B, S, Hkv, Dh)), cos, sin).transpose(1, 2)  # [B, Hkv, S, Dh]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, S, Dh]
     x = x + F.linear(out.transpose(1, 2).reshape(B, S, H * Dh), a.o_proj.weight)
-    gate, up = F.linear(layer.post_attention_layernorm(x), m.gate_up_weight).chunk(2, dim=-1)
+    gate_up = F.linear(norm(layer.post_attention_layernorm, x), m.gate_up_weight)  # [B, S, 2I]
+    if glue:
+        return x + F.linear(silu_mul(gate_up), m.down_proj.weight)
+    gate, up = gate_up.chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, m.down_proj.weight)
 
 
@@ -157,7 +168,9 @@ class Thinker(nn.Module):
         cos, sin = rope_cos_sin(torch.arange(S, device=x.device)[None], self.inv_freq, x.dtype)  # [1, S, Dh]
         for layer in self.model.layers:
             x = lm_layer_padded(layer, x, cos[0], sin[0])
-        return self.lm_head(self.model.norm(x))
+        norm = self.model.norm
+        x = invariant.rms_norm(x, norm.weight, norm.eps) if prefill_glue_applies(x) else norm(x)
+        return self.lm_head(x)
 
 
 ALIGNER_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json")

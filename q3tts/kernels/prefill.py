@@ -1,0 +1,93 @@
+"""The elementwise glue of a padded prefill (the forced aligner's bucketed pass, q3tts.models.aligner): the Q/K
+RMSNorms and RoPE from the fused q|k|v projection straight into attention's [B, H, S, Dh] layout, and the MLP's
+SiLU(gate) * up. Eagerly these are a dozen kernels a layer, half of them strided or in fp32 (BENCHMARKS.md: the
+aligner's profile); here two.
+
+Each result is rounded to bf16 where the eager modules store one (models.layers.RMSNorm, apply_rope, F.silu then the
+product), so the values are the eager ones up to the last bit of the fp32 statistics (the sum of squares is reduced
+in another order). bf16 only: where *_applies is False the caller runs the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .common import _bf
+
+    @triton.jit
+    def _qk_norm_rope(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, S, stride_t, eps,
+                      H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr):
+        # one program per (token b * S + s, head h of the H query then HKV key heads)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        b = t // S
+        s = t - b * S
+        d = tl.arange(0, DH)
+        dp = (d + DH // 2) % DH  # rotate_half's partner of d
+        src = qkv_ptr + t * stride_t + h * DH
+        x = tl.load(src + d).to(tl.float32)
+        xp = tl.load(src + dp).to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / DH + eps)  # RMSNorm's fp32 statistics
+        if h < H:
+            w = tl.load(qw_ptr + d).to(tl.float32)
+            wp = tl.load(qw_ptr + dp).to(tl.float32)
+        else:
+            w = tl.load(kw_ptr + d).to(tl.float32)
+            wp = tl.load(kw_ptr + dp).to(tl.float32)
+        y = _bf(w * _bf(x * r))  # RMSNorm: the normalized row in bf16, times the weight in bf16
+        yp = _bf(wp * _bf(xp * r))
+        c = tl.load(cos_ptr + s * DH + d).to(tl.float32)
+        sn = tl.load(sin_ptr + s * DH + d).to(tl.float32)
+        out = _bf(_bf(y * c) + _bf(tl.where(d < DH // 2, -yp, yp) * sn))  # x * cos + rotate_half(x) * sin
+        if h < H:
+            tl.store(q_ptr + ((b * H + h) * S + s) * DH + d, out.to(q_ptr.dtype.element_ty))
+        else:
+            tl.store(k_ptr + ((b * HKV + h - H) * S + s) * DH + d, out.to(k_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul(gu_ptr, out_ptr, N, INTER, BLOCK: tl.constexpr):
+        # gate | up rows [R, 2 INTER] -> [R, INTER]; BLOCK outputs per program
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = i < N
+        row = i // INTER
+        col = i - row * INTER
+        g = tl.load(gu_ptr + row * 2 * INTER + col, mask=keep, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * INTER + INTER + col, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i, _bf(_bf(g / (1.0 + tl.exp(-g))) * u).to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def prefill_glue_applies(x: torch.Tensor) -> bool:
+    """Whether qk_norm_rope and silu_mul serve a layer whose activations are x: Triton there, x on CUDA in bf16."""
+    return triton is not None and x.is_cuda and x.dtype == torch.bfloat16
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, cos: torch.Tensor,
+                 sin: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [B, S, (H + 2 Hkv) Dh] (rows contiguous) -> q [B, H, S, Dh], k [B, Hkv, S, Dh], contiguous: RMSNorm
+    (q_norm / k_norm: per-head weights [Dh], their eps) then RoPE with cos / sin [S, Dh] (rotate_half convention), as
+    apply_rope(q_norm(q), cos, sin)."""
+    B, S, _ = qkv.shape
+    H, Hkv = num_heads, num_kv_heads
+    Dh = cos.shape[-1]
+    assert qkv.stride(-1) == 1 and qkv.stride(0) == S * qkv.stride(1) and cos.is_contiguous() and sin.is_contiguous()
+    assert q_norm.eps == k_norm.eps
+    q = qkv.new_empty(B, H, S, Dh)
+    k = qkv.new_empty(B, Hkv, S, Dh)
+    _qk_norm_rope[(B * S, H + Hkv)](qkv, q_norm.weight, k_norm.weight, cos, sin, q, k, S, qkv.stride(1),
+                                    q_norm.eps, H=H, HKV=Hkv, DH=Dh, num_warps=1)
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 inter] (gate | up, contiguous) -> F.silu(gate) * up [..., inter]."""
+    inter = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    N = out.numel()
+    BLOCK = 1024
+    _silu_mul[(triton.cdiv(N, BLOCK),)](gate_up.contiguous(), out, N, inter, BLOCK=BLOCK, num_warps=4)
+    return out

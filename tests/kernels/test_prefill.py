@@ -1,0 +1,97 @@
+"""q3tts.kernels.prefill: the aligner's fused prefill glue against the eager modules it replaces, in bf16, both held
+to a float64 twin of the same values.
+
+Each kernel rounds to bf16 where the modules do, in fp32 between, but its fp32 steps are not the module's bit for bit
+(the sum of squares is reduced in another order; Triton's division and reciprocal square root differ from torch's in
+the last bits), and a rounded value that sits near a bf16 tie then moves one step; RoPE's x cos + rotate_half(x) sin
+can cancel, so one step of a term can be several of a small result. On an H100 about 10% of the Q/K elements moved a
+step. The bar is therefore the eager module's own error against float64: the glue's may not be larger than it by more
+than a quarter (max) or a tenth (mean)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from q3tts import kernels
+from q3tts.kernels.prefill import qk_norm_rope, silu_mul
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")]
+
+
+def assert_as_accurate(glue: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor):
+    assert glue.shape == eager.shape == exact.shape and glue.dtype == eager.dtype
+    e_glue, e_eager = (glue.double() - exact).abs(), (eager.double() - exact).abs()
+    assert e_glue.max() <= 1.25 * e_eager.max(), (e_glue.max().item(), e_eager.max().item())
+    assert e_glue.mean() <= 1.1 * e_eager.mean(), (e_glue.mean().item(), e_eager.mean().item())
+
+
+def random_layer(seed: int):
+    """A bf16 decoder layer of the aligner LM's head shape (16 x 128, 8 KV heads), norm weights away from 1, and its
+    float64 twin."""
+    from q3tts.config import DecoderLayerConfig
+    from q3tts.models import layers
+    torch.manual_seed(seed)
+    lay = layers.DecoderLayer(DecoderLayerConfig(1024, 3072, 1, 16, 8, 128, 1e-6, 1e6, 2048))
+    with torch.no_grad():
+        for p in lay.parameters():
+            p.normal_(0, 0.05)
+        for m in (lay.input_layernorm, lay.post_attention_layernorm, lay.self_attn.q_norm, lay.self_attn.k_norm):
+            m.weight.normal_(1, 0.3)
+    lay = lay.to("cuda", torch.bfloat16)
+    exact = copy.deepcopy(lay).double()
+    layers.fuse_projections(lay)
+    layers.fuse_projections(exact)
+    return lay, exact
+
+
+def rope(S: int, dtype: torch.dtype):
+    from q3tts.models import layers
+    cos, sin = layers.rope_cos_sin(torch.arange(S, device="cuda")[None], layers.rope_inv_freq(128, 1e6).cuda(), dtype)
+    return cos[0], sin[0]
+
+
+def test_qk_norm_rope_is_the_eager_norms_and_rope():
+    from q3tts.models import layers
+    lay, exact = random_layer(0)
+    B, S, H, Hkv, Dh = 3, 40, 16, 8, 128
+    qkv = (torch.randn(B, S, (H + 2 * Hkv) * Dh, device="cuda") * 2).to(torch.bfloat16)
+
+    def modules(a, x, cos, sin):
+        q, k, _ = x.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        return (layers.apply_rope(a.q_norm(q.reshape(B, S, H, Dh)), cos, sin).transpose(1, 2).contiguous(),
+                layers.apply_rope(a.k_norm(k.reshape(B, S, Hkv, Dh)), cos, sin).transpose(1, 2).contiguous())
+
+    with torch.inference_mode():
+        q, k = qk_norm_rope(qkv, lay.self_attn.q_norm, lay.self_attn.k_norm, *rope(S, torch.bfloat16), H, Hkv)
+        qe, ke = modules(lay.self_attn, qkv, *rope(S, torch.bfloat16))
+        q64, k64 = modules(exact.self_attn, qkv.double(), *(t.double() for t in rope(S, torch.bfloat16)))
+    assert q.is_contiguous() and k.is_contiguous()
+    assert_as_accurate(q, qe, q64)
+    assert_as_accurate(k, ke, k64)
+
+
+def test_silu_mul_is_silu_times_up():
+    torch.manual_seed(1)
+    gu = (torch.randn(5, 7, 2 * 3072, device="cuda") * 3).to(torch.bfloat16)
+    gate, up = gu.chunk(2, dim=-1)
+    g64, u64 = gu.double().chunk(2, dim=-1)
+    assert_as_accurate(silu_mul(gu), F.silu(gate) * up, F.silu(g64) * u64)
+
+
+def test_padded_lm_layer_with_the_glue_is_the_eager_layer(monkeypatch):
+    """models.aligner.lm_layer_padded on CUDA bf16 (the glue) and the same layer with the modules (glue off): the
+    GEMMs and attention are the same calls; both against the float64 layer."""
+    from q3tts.models import aligner
+    lay, exact = random_layer(2)
+    x = torch.randn(4, 48, 1024, device="cuda").to(torch.bfloat16)
+    cos, sin = rope(48, torch.bfloat16)
+    with torch.inference_mode():
+        glue = aligner.lm_layer_padded(lay, x, cos, sin)
+        want = aligner.lm_layer_padded(exact, x.double(), cos.double(), sin.double())
+        monkeypatch.setattr(aligner, "prefill_glue_applies", lambda t: False)
+        eager = aligner.lm_layer_padded(lay, x, cos, sin)
+    e_glue, e_eager = (glue.double() - want).abs(), (eager.double() - want).abs()
+    assert e_glue.max() <= 1.25 * e_eager.max() and e_glue.mean() <= 1.1 * e_eager.mean()
