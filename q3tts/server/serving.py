@@ -10,6 +10,7 @@ a full queue (503): the first chunk is awaited before the response is returned.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -163,8 +164,11 @@ class SpeechServing:
                 raise ApiError(400, "voice is required: this server runs a Base (voice clone) model; name a stored "
                                f"voice ({self.voices.names_hint()}) or pass ref_audio (+ ref_text)", param="voice",
                                code="missing_voice")
-            # off the event loop, in the bounded clone pool: cloning a reference (or reading a voice file) takes a while
-            return (await self.voices.clones.run(lambda: proc.voice_clone(text, voice, req.language, **kw)))[0]
+            if req.ref_audio:  # cloning a reference takes up to seconds of CPU: the bounded clone pool
+                return (await self.voices.clones.run(lambda: proc.voice_clone(text, voice, req.language, **kw)))[0]
+            # a stored voice is an index lookup (its file read once, then kept): off the event loop, but no clone's
+            # place, so a burst of requests in one stored voice is not refused as a flood of clones
+            return (await asyncio.to_thread(proc.voice_clone, text, voice, req.language, **kw))[0]
         except InputError as e:  # it names the library's argument: name this API's field instead
             field = API_FIELDS.get(e.param, e.param)
             msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)

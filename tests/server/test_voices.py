@@ -46,6 +46,29 @@ def test_upload_list_and_speak_with_a_stored_voice(base_server, alice):
     assert len(xvec) > 0 and not np.array_equal(xvec, by_name)
 
 
+
+def test_requests_in_a_stored_voice_take_no_clone_place(base_server, alice):
+    """A stored voice is a lookup, not a clone: with the clone pool full (its limit 0 here) requests naming it are
+    served, alone and 8 at once, while one with an inline reference is refused as a clone (503 clone_queue_full)."""
+    from concurrent.futures import ThreadPoolExecutor
+    clones = base_server.app.state.voices.clones
+    client = base_server.client()
+    limit, clones.limit = clones.limit, 0
+    try:
+        alone = pcm_samples(speak(client, "Cloned speech.", voice="alice"))
+        with ThreadPoolExecutor(8) as ex:
+            burst = list(ex.map(lambda _: pcm_samples(speak(client, "Cloned speech.", voice="alice")), range(8)))
+        # the same audio: on a CPU the vocoder's rows decoded together sum in another fp32 order (<= 1 PCM step)
+        assert len(alone) > 0 and all(b.shape == alone.shape for b in burst)
+        assert max(np.abs(b.astype(np.int32) - alone).max() for b in burst) <= 1
+        data_url = "data:audio/wav;base64," + base64.b64encode(reference_wav(seed=5)).decode()
+        with base_server.http() as h:
+            r = h.post("/v1/audio/speech", json={"input": "Hi.", "ref_audio": data_url, "ref_text": REF_TEXT,
+                                                 "response_format": "pcm"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "clone_queue_full", r.text
+    finally:
+        clones.limit = limit
+
 def test_json_upload_x_vector_voice_and_inline_reference(base_server):
     client = base_server.client()
     clip = reference_wav(2.5, 210.0, seed=1)
