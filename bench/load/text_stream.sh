@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Streaming-text benchmark on the GPU machine: q3tts serve (0.6B-CustomVoice, real-size random weights, compiled)
 # + bench.load.text_stream (simulated LLMs over the WebSocket) at RATES tokens/s and SESSIONS sessions.
-# The server's Python deps travel as cp312 packages unpacked into .scratch/serverdeps (carry it).
+# Every session comes from this one address: the per-client cap (--ws-max-client-utterances, default 32) is
+# lifted. The server's Python deps travel as cp312 packages unpacked into .scratch/serverdeps (carry it).
 set -x
 export PYTHONPATH=$PWD/.scratch/serverdeps:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -9,6 +10,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv
 t0=$(date +%s)
 [ -d /tmp/ckpt06 ] || python3 -m bench.make_checkpoint --model 0.6B-CustomVoice --out /tmp/ckpt06 > $OUT/ckpt.log 2>&1
 python3 -m q3tts.cli serve --model /tmp/ckpt06 --max-concurrent ${SLOTS:-32} --max-seq-len 1024 --port 8000 \
+  --ws-max-client-utterances 1024 \
   --voice-dir /tmp/vv > $OUT/serve-text.log 2>&1 &
 SP=$!
 for i in $(seq 400); do curl -sf localhost:8000/ready && break; kill -0 $SP 2>/dev/null || { tail -30 $OUT/serve-text.log; exit 1; }; sleep 1; done

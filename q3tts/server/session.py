@@ -379,6 +379,9 @@ class SpeechSession:
             await self._send_json(form.words(None if found is None else words_ms(found)))
         if livekit and found is not None:  # LiveKit's sync transport: the words in audio.done
             done["timestamp_info"] = {"word_alignment": livekit_alignment(found)}
+        # its place in the caps is given back before audio.done goes out: a client that starts its next utterance
+        # on audio.done (at its cap) is not refused for the one it just heard end
+        self._forget(utt)
         await self._send_json(done)
 
     async def _send_bytes(self, data: bytes) -> None:

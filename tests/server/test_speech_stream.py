@@ -212,6 +212,42 @@ def test_a_flooding_session_is_capped_while_another_client_is_served(cv_server):
     cv_server.wait_idle()
 
 
+
+def test_the_next_utterance_at_the_cap_is_taken_on_audio_done(cv_server, monkeypatch):
+    """A session at its cap (one utterance) that starts the next one as soon as audio.done arrives is served: the
+    place is given back before audio.done goes out. Here the send of audio.done is held a moment after it went out,
+    as a congested socket's is (a load client at the per-client cap was refused at random)."""
+    import asyncio
+
+    from q3tts.server.session import SpeechSession
+    send = SpeechSession._send_json
+
+    async def congested(self, obj):
+        await send(self, obj)
+        if obj.get("type") == "audio.done":
+            await asyncio.sleep(0.2)
+    monkeypatch.setattr(SpeechSession, "_send_json", congested)
+    settings = cv_server.app.state.settings
+    saved = settings.ws_max_utterances, settings.ws_max_client_utterances
+    settings.ws_max_utterances = settings.ws_max_client_utterances = 1
+    try:
+        with connect(ws_url(cv_server)) as ws:
+            ws.send(json.dumps({"type": "session.config", "voice": "ryan", **GREEDY, "max_new_tokens": 3}))
+            for i in range(3):
+                ws.send(json.dumps({"type": "input.text", "text": f"Utterance {i}."}))
+                ws.send(json.dumps({"type": "input.done"}))
+                while True:
+                    msg = ws.recv(timeout=60)
+                    if isinstance(msg, bytes):
+                        continue
+                    m = json.loads(msg)
+                    assert m["type"] != "error", m
+                    if m["type"] == "audio.done":
+                        break
+    finally:
+        settings.ws_max_utterances, settings.ws_max_client_utterances = saved
+    cv_server.wait_idle()
+
 def test_unencodable_text_and_deep_json_get_invalid_message_and_the_session_goes_on(cv_server):
     with connect(ws_url(cv_server)) as ws:
         for bad, what in [('{"type": "input.text", "text": "a\\ud800b"}', "lone surrogate"),
