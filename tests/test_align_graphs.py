@@ -159,12 +159,13 @@ def test_fused_qkv_weights_are_held_once():
 @pytest.mark.gpu
 def test_cuda_graphs_equal_the_padded_pass_uncaptured():
     """On CUDA (fp32): the captured graph's replay gives the words of the same padded pass launched op by op, and a
-    second batch of the same bucket replays the graph captured by the first."""
+    second batch of the same bucket replays the graph captured by the first (loading captured the warm-up's)."""
     a = ForcedAligner.from_pretrained(checkpoint(), device="cuda", dtype=torch.float32, graphs=True)
+    warm = set(a._padded.graphs)
     names, texts = ["c", "b", "d"], [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0]]
     graphed = _rows_alone(a, names, texts)
-    assert len(a._padded.graphs) == 1
-    assert _rows_alone(a, names[::-1], texts[::-1]) == graphed[::-1] and len(a._padded.graphs) == 1
+    assert len(a._padded.graphs) == len(warm) + 1
+    assert _rows_alone(a, names[::-1], texts[::-1]) == graphed[::-1] and len(a._padded.graphs) == len(warm) + 1
     # the pass entered directly, outside align()'s inference mode, writes the same captured inputs
     items = [a._item(*audio(n), t, "English", i, ready=False) for i, (n, t) in enumerate(zip(names, texts))]
     assert a._run(items, rows_alone=True) == graphed
