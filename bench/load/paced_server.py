@@ -1,13 +1,15 @@
 """The server's HTTP side under many streams, on any machine: `q3tts serve` with the model's work replaced by time.
 
     python -m bench.load.paced_server --port 8000 --slots 256 --decode-ms 6.8 --vocode-ms 4.0 --prefill-ms 5 &
+    python -m bench.load.paced_server --port 8000 --slots 128 --prefill-table 1:3.68,2:6.55,4:11.67,16:30.34,64:104.4 &
     python -m bench.load.load --url http://127.0.0.1:8000 --concurrency 64,128,256 --max-new-tokens 126
 
 Everything from the socket to the engine's step is the real code: uvicorn, the middleware, validation, the text
 processor, AsyncEngine, the Engine's scheduling, prompt embedding (a tiny random model on the CPU), chunking and
 encoding. Only the device's work becomes a wait that releases the GIL, as a wait for the GPU does: each frame
-(decode-ms, every step with a running row), each admission's prefill (prefill-ms) and each step's vocoding
-(vocode-ms, when a chunk is due; prefill-ms + prefill-ms-per-request x the newcomers); the frames are code 1 (never EOS) and the audio silence. Given the step times
+(decode-ms, every step with a running row), each step's vocoding (vocode-ms, when a chunk is due) and each
+admission's prefill of its W newcomers (prefill-ms + prefill-ms-per-request x W, or --prefill-table's wait for W:
+admit times measured by wave size); the frames are code 1 (never EOS) and the audio silence. Given the step times
 measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
 HTTP side or the client is the limit, without a GPU.
 """
@@ -27,12 +29,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.golden: the tiny checkpoint's recipe
 
 
+def parse_prefill_table(text: str) -> list[tuple[int, float]]:
+    """"W:ms,W:ms,..." (newcomers in one admission step: the wave's whole prefill in ms) -> [(W, ms)] sorted by W."""
+    table = {}
+    for item in text.split(","):
+        w, sep, ms = item.strip().partition(":")
+        try:
+            w, ms = int(w), float(ms)
+        except ValueError:
+            w = None
+        if not sep or w is None or w < 1 or not 0 <= ms < float("inf") or w in table:
+            raise argparse.ArgumentTypeError(f"bad --prefill-table entry {item.strip()!r} in {text!r}: expected "
+                                             "W:ms pairs, W a distinct integer >= 1 and ms >= 0, e.g. 1:3.68,4:11.67")
+        table[w] = ms
+    return sorted(table.items())
+
+
+def prefill_wait_s(table: list[tuple[int, float]], W: int) -> float:
+    """The wait for a wave of W newcomers: the table's value at a given W, linear between given W (from (0, 0) below
+    the first), extrapolated past the last along its last two points (never below 0)."""
+    points = [(0, 0.0)] + [p for p in table if p[0] > 0]
+    for (w0, ms0), (w1, ms1) in zip(points, points[1:]):
+        if W <= w1:
+            return (ms0 + (ms1 - ms0) * (W - w0) / (w1 - w0)) / 1000
+    (w0, ms0), (w1, ms1) = points[-2:]
+    return max(0.0, ms1 + (ms1 - ms0) * (W - w1) / (w1 - w0)) / 1000
+
+
 class PacedRunner:
     """The engine's ModelRunner with prefill and frame as GIL-free waits; the rest (slots, prompts) is the real one."""
 
-    def __init__(self, runner, prefill_s: float, decode_s: float, prefill_per_request_s: float = 0.0):
+    def __init__(self, runner, prefill_s: float, decode_s: float, prefill_per_request_s: float = 0.0,
+                 prefill_table: list[tuple[int, float]] | None = None):
         self._runner, self.prefill_s, self.decode_s = runner, prefill_s, decode_s
         self.prefill_per_request_s = prefill_per_request_s  # a batched prefill's part that grows with its rows
+        self.prefill_table = prefill_table  # given: replaces both (the wave's wait by its size)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -41,7 +72,9 @@ class PacedRunner:
         return self.prefill_batch(lo, prepared, [], [p.params for p in prepared])
 
     def prefill_batch(self, lo, prefills, trailings, params, graphs: bool = True) -> list[int]:
-        time.sleep(self.prefill_s + self.prefill_per_request_s * len(prefills))
+        W = len(prefills)
+        time.sleep(prefill_wait_s(self.prefill_table, W) if self.prefill_table
+                   else self.prefill_s + self.prefill_per_request_s * W)
         return [1] * len(prefills)
 
     def decode_frame(self, B: int, active: list[bool]):
@@ -66,7 +99,7 @@ class PacedVocoder:
 
 
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
-              prefill_ms_per_request: float = 0.0):
+              prefill_ms_per_request: float = 0.0, prefill_table: list[tuple[int, float]] | None = None):
     """The server's app on the tiny random CustomVoice checkpoint of the tests, its device work paced."""
     from q3tts import TTS
     from q3tts.server.app import create_app
@@ -77,7 +110,8 @@ def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, 
     app = create_app(tts, ServerSettings(model="paced", max_concurrent=slots, max_queue=4 * slots, max_seq_len=512,
                                          voice_dir=tempfile.mkdtemp(prefix="q3tts-paced-")))
     engine = app.state.engine.engine  # its thread waits for work: no step runs before the first request
-    engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000, prefill_ms_per_request / 1000)
+    engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000, prefill_ms_per_request / 1000,
+                                prefill_table)
     engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
     return app
 
@@ -88,19 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=256, help="--max-concurrent of the server")
     ap.add_argument("--decode-ms", type=float, default=6.8, help="one frame for all running rows")
     ap.add_argument("--vocode-ms", type=float, default=4.0, help="a step's vocoding, when some chunk is due")
-    ap.add_argument("--prefill-ms", type=float, default=5.0, help="a step's prefill of its newcomers (one batch)")
-    ap.add_argument("--prefill-ms-per-request", type=float, default=0.0,
-                    help="added to --prefill-ms per newcomer of the batch")
+    ap.add_argument("--prefill-ms", type=float, default=None,
+                    help="a step's prefill of its newcomers (one batch; default 5)")
+    ap.add_argument("--prefill-ms-per-request", type=float, default=None,
+                    help="added to --prefill-ms per newcomer of the batch (default 0)")
+    ap.add_argument("--prefill-table", type=parse_prefill_table, default=None,
+                    help="W:ms,... the whole prefill of W newcomers in one step, by W (linear between the given W, "
+                         "extrapolated past the last); replaces --prefill-ms and --prefill-ms-per-request")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the server process (Python's default 5 ms)")
     a = ap.parse_args(argv)
+    if a.prefill_table and (a.prefill_ms is not None or a.prefill_ms_per_request is not None):
+        ap.error("--prefill-table replaces --prefill-ms and --prefill-ms-per-request: give one or the other")
     if a.switch_interval_ms:
         sys.setswitchinterval(a.switch_interval_ms / 1000)
     import uvicorn
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO)
-    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, a.prefill_ms, a.prefill_ms_per_request)
+    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, 5.0 if a.prefill_ms is None else a.prefill_ms,
+                    a.prefill_ms_per_request or 0.0, a.prefill_table)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 

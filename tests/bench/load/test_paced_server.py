@@ -1,0 +1,45 @@
+"""bench/load/paced_server.py's prefill table: the wave's wait by its size (exact at a given W, linear between, the
+last two points' line past the last) and its command line (a malformed table or one beside --prefill-ms refused)."""
+
+import argparse
+
+import pytest
+
+from bench.load.paced_server import main, parse_prefill_table, prefill_wait_s
+
+MEASURED = "1:3.68,2:6.55,4:11.67,5:32.11,8:36.4,16:30.34,32:53.85,64:104.4"
+
+
+def test_parse_sorts_by_wave_size():
+    assert parse_prefill_table("4:11.67, 1:3.68,2:6.55") == [(1, 3.68), (2, 6.55), (4, 11.67)]
+
+
+def test_wait_is_exact_at_given_sizes_and_linear_between():
+    table = parse_prefill_table(MEASURED)
+    for w, ms in table:
+        assert prefill_wait_s(table, w) == pytest.approx(ms / 1000)
+    assert prefill_wait_s(table, 3) == pytest.approx((6.55 + 11.67) / 2 / 1000)
+    assert prefill_wait_s(table, 12) == pytest.approx((36.4 + 30.34) / 2 / 1000)  # falls: the table is not monotone
+    assert prefill_wait_s(table, 48) == pytest.approx((53.85 + 104.4) / 2 / 1000)
+
+
+def test_wait_extrapolates_the_last_two_points_and_starts_from_zero():
+    table = parse_prefill_table(MEASURED)
+    assert prefill_wait_s(table, 128) == pytest.approx((104.4 + 2 * (104.4 - 53.85)) / 1000)
+    assert prefill_wait_s(table, 0) == 0.0
+    sparse = parse_prefill_table("4:12,8:20")  # below the first given W: on the line from (0, 0)
+    assert prefill_wait_s(sparse, 2) == pytest.approx(0.006) and prefill_wait_s(sparse, 10) == pytest.approx(0.024)
+    assert prefill_wait_s(parse_prefill_table("8:40,16:8"), 64) == 0.0  # a falling line never waits below 0
+
+
+@pytest.mark.parametrize("bad", ["", "1", "1:", "x:3", "0:3", "1:-2", "1:3,1:4", "1:nan", "2.5:3"])
+def test_malformed_tables_are_refused_with_the_entry_named(bad):
+    with pytest.raises(argparse.ArgumentTypeError, match="W:ms pairs"):
+        parse_prefill_table(bad)
+
+
+@pytest.mark.parametrize("other", [["--prefill-ms", "5"], ["--prefill-ms-per-request", "0"]])
+def test_table_beside_the_linear_model_is_an_argparse_error(other, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--prefill-table", "1:3"] + other)
+    assert exc.value.code == 2 and "--prefill-table replaces --prefill-ms" in capsys.readouterr().err
