@@ -96,7 +96,7 @@ def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin
     a, m = layer.self_attn, layer.mlp
     H, Hkv, Dh = a.num_heads, a.num_kv_heads, a.head_dim
     B, S, _ = x.shape
-    glue = prefill_glue_applies(x)  # CUDA bf16: the norms, RoPE and SiLU * up fused (kernels.prefill), same values
+    glue = prefill_glue_applies(x)  # CUDA bf16: norms, RoPE, SiLU * up fused (kernels.prefill), rounded as the modules
     norm = (lambda n, t: invariant.rms_norm(t, n.weight, n.eps)) if glue else (lambda n, t: n(t))
     qkv = F.linear(norm(layer.input_layernorm, x), a.qkv_weight)  # [B, S, (H + 2 Hkv) Dh]
     v = qkv[..., (H + Hkv) * Dh:].view(B, S, Hkv, Dh).transpose(1, 2)  # [B, Hkv, S, Dh]
