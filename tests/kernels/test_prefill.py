@@ -4,9 +4,9 @@ to a float64 twin of the same values.
 Each kernel rounds to bf16 where the modules do, in fp32 between, but its fp32 steps are not the module's bit for bit
 (the sum of squares is reduced in another order; Triton's division and reciprocal square root differ from torch's in
 the last bits), and a rounded value that sits near a bf16 tie then moves one step; RoPE's x cos + rotate_half(x) sin
-can cancel, so one step of a term can be several of a small result. On an H100 about 10% of the Q/K elements moved a
-step. The bar is therefore the eager module's own error against float64: the glue's may not be larger than it by more
-than a quarter (max) or a tenth (mean)."""
+can cancel, so one step of a term can be several of a small result (on an H100 a sizeable share of the Q/K elements
+moved a step: BENCHMARKS.md). The bar is therefore the eager module's own error against float64: the glue's may not be
+larger than it by more than a quarter (max) or a tenth (mean)."""
 
 import copy
 
