@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO)
-    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, 5.0 if a.prefill_ms is None else a.prefill_ms,
-                    a.prefill_ms_per_request or 0.0, a.prefill_table)
+    given = {k: v for k, v in (("prefill_ms", a.prefill_ms), ("prefill_ms_per_request", a.prefill_ms_per_request))
+             if v is not None}  # else paced_app's defaults
+    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, **given)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 
