@@ -44,6 +44,10 @@ def is_cjk(ch: str) -> bool:
             or 0x2B740 <= c <= 0x2B81F or 0x2B820 <= c <= 0x2CEAF or 0xF900 <= c <= 0xFAFF)
 
 
+# an ASCII text's characters that clean() drops and split() does not split on: one str.translate cleans it
+_ASCII_DROP = {c: None for c in range(128) if not (chr(c).isspace() or _kept(chr(c)))}
+
+
 def _split_cjk(piece: str) -> list[str]:
     out, buf = [], ""
     for ch in piece:
@@ -73,6 +77,8 @@ def split_words(text: str, language: str) -> list[str]:
         raise InputError("language 'Korean' is not supported by the aligner yet (its word splitting needs qwen-asr's "
                          "Korean dictionary); accepted: any space-delimited language, Chinese, Japanese (extra "
                          f"{EXTRA})")
+    if text.isascii():  # no CJK: the pieces below are the white-space pieces cleaned, the empty ones dropped
+        return text.translate(_ASCII_DROP).split()
     words: list[str] = []
     for seg in text.split():
         c = clean(seg)
@@ -93,21 +99,42 @@ def prompt_text(words: list[str]) -> str:
     return "<|audio_start|><|audio_pad|><|audio_end|>" + "".join(w + "<timestamp><timestamp>" for w in words)
 
 
+def _longest_run_kept(data: list[float]) -> list[bool]:
+    """The slots of the official's longest non-decreasing subsequence: dp[i] = 1 + the largest dp[j] over j < i with
+    data[j] <= data[i], its parent the first such j; the chain back from the first i of the largest dp. The
+    official scans every j (O(n^2)); a Fenwick tree over the values' ranks keeps, per prefix of ranks, the largest
+    (dp, -j) seen so far: the same dp and the same first j, in O(n log n)."""
+    n = len(data)
+    values = sorted(set(data))
+    rank = {v: k + 1 for k, v in enumerate(values)}  # 1-based: data[j] <= data[i] <=> rank[j] <= rank[i]
+    tree: list[tuple[int, int]] = [(0, 0)] * (len(values) + 1)  # (dp, -j); (0, 0): none yet
+    dp, parent = [0] * n, [-1] * n
+    for i, v in enumerate(data):
+        best, k = (0, 0), rank[v]
+        while k > 0:
+            best, k = max(best, tree[k]), k & (k - 1)
+        dp[i], parent[i] = (best[0] + 1, -best[1]) if best[0] else (1, -1)
+        k, item = rank[v], (dp[i], -i)
+        while k < len(tree):
+            if item > tree[k]:
+                tree[k] = item
+            k += k & -k
+    kept = [False] * n
+    idx = dp.index(max(dp))
+    while idx != -1:
+        kept[idx] = True
+        idx = parent[idx]
+    return kept
+
+
 def fix_timestamps(data: list[float]) -> list[int]:
     """The official monotonic fix-up of the 2W slot times (ms), truncated to int ms."""
     n = len(data)
     if n == 0:
         return []
-    dp, parent = [1] * n, [-1] * n
-    for i in range(1, n):
-        for j in range(i):
-            if data[j] <= data[i] and dp[j] + 1 > dp[i]:
-                dp[i], parent[i] = dp[j] + 1, j
-    normal = [False] * n
-    idx = dp.index(max(dp))
-    while idx != -1:
-        normal[idx] = True
-        idx = parent[idx]
+    if all(x <= y for x, y in zip(data, data[1:])):
+        return [int(v) for v in data]  # non-decreasing already: the whole sequence is kept, nothing to fix
+    normal = _longest_run_kept(data)
     out = list(data)
     i = 0
     while i < n:
@@ -117,8 +144,9 @@ def fix_timestamps(data: list[float]) -> list[int]:
         j = i
         while j < n and not normal[j]:
             j += 1
-        left = next((out[k] for k in range(i - 1, -1, -1) if normal[k]), None)
-        right = next((out[k] for k in range(j, n) if normal[k]), None)
+        # the run i..j-1 lies between kept slots (i - 1 and j), whose values are never changed
+        left = out[i - 1] if i > 0 else None
+        right = out[j] if j < n else None
         if j - i <= 2:
             for k in range(i, j):
                 if left is None:

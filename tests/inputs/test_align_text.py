@@ -2,6 +2,7 @@
 on real texts; these pin each rule on its own)."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,9 @@ import pytest
 from q3tts.inputs.align_text import (
     InputError,
     WordTime,
+    _split_cjk,
     aligner_language,
+    clean,
     fix_timestamps,
     prompt_text,
     split_words,
@@ -29,6 +32,17 @@ FIXTURE = Path(__file__).resolve().parents[1] / "golden" / "fixtures" / "aligner
 ])
 def test_split_words(text, language, words):
     assert split_words(text, language) == words
+
+
+def test_ascii_texts_split_as_the_general_rule():
+    """An ASCII text takes one str.translate; its words equal the rule's: split on white space (the \\x1c-\\x1f
+    separators included), each piece cleaned, empty pieces dropped."""
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(128)]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+        rule = [w for seg in text.split() if clean(seg) for w in _split_cjk(clean(seg))]
+        assert split_words(text, "English") == rule, repr(text)
 
 
 def test_korean_refused_naming_the_accepted():
@@ -60,6 +74,33 @@ def test_fix_timestamps_equals_the_official():
     assert len(fixups) > 300
     for data, fixed in fixups:
         assert fix_timestamps(data) == fixed, data
+
+
+def official_fixup_kept(data: list[float]) -> list[bool]:
+    """The official's O(n^2) longest non-decreasing subsequence (qwen-asr's fix_timestamp): the first j on ties."""
+    n = len(data)
+    dp, parent = [1] * n, [-1] * n
+    for i in range(1, n):
+        for j in range(i):
+            if data[j] <= data[i] and dp[j] + 1 > dp[i]:
+                dp[i], parent[i] = dp[j] + 1, j
+    kept, idx = [False] * n, dp.index(max(dp))
+    while idx != -1:
+        kept[idx], idx = True, parent[idx]
+    return kept
+
+
+@pytest.mark.parametrize("n,levels", [(1, 3), (7, 2), (60, 5), (400, 40), (400, 4000)])
+def test_fix_timestamps_keeps_the_official_subsequence_on_long_inputs(n, levels):
+    """The Fenwick-tree scan keeps exactly the slots of the official's quadratic scan (ties included: few levels)
+    on sequences far longer than the fixture's, and the fix-up of a long sequence is monotonic."""
+    from q3tts.inputs.align_text import _longest_run_kept
+    rng = random.Random(n * levels)
+    for _ in range(20):
+        data = [80.0 * rng.randrange(levels) for _ in range(n)]
+        assert _longest_run_kept(data) == official_fixup_kept(data)
+        fixed = fix_timestamps(data)
+        assert all(a <= b for a, b in zip(fixed, fixed[1:]))
 
 
 def test_word_times_pairs_slots_and_rounds_to_ms():
