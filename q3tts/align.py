@@ -25,7 +25,7 @@ import torch
 from .audio import resample, resampled_length, to_mono
 from .config import read_json
 from .engine.graphs import capture_beside, gc_paused, side_stream
-from .inputs.align_text import WordTime, prompt_text, split_words, word_times
+from .inputs.align_text import WordTime, prompt_text, split_words, word_times_rows
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
 from .models.audio_encoder import (
@@ -458,7 +458,8 @@ class ForcedAligner:
         """Each row's words timed from the classes at its <timestamp> slots."""
         seg = np.float32(self.cfg.timestamp_segment_time)
         # ms as the official computes them: int class x float32 segment time
-        return [word_times(it.words, [float(np.float32(c) * seg) for c in cls]) for it, cls in zip(items, classes)]
+        return word_times_rows([it.words for it in items],
+                               [[float(np.float32(c) * seg) for c in cls] for cls in classes])
 
 
 class AlignerWorker:
