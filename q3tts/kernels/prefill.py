@@ -21,33 +21,31 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, S, stride_t, eps,
-                      H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr):
-        # one program per (token b * S + s, head h of the H query then HKV key heads)
+                      H: tl.constexpr, HKV: tl.constexpr, DH: tl.constexpr, HP: tl.constexpr):
+        # one program per token b * S + s: its H query then HKV key heads as the rows of an [HP, DH] block (HP: the
+        # heads padded to a power of two, the padding rows masked)
         t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
         b = t // S
         s = t - b * S
-        d = tl.arange(0, DH)
+        h = tl.arange(0, HP)[:, None]  # [HP, 1]
+        d = tl.arange(0, DH)[None, :]  # [1, DH]
         dp = (d + DH // 2) % DH  # rotate_half's partner of d
+        real = h < H + HKV
         src = qkv_ptr + t * stride_t + h * DH
-        x = tl.load(src + d).to(tl.float32)
-        xp = tl.load(src + dp).to(tl.float32)
-        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / DH + eps)  # RMSNorm's fp32 statistics
-        if h < H:
-            w = tl.load(qw_ptr + d).to(tl.float32)
-            wp = tl.load(qw_ptr + dp).to(tl.float32)
-        else:
-            w = tl.load(kw_ptr + d).to(tl.float32)
-            wp = tl.load(kw_ptr + dp).to(tl.float32)
+        x = tl.load(src + d, mask=real, other=0.0).to(tl.float32)
+        xp = tl.load(src + dp, mask=real, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / DH + eps)[:, None]  # RMSNorm's fp32 statistics, a head each
+        is_q = h < H
+        w = tl.where(is_q, tl.load(qw_ptr + d).to(tl.float32), tl.load(kw_ptr + d).to(tl.float32))
+        wp = tl.where(is_q, tl.load(qw_ptr + dp).to(tl.float32), tl.load(kw_ptr + dp).to(tl.float32))
         y = _bf(w * _bf(x * r))  # RMSNorm: the normalized row in bf16, times the weight in bf16
         yp = _bf(wp * _bf(xp * r))
         c = tl.load(cos_ptr + s * DH + d).to(tl.float32)
         sn = tl.load(sin_ptr + s * DH + d).to(tl.float32)
         out = _bf(_bf(y * c) + _bf(tl.where(d < DH // 2, -yp, yp) * sn))  # x * cos + rotate_half(x) * sin
-        if h < H:
-            tl.store(q_ptr + ((b * H + h) * S + s) * DH + d, out.to(q_ptr.dtype.element_ty))
-        else:
-            tl.store(k_ptr + ((b * HKV + h - H) * S + s) * DH + d, out.to(k_ptr.dtype.element_ty))
+        out = out.to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + ((b * H + h) * S + s) * DH + d, out, mask=is_q)
+        tl.store(k_ptr + ((b * HKV + h - H) * S + s) * DH + d, out, mask=real & (h >= H))
 
     @triton.jit
     def _silu_mul(gu_ptr, out_ptr, N, INTER, BLOCK: tl.constexpr):
@@ -78,8 +76,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Mo
     assert q_norm.eps == k_norm.eps
     q = qkv.new_empty(B, H, S, Dh)
     k = qkv.new_empty(B, Hkv, S, Dh)
-    _qk_norm_rope[(B * S, H + Hkv)](qkv, q_norm.weight, k_norm.weight, cos, sin, q, k, S, qkv.stride(1),
-                                    q_norm.eps, H=H, HKV=Hkv, DH=Dh, num_warps=1)
+    _qk_norm_rope[(B * S,)](qkv, q_norm.weight, k_norm.weight, cos, sin, q, k, S, qkv.stride(1), q_norm.eps,
+                            H=H, HKV=Hkv, DH=Dh, HP=triton.next_power_of_2(H + Hkv), num_warps=4)
     return q, k
 
 

@@ -55,9 +55,14 @@ def tokens_after_cnn(frames: int) -> int:
     return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (frames // 100) * 13
 
 
+def _conv_len_once(n: int) -> int:
+    """Positions after one 3-wide, stride-2, pad-1 conv of n."""
+    return (n - 1) // 2 + 1
+
+
 def _conv_len(n: int) -> int:
     for _ in range(3):
-        n = (n - 1) // 2 + 1
+        n = _conv_len_once(n)
     return n
 
 
@@ -269,13 +274,31 @@ class AudioEncoder(nn.Module):
                 p.weight.data, p.bias.data = wv, bv
             self.qkv.append((w, b))
 
-    def _conv(self, x: torch.Tensor) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
         """Chunks [C, mel, w] of w frames -> tokens [C, t, D]: 3 stride-2 convs + GELU, conv_out, the sinusoidal
-        positions (restarting in every chunk)."""
-        x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x[:, None]))))))  # [C, c, mel', t]
+        positions (restarting in every chunk); channels_last: the convs as _convs_channels_last."""
+        if channels_last:
+            x = self._convs_channels_last(x)
+        else:
+            x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x[:, None]))))))  # [C, c, mel', t]
         C, c, m, t = x.shape
         x = self.conv_out(x.permute(0, 3, 1, 2).reshape(C, t, c * m))  # [C, t, D]
         return x + self.positional_embedding[:t].to(x.dtype)
+
+    def _convs_channels_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The 3 stride-2 convs + GELU of _conv on chunks [C, mel, w] -> [C, c, mel', t], each activation held
+        channels-last (cuDNN's NHWC kernels read and write the large first activations as they lie: no layout
+        transposes). The first conv (one input channel) is a GEMM over the 3x3 patches, its bias in the GEMM's
+        epilogue, its output channels-last as it comes. The same sums as the convs, rounded by other kernels."""
+        C, M, w = x.shape
+        conv = self.conv2d1
+        c = conv.out_channels
+        m1, t1 = _conv_len_once(M), _conv_len_once(w)
+        cols = F.unfold(x[:, None], 3, padding=1, stride=2).transpose(1, 2)  # [C, m1 * t1, 9] patches (kh, kw)
+        # K padded 9 -> 16 with zeros (in patches and weights alike: the sums are unchanged) for aligned GEMM rows
+        h = F.linear(F.pad(cols, (0, 7)), F.pad(conv.weight.view(c, 9), (0, 7)), conv.bias)  # [C, m1 * t1, c]
+        h = F.gelu(h).view(C, m1, t1, c).permute(0, 3, 1, 2)  # [C, c, m1, t1], channels-last memory
+        return F.gelu(self.conv2d3(F.gelu(self.conv2d2(h))))  # cuDNN keeps the input's channels-last layout
 
     def _chunks(self, mel: torch.Tensor, frames: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Every utterance's conv chunks through the convs -> (tokens [sum of chunk token counts, D] in utterance and
@@ -337,7 +360,8 @@ class AudioEncoder(nn.Module):
         B, M, L = mel.shape
         chunk = 2 * self.cfg.n_window
         C = L // chunk
-        x = self._conv(mel.view(B, M, C, chunk).permute(0, 2, 1, 3).reshape(B * C, M, chunk))  # [B * C, t, D]
+        x = self._conv(mel.view(B, M, C, chunk).permute(0, 2, 1, 3).reshape(B * C, M, chunk),
+                       channels_last=mel.is_cuda)  # [B * C, t, D]
         T = mask.shape[1]
         x = x.reshape(-1, T, x.shape[-1])  # [W, T, D]: a row's chunks in order, cut into its attention windows
         for layer, (w, b) in zip(self.layers, self.qkv):

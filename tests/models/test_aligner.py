@@ -1,6 +1,7 @@
 """The aligner's modules on their own: batching utterances changes no row (audio encoder chunks and windows, the LM's
 right padding), and the token count matches the encoder's output."""
 
+import pytest
 import torch
 
 from q3tts.models.audio_encoder import Ragged, tokens_after_cnn
@@ -79,3 +80,47 @@ def test_lm_row_is_unchanged_by_padding_after_it():
         alone = th(ids, Ragged.of([5], "cpu"), torch.zeros(0, th.cfg.text.hidden_size), torch.arange(5))
         padded = th(ids, Ragged.of([5], "cpu", pad_to=12), torch.zeros(0, th.cfg.text.hidden_size), torch.arange(5))
     torch.testing.assert_close(alone, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_channels_last_convs_are_the_convs():
+    """The padded pass's conv front-end on CUDA (_convs_channels_last: the first conv as a GEMM over its 3x3 patches,
+    every activation channels-last) computes the convs' sums: in float32 they agree to float32's rounding of sums of
+    9 and 9 x channels products (1e-5 on activations of order 1), for chunk shapes of whole and odd lengths."""
+    tower = aligner().thinker.audio_tower
+    g = torch.Generator().manual_seed(1)
+    for C, M, w in ((3, 128, 100), (2, 128, 37), (1, 20, 9)):
+        x = torch.randn(C, M, w, generator=g)
+        with torch.inference_mode():
+            want = torch.nn.functional.gelu(tower.conv2d3(torch.nn.functional.gelu(tower.conv2d2(
+                torch.nn.functional.gelu(tower.conv2d1(x[:, None]))))))
+            got = tower._convs_channels_last(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        if M == tower.cfg.num_mel_bins:  # the whole _conv (conv_out takes every mel bin)
+            with torch.inference_mode():
+                torch.testing.assert_close(tower._conv(x, channels_last=True), tower._conv(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_channels_last_convs_on_cuda_are_as_accurate_as_cudnns():
+    """On CUDA in bf16 (the padded pass's setting) the channels-last front-end against the float64 convs of the same
+    bf16 weights and input: its error no larger than cuDNN's NCHW convs' own (max by a quarter, mean by a tenth;
+    its first conv rounds once where cuDNN rounds the sum and then the bias)."""
+    import copy
+    cpu = aligner().thinker.audio_tower
+    tower = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
+    exact = copy.deepcopy(tower).to("cpu", torch.float64)
+    x = (torch.randn(6, cpu.cfg.num_mel_bins, 100, generator=torch.Generator().manual_seed(2)) * 0.5).to(torch.bfloat16)
+    gelu = torch.nn.functional.gelu
+
+    def nchw(t, m):
+        return gelu(m.conv2d3(gelu(m.conv2d2(gelu(m.conv2d1(t[:, None]))))))
+    with torch.inference_mode():
+        want = nchw(x.double(), exact)
+        eager = nchw(x.cuda(), tower).double().cpu()
+        fast = tower._convs_channels_last(x.cuda()).double().cpu()
+    e_fast, e_eager = (fast - want).abs(), (eager - want).abs()
+    assert e_fast.max() <= 1.25 * e_eager.max(), (e_fast.max().item(), e_eager.max().item())
+    assert e_fast.mean() <= 1.1 * e_eager.mean(), (e_fast.mean().item(), e_eager.mean().item())
