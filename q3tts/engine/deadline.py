@@ -75,10 +75,11 @@ class LineFit:
         return N * self.t / self.n
 
     def line(self, N: int) -> float:
-        """a + b * N (a, b >= 0). With too little spread in N to fit a line, all of it is taken as per newcomer."""
+        """a + b * N (a, b >= 0). With too little spread in N to fit a line, the most any such line through the
+        samples' mean allows: all of it fixed below their N (a few newcomers cost no less), per newcomer above."""
         var = self.nn - self.n * self.n
         if var < 0.25:
-            return self.per_newcomer(N)
+            return max(self.t, self.per_newcomer(N))
         b = max(0.0, (self.nt - self.n * self.t) / var)
         a = max(0.0, self.t - b * self.n)
         return a + b * N
@@ -154,24 +155,26 @@ class DeadlinePolicy:
             twice what the rows make per step, so a backlog drains.
         first_chunk_prefills: the prefills (of one newcomer) a first send covers while the engine is contended.
         burst_wave: > 0: while requests wait for admission, a first send covers instead the prefill of the next
-            wave, min(waiting, burst_wave) newcomers, so the young rows' slack lets that wave in at once (0: off).
+            wave, min(waiting, burst_wave) newcomers (as `wave` would size it), so the young rows' slack lets that
+            wave in at once rather than a few newcomers per step (0: off).
         prefill_cap: a step's measured prefill enters the estimate as at most this many times the estimate for its
             newcomers (inf: as measured), so one slow step (the GIL held by a burst of requests arriving) does
             not hold admission back for the many steps the average takes to forget it.
         min_batch_wave: where the runner replays prefill graphs (PrefillCost.alone_max >= 1), a wave larger than
             alone_max has at least this many newcomers (the batched forward's floor is paid for enough of them);
             from alone_max + 1 to here a wave goes only as far as max_wait_s forces it (<= alone_max + 1: no gap).
-        max_wave: the most newcomers of one step (0: the scheduler's max_prefills_per_step).
+        max_wave: the most newcomers of one step (0: the scheduler's max_prefills_per_step): with burst_wave, a
+            burst goes in a few large waves, the cheapest per newcomer.
     """
 
     margin_s: float = 0.02
     max_wait_s: float = 1.0
     min_vocode_frames: int = 64
     first_chunk_prefills: float = 2.0
-    burst_wave: int = 0
+    burst_wave: int = 64
     prefill_cap: float = math.inf
     min_batch_wave: int = 16
-    max_wave: int = 0
+    max_wave: int = 64
     times: StepTimes = field(default_factory=StepTimes)
 
     @classmethod

@@ -59,6 +59,8 @@ class Costs:
     vocode_base: float = 0.002  # the vocoding of a step's chunks: base + per frame
     vocode_frame: float = 0.00004
     slow_admission: tuple[int, float] = (0, 0.0)  # (k, s): the k-th step that admits (from 1) takes s longer
+    alone_max: int = 0  # waves up to this many newcomers are graph replays: prefill_alone each (the engine says so)
+    prefill_alone: float = 0.0
 
 
 def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 125, slots: int = 128,
@@ -70,7 +72,7 @@ def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 12
     reqs = [stream_req(i, frames, t) for i, t in enumerate(arrivals)]
     stall = dict.fromkeys(range(len(reqs)), 0.0)
     cuts = {r.request_id: [] for r in reqs}  # per stream: the chunks its audio was cut into
-    now, queued, waits, admissions = 0.0, 0, [], 0
+    now, queued, waits, admissions, waves = 0.0, 0, [], 0, []
     while not all(r.stream_done for r in reqs):
         while queued < len(reqs) and reqs[queued].arrival_time <= now:
             sched.add(reqs[queued])
@@ -81,7 +83,9 @@ def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 12
         out = sched.schedule(now)
         n = len(out.prefill)
         waits += [now - r.arrival_time for r in out.prefill]
-        prefill_s = costs.prefill_base + costs.prefill_req * n if n else 0.0
+        waves += [n] if n else []
+        prefill_s = (0.0 if not n else costs.prefill_alone * n if n <= costs.alone_max
+                     else costs.prefill_base + costs.prefill_req * n)
         admissions += n > 0
         if n and admissions == costs.slow_admission[0]:
             prefill_s += costs.slow_admission[1]
@@ -102,11 +106,11 @@ def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 12
             r.sent(k, k * FRAME_S, now)
             r.stream_done = r.status.finished
         if pol is not None:
-            pol.record(prefill_s, n, frame_s, vocode_s if vocoded else None)
+            pol.record(prefill_s, n, frame_s, vocode_s if vocoded else None, alone_max=costs.alone_max)
     ttfa = sorted(r.first_sent_at - r.arrival_time for r in reqs)
     return {"stalled": sum(s > 0.001 for s in stall.values()), "stall_max": max(stall.values()),
             "ttfa_p50": ttfa[round(0.5 * (len(ttfa) - 1))], "ttfa_p95": ttfa[round(0.95 * (len(ttfa) - 1))], "ttfa_max": ttfa[-1], "wait_max": max(waits),
-            "frames": [r.num_frames for r in reqs], "cuts": list(cuts.values())}
+            "frames": [r.num_frames for r in reqs], "cuts": list(cuts.values()), "waves": waves}
 
 
 def spread(n, over=1.0):
@@ -149,11 +153,46 @@ def test_a_burst_waits_less_with_first_sends_sized_for_the_next_wave():
     prefill, so waves of 16 go and first audio p95 comes sooner, still without a stall."""
     costs = Costs(frame_base=0.0068, frame_row=0.0, prefill_base=0.0, prefill_req=0.0054, vocode_base=0.004,
                   vocode_frame=0.0)
-    base = simulate(DeadlinePolicy(), [0.0] * 64, costs=costs)
-    burst = simulate(DeadlinePolicy(burst_wave=16), [0.0] * 64, costs=costs)
+    def known(**kw) -> DeadlinePolicy:  # waves of 1 and 16 measured before (a line through 0)
+        pol = DeadlinePolicy(max_wave=0, **kw)  # (max_wave 0: 16 a step, the scheduler's)
+        for n in (1, 16):
+            pol.times.prefill.add(n, 0.0054 * n)
+        return pol
+
+    base = simulate(known(burst_wave=0), [0.0] * 64, costs=costs)
+    burst = simulate(known(burst_wave=16), [0.0] * 64, costs=costs)
     assert base["stalled"] == burst["stalled"] == 0, (base, burst)
     assert burst["ttfa_p95"] < base["ttfa_p95"] - 0.03, (base, burst)
     assert burst["cuts"] == base["cuts"]  # the same chunks: only when they go changes
+
+
+# the measured shape of a wave's prefill on a GPU (BENCHMARKS.md, "What a wave of newcomers costs"), stated: up to 10
+# newcomers one graph replay each, more one batched forward with a fixed part that 11 newcomers pay nearly whole
+WAVES = Costs(frame_base=0.0068, frame_row=0.0, prefill_base=0.027, prefill_req=0.0012, vocode_base=0.004,
+              vocode_frame=0.0, alone_max=10, prefill_alone=0.00292)
+
+
+@pytest.mark.parametrize("arrivals", [[0.0] * 64, [0.0] * 128, spread(64, 0.1)], ids=["64", "128", "64-over-100ms"])
+def test_a_burst_goes_in_a_few_large_waves_without_a_stall(arrivals):
+    """A burst on the measured shape of costs: with the defaults (max_wave 64, burst_wave 64: first sends cover the
+    next wave) it goes in a few large waves, none in the gap between the replays and min_batch_wave, and its first
+    audio p95 comes sooner than with waves of at most 16 sized by one newcomer's prefill; no stream stalls."""
+    new = simulate(DeadlinePolicy(), arrivals, costs=WAVES)
+    small = simulate(DeadlinePolicy(max_wave=0, burst_wave=0), arrivals, costs=WAVES)
+    assert new["stalled"] == small["stalled"] == 0, (new, small)
+    assert not any(10 < n < 16 for n in new["waves"] + small["waves"]), (new["waves"], small["waves"])
+    assert max(new["waves"]) > 16 and len(new["waves"]) < len(small["waves"]), (new["waves"], small["waves"])
+    assert new["ttfa_p95"] < small["ttfa_p95"] - 0.03, (new, small)
+    assert new["cuts"] == small["cuts"]  # the same chunks: only when they go changes
+
+
+def test_a_wave_in_the_gap_would_delay_the_burst():
+    """64 streams over 50 ms on the measured shape of costs: without the gap (min_batch_wave 0) a wave of 11-15 pays
+    the batched forward's fixed part for a few more newcomers; with it the burst's first audio p95 comes sooner."""
+    gap = simulate(DeadlinePolicy(), spread(64, 0.05), costs=WAVES)
+    no_gap = simulate(DeadlinePolicy(min_batch_wave=0), spread(64, 0.05), costs=WAVES)
+    assert any(10 < n < 16 for n in no_gap["waves"]) and not any(10 < n < 16 for n in gap["waves"])
+    assert gap["stalled"] == no_gap["stalled"] == 0 and gap["ttfa_p95"] < no_gap["ttfa_p95"] - 0.02, (gap, no_gap)
 
 
 def test_one_slow_admission_is_capped_in_the_estimate():
@@ -163,8 +202,9 @@ def test_one_slow_admission_is_capped_in_the_estimate():
     costs = Costs(frame_base=0.0068, frame_row=0.0, prefill_base=0.005, prefill_req=0.0, vocode_base=0.004,
                   vocode_frame=0.0, slow_admission=(2, 0.3))
     arrivals = [0.0] + [0.05] * 63  # one request first (the estimate's first sample), then a burst
-    raw = simulate(DeadlinePolicy(), arrivals, costs=costs)
-    capped = simulate(DeadlinePolicy(prefill_cap=2.0), arrivals, costs=costs)
+    # (waves of 16 and first sends sized without burst_wave: where the estimate holds admission back most)
+    raw = simulate(DeadlinePolicy(max_wave=0, burst_wave=0), arrivals, costs=costs)
+    capped = simulate(DeadlinePolicy(max_wave=0, burst_wave=0, prefill_cap=2.0), arrivals, costs=costs)
     assert raw["stalled"] == capped["stalled"] == 1, (raw, capped)
     assert capped["ttfa_p95"] < raw["ttfa_p95"] - 0.2 and capped["ttfa_p50"] < raw["ttfa_p50"], (raw, capped)
 
@@ -192,7 +232,8 @@ def test_moving_average_takes_the_first_sample_then_follows():
     t = StepTimes()
     t.record(0.03, 3, 0.012, None)  # three newcomers in 30 ms; nothing vocoded
     assert t.prefill.estimate(3) == pytest.approx(0.03) and t.frame.value == 0.012 and t.vocode.samples == 0
-    assert t.prefill.estimate(1) == pytest.approx(0.01)  # one size seen: all of it per newcomer
+    # one size seen: fewer newcomers cost no less (all of it may be fixed), more in proportion
+    assert t.prefill.estimate(1) == pytest.approx(0.03) and t.prefill.estimate(6) == pytest.approx(0.06)
     t.record(0.0, 0, None, 0.004)  # no newcomer, no row ran
     assert t.prefill.samples == 1 and t.frame.samples == 1 and t.step_s == pytest.approx(0.016)
 
@@ -268,10 +309,10 @@ def test_a_wave_is_never_in_the_gap_between_replays_and_the_batched_forward():
 
 def test_the_scheduler_admits_the_policy_s_wave():
     """With the engine idle (no budget limit) 12 ready requests go as 10 replays then 2; 20 in one wave of 20 with
-    max_wave 32 (16: the scheduler's max_prefills_per_step without it); requests that waited max_wait_s go even as
+    max_wave 32 (16: the scheduler's max_prefills_per_step with max_wave 0); requests that waited max_wait_s go even as
     a wave in the gap."""
     now = 10.0
-    pol = regimes()
+    pol = regimes(max_wave=0)
     s = Scheduler(max_slots=64, max_queue=64, policy=pol)
     for i in range(12):
         s.add(stream_req(i, arrival=now))
@@ -365,7 +406,7 @@ def test_the_first_newcomer_goes_whenever_no_row_is_at_risk():
     known to take longer than the slack allows, newcomers wait (until max_wait_s)."""
     now = 10.0
     pol = policy(frame=0.01, vocode=0.0, prefill=0.0)
-    pol.times.prefill = PrefillCost()  # nothing measured
+    pol.times.prefill, pol.max_wave = PrefillCost(), 0  # nothing measured; the scheduler's one a step
     s = Scheduler(max_slots=8, max_prefills_per_step=1, policy=pol)
     r = playing(0, slack=0.05, pending=16)  # budget 50 - 10 - 20 = 20 ms
     r.slot = 0
