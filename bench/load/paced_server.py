@@ -9,7 +9,8 @@ processor, AsyncEngine, the Engine's scheduling, prompt embedding (a tiny random
 encoding. Only the device's work becomes a wait that releases the GIL, as a wait for the GPU does: each frame
 (decode-ms, every step with a running row), each step's vocoding (vocode-ms, when a chunk is due) and each
 admission's prefill of its W newcomers (prefill-ms + prefill-ms-per-request x W, or --prefill-table's wait for W:
-admit times measured by wave size); the frames are code 1 (never EOS) and the audio silence. Given the step times
+admit times measured by wave size; --alone-max: the waves up to it are what the engine tells the deadline policy
+are prefill graph replays, as a CUDA runner would); the frames are code 1 (never EOS) and the audio silence. Given the step times
 measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
 HTTP side or the client is the limit, without a GPU.
 """

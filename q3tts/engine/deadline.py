@@ -14,8 +14,9 @@ and the engine measures each part as a moving average (`StepTimes`). The policy 
     with all its whole chunks; the others go nearest deadline first within a frame budget per step, so when many
     chunks fall due in one step, those that can wait go in the next steps instead of lengthening this one;
   - first chunk: the first audio waits until its whole chunks outlast a step and two prefills (the first chunk
-    alone while steps are short), so a young stream does not hold the next newcomers back (burst_wave: while
-    requests queue, the next wave's prefill instead);
+    alone while steps are short), so a young stream does not hold the next newcomers back; while requests queue,
+    the prefill of the next wave instead (burst_wave), so a burst goes in a few large waves (max_wave a step), the
+    cheapest per newcomer, rather than a few newcomers a step;
   - admission: a prefill delays every running row by its time, so a step's wave of newcomers is the largest whose
     estimated prefill fits into every playing row's slack less the steps until its next whole chunk and the margin
     (`admission_budget`, `wave`): the first goes whenever no row is at risk (one newcomer's prefill would not stall

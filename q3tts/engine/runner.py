@@ -113,8 +113,8 @@ class ModelRunner:
     def prefill_alone_max(self, graphs: bool = True) -> float:
         """The most newcomers of one step that prefill_batch prefills one by one, each as alone (its bucket's prefill
         graph if captured); more take one batched forward. On CUDA (or with prefill graphs) and a contiguous cache
-        PREFILL_GRAPH_MAX_REQUESTS (on CUDA in batch-invariant mode any number: inf), else 0. The deadline policy's prefill cost model has one regime
-        each side of it (q3tts.engine.deadline.PrefillCost)."""
+        PREFILL_GRAPH_MAX_REQUESTS (on CUDA in batch-invariant mode any number: inf), else 0. The deadline policy's
+        prefill cost model has one regime each side of it (q3tts.engine.deadline.PrefillCost)."""
         cuda = self.device.type == "cuda"  # NOTE(invariant): graphs and eager prefill alike (each prompt alone)
         if cuda and invariant.ENABLED:
             return math.inf

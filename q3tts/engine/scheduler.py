@@ -6,8 +6,8 @@ and N * Lmax <= `max_prefill_tokens` (the first always goes), so a burst of arri
 running streams for long. With a DeadlinePolicy (q3tts.engine.deadline) the policy sizes the wave among those:
 the most whose estimated prefill fits into the running streams' slack, never a wave in the expensive middle between
 the runner's prefill graph replays and its batched forward (the first whenever no stream is at risk, and those that
-have waited the policy's max_wait_s in any case); its max_wave, if set, replaces max_prefills_per_step. The engine's step is schedule() -> run (runner) -> update_from_output()
--> vocode.
+have waited the policy's max_wait_s in any case); its max_wave, if set, replaces max_prefills_per_step. The
+engine's step is schedule() -> run (runner) -> update_from_output() -> vocode.
 
 Paged KV cache (num_blocks > 0): blocks of block_size positions are handed out as rows need them. A newcomer gets
 the blocks of its prompt and first frame, and is admitted only while one spare block per running row remains; a
