@@ -25,7 +25,7 @@ import torch
 from .audio import resample, resampled_length, to_mono
 from .config import read_json
 from .engine.graphs import capture_beside, gc_paused, side_stream
-from .inputs.align_text import WordTime, prompt_text, split_words, word_times
+from .inputs.align_text import WordTime, prompt_text, split_words, word_times_rows
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
 from .models.audio_encoder import (
@@ -74,10 +74,11 @@ class _Item:
 
 class _PaddedPass:
     """The aligner's fast pass (ForcedAligner(graphs=True)): the batch right-padded to a bucket of (rows, audio
-    chunks, prompt tokens) and run as Thinker.forward_padded, whose shapes depend on the bucket only. On CUDA each
-    bucket's pass (audio encoder, LM, head, argmax: about a thousand kernels) is captured once as a CUDA graph and
-    replayed: one launch instead of a Python call per kernel. The graphs share one memory pool and are captured
-    lazily, at most max_graphs of them (later buckets run the same padded pass uncaptured).
+    chunks, prompt tokens) and run as Thinker.forward_padded, whose shapes depend on the bucket only. On CUDA the
+    pass is two CUDA graphs, captured once per bucket and replayed: the audio encoder's (rows, chunks) and the LM's
+    (rows, chunks, tokens), about a thousand kernels in two launches instead of a Python call per kernel. The
+    encoder's graph needs no prompt: it runs on the GPU while the CPU tokenizes the prompts. The graphs share one
+    memory pool and are captured lazily, at most max_graphs of them (later buckets run the same pass uncaptured).
 
     NOTE(aligner): a row's words equal the eager pass's with rows_alone: padding rows, padding chunks (zeroed
     frames, as the official pads a row's tail chunk) and padding tokens never reach a real one (per-row STFT and
@@ -85,21 +86,23 @@ class _PaddedPass:
     padded differently by the official, so a batch with one runs eagerly."""
 
     TOKEN_STEP = 16  # prompt tokens are padded to a multiple of this; rows to a power of two
+    UPLOAD_PIECE = 1 << 20  # samples: the pinned buffer's copy to the device starts piece by piece as it fills
 
     def __init__(self, aligner: "ForcedAligner", resample_on_device: bool, max_graphs: int = 32):
         self.aligner, self.max_graphs = aligner, max_graphs
         self.capture = aligner.device.type == "cuda"
         self.resample_on_device = resample_on_device
         self.resamplers: dict[int, Polyphase | None] = {}  # by input rate: soxr's filter on the device
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.inputs: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}  # the graphs' static inputs
+        # (rows, chunks) -> the encoder's graph and output; (rows, chunks, tokens) -> the LM's graph and classes
+        self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.inputs: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}  # the graphs' static inputs, same keys
         self.pool = None
         self.capture_s = 0.0  # time spent capturing, all buckets
         self.staging: torch.Tensor | None = None  # [samples] float32, pinned: the rows' waveforms on their way in
         self.staged: torch.cuda.Event | None = None  # the last copy out of staging
 
-    def key(self, frames: list[int], lengths: list[int]) -> tuple[int, int, int] | None:
-        """(rows, chunks, tokens) of the bucket for rows of these mel frames and prompt lengths; None: not padded."""
+    def audio_key(self, frames: list[int]) -> tuple[int, int] | None:
+        """(rows, chunks) of the encoder's bucket for rows of these mel frames; None: not padded."""
         enc = self.aligner.cfg.audio
         chunk = 2 * enc.n_window
         if min(frames) < chunk:
@@ -107,29 +110,53 @@ class _PaddedPass:
         per = enc.n_window_infer // chunk  # chunks in an attention window
         C = max(-(-f // chunk) for f in frames)
         C = C if C <= per else -(-C // per) * per
-        return 1 << (len(frames) - 1).bit_length(), C, -(-max(lengths) // self.TOKEN_STEP) * self.TOKEN_STEP
+        return 1 << (len(frames) - 1).bit_length(), C
 
-    def _buffers(self, key: tuple[int, int, int]) -> dict[str, torch.Tensor]:
-        B, C, S = key
-        a, enc = self.aligner, self.aligner.thinker.audio_tower
-        T, dev = enc.window_tokens(C), a.device
-        return dict(ids=torch.zeros(B, S, dtype=torch.int64, device=dev),  # [B, S] prompts, right-padded
-                    mel=torch.zeros(B, a.cfg.audio.num_mel_bins, C * 2 * a.cfg.audio.n_window, dtype=a.dtype,
-                                    device=dev),  # [B, mel, C * chunk]
-                    mask=torch.ones(B * C * enc.window_tokens(1) // T, T, dtype=torch.bool, device=dev),  # [W, T]
-                    audio_at=torch.zeros(B, S, dtype=torch.int64, device=dev))  # [B, S]
+    def key(self, frames: list[int], lengths: list[int]) -> tuple[int, int, int] | None:
+        """(rows, chunks, tokens) of the bucket for rows of these mel frames and prompt lengths; None: not padded."""
+        ak = self.audio_key(frames)
+        return None if ak is None else (*ak, -(-max(lengths) // self.TOKEN_STEP) * self.TOKEN_STEP)
+
+    def _buffers(self, key: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """The static inputs of a bucket: (rows, chunks) the encoder's, (rows, chunks, tokens) the LM's."""
+        a, enc, dev = self.aligner, self.aligner.thinker.audio_tower, self.aligner.device
+        B, C = key[:2]
+        if len(key) == 2:
+            T = enc.window_tokens(C)
+            return dict(mel=torch.zeros(B, a.cfg.audio.num_mel_bins, C * 2 * a.cfg.audio.n_window, dtype=a.dtype,
+                                        device=dev),  # [B, mel, C * chunk]
+                        mask=torch.ones(B * C * enc.window_tokens(1) // T, T, dtype=torch.bool, device=dev))  # [W, T]
+        return dict(ids=torch.zeros(B, key[2], dtype=torch.int64, device=dev),  # [B, S] prompts, right-padded
+                    audio_at=torch.zeros(B, key[2], dtype=torch.int64, device=dev))  # [B, S]
 
     def _pass(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.aligner.thinker.forward_padded(x["ids"], x["mel"], x["mask"], x["audio_at"]).argmax(-1)  # [B, S]
 
-    def _graph(self, key, x: dict[str, torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _encode(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.aligner.thinker.audio_tower.forward_padded(x["mel"], x["mask"])  # [B, A, D]
+
+    def _lm(self, x: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
+        return self.aligner.thinker.lm_padded(x["ids"], audio, x["audio_at"]).argmax(-1)  # [B, S]
+
+    def _replay(self, key: tuple[int, ...], x: dict[str, torch.Tensor], fn) -> torch.Tensor:
+        """fn(x)'s output through key's graph: replayed, captured first while there is room (else fn run as is)."""
+        if key not in self.graphs and len(self.graphs) < self.max_graphs:
+            self.inputs[key] = x
+            self.graphs[key] = self._graph(lambda: fn(x))
+        if key not in self.graphs:
+            return fn(x)
+        g, out = self.graphs[key]
+        g.replay()
+        return out
+
+    def _graph(self, fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up on a side stream (cuBLAS handles, the allocator), then capture into the shared pool, beside the
         engine's steps (no device sync, no cache flush, no cycle collection: capture_beside)."""
         t0 = time.perf_counter()
         with side_stream():
-            self._pass(x)
+            fn()
         with gc_paused(collect=False):
-            g, out = capture_beside(lambda: self._pass(x), self.pool)
+            g, out = capture_beside(fn, self.pool)
         self.pool = g.pool()
         self.capture_s += time.perf_counter() - t0
         return g, out
@@ -158,8 +185,9 @@ class _PaddedPass:
 
     def _upload(self, wavs: list[np.ndarray]) -> torch.Tensor:
         """The waveforms packed end to end on the device [sum of lengths]. On CUDA through one pinned buffer, reused
-        (grown when short): no fresh host pages to fault in, one asynchronous copy, which the next upload waits for
-        before it writes the buffer again (its event; passes end with a host sync anyway)."""
+        (grown when short): no fresh host pages to fault in; each UPLOAD_PIECE samples filled are copied on
+        asynchronously while the next are written. The next upload waits for the last copy (its event) before it
+        writes the buffer again (passes end with a host sync anyway)."""
         total = sum(w.shape[0] for w in wavs)
         if self.aligner.device.type != "cuda":
             return torch.from_numpy(np.concatenate(wavs))
@@ -168,56 +196,56 @@ class _PaddedPass:
         if self.staging is None or self.staging.shape[0] < total:
             self.staging = torch.empty(max(total, 2 * (0 if self.staging is None else self.staging.shape[0])),
                                        dtype=torch.float32, pin_memory=True)
-        host, at = self.staging.numpy(), 0
+        out = torch.empty(total, dtype=torch.float32, device=self.aligner.device)
+        host, at, sent = self.staging.numpy(), 0, 0
         for w in wavs:
             host[at:at + w.shape[0]] = w
             at += w.shape[0]
-        out = self.staging[:total].to(self.aligner.device, non_blocking=True)
+            if at - sent >= self.UPLOAD_PIECE or at == total:
+                out[sent:at].copy_(self.staging[sent:at], non_blocking=True)
+                sent = at
         self.staged = torch.cuda.Event()
         self.staged.record()
         return out
 
-    def __call__(self, items: list[_Item], rows: list[np.ndarray], frames: list[int]) -> np.ndarray | None:
-        """classes [B, S] (host) for the rows' prompts rows (the audio_pad runs as long as tokens_after_cnn(frames));
-        None: the batch is not for the padded pass (a row under one chunk)."""
-        key = self.key(frames, [len(r) for r in rows])
-        if key is None:
+    def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """(classes [B, S] (host), the rows' prompt ids) for the rows of these mel frames (the audio_pad runs as
+        long as tokens_after_cnn(frames)); None: the batch is not for the padded pass (a row under one chunk)."""
+        ak = self.audio_key(frames)
+        if ak is None:
             return None
-        a, (Bb, C, S) = self.aligner, key
-        B, enc = len(items), a.cfg.audio
-        x = self.inputs.get(key) or self._buffers(key)
+        a, (Bb, C), B, enc = self.aligner, ak, len(items), self.aligner.cfg.audio
+        xa = self.inputs.get(ak) or self._buffers(ak)
         # features: each row's log-mel alone (reflect padding at its own ends, its own floor), zero past its frames
         mel = log_mel(reflect_rows_device(self._wavs(items), [it.num_samples for it in items]), a._filters, frames,
                       center=False)
         past = torch.arange(mel.shape[2], device=a.device)[None, :] >= torch.as_tensor(frames, device=a.device)[:, None]
-        x["mel"].zero_()
-        x["mel"][:B, :, :mel.shape[2]] = mel.masked_fill(past[:, None], 0.0)
-        # prompts right-padded; each audio_pad slot's embedding in the encoder output [B * C * t]
-        ids = np.zeros((Bb, S), np.int64)
-        audio_at = np.zeros((Bb, S), np.int64)
+        xa["mel"].zero_()
+        xa["mel"][:B, :, :mel.shape[2]] = mel.masked_fill(past[:, None], 0.0)
         t = tokens_after_cnn(2 * enc.n_window)
         T = a.thinker.audio_tower.window_tokens(C)
-        W = C * t // T  # windows a row
-        mask = np.zeros((Bb, W, T), bool)
-        for b, (r, f) in enumerate(zip(rows, frames)):
-            n = tokens_after_cnn(f)
-            ids[b, :len(r)] = r
-            audio_at[b, 1:1 + n] = b * C * t + np.arange(n)  # the prompt's audio_pad run starts at slot 1
-            mask[b].reshape(-1)[:n] = True
-        mask = mask.reshape(Bb * W, T)
+        mask = np.zeros((Bb, C * t // T, T), bool)  # [B, windows a row, T]
+        for b, f in enumerate(frames):
+            mask[b].reshape(-1)[:tokens_after_cnn(f)] = True
+        mask = mask.reshape(-1, T)
         mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
-        for name, v in (("ids", ids), ("audio_at", audio_at), ("mask", mask)):
-            x[name].copy_(torch.from_numpy(v))
-        if not self.capture:
-            return self._pass(x)[:B].cpu().numpy()
-        if key not in self.graphs and len(self.graphs) < self.max_graphs:
-            self.inputs[key] = x
-            self.graphs[key] = self._graph(key, x)
-        if key in self.graphs:
-            g, out = self.graphs[key]
-            g.replay()
-            return out[:B].cpu().numpy()
-        return self._pass(x)[:B].cpu().numpy()
+        xa["mask"].copy_(torch.from_numpy(mask))
+        audio = self._replay(ak, xa, self._encode) if self.capture else None
+        # the prompts (the CPU's part) while the encoder runs: right-padded; each audio_pad slot's embedding in the
+        # encoder output [B * C * t]
+        rows = a._prompts(items, frames)
+        key = (Bb, C, -(-max(map(len, rows)) // self.TOKEN_STEP) * self.TOKEN_STEP)
+        x = self.inputs.get(key) or self._buffers(key)
+        ids, audio_at = np.zeros((2, Bb, key[2]), np.int64)
+        for b, (r, f) in enumerate(zip(rows, frames)):
+            ids[b, :len(r)] = r
+            audio_at[b, 1:1 + tokens_after_cnn(f)] = b * C * t + np.arange(tokens_after_cnn(f))  # from slot 1 on
+        x["ids"].copy_(torch.from_numpy(ids))
+        x["audio_at"].copy_(torch.from_numpy(audio_at))
+        if audio is None:
+            return self._pass(dict(x, **xa))[:B].cpu().numpy(), rows
+        out = self._replay(key, x, lambda x: self._lm(x, audio)) if ak in self.graphs else self._lm(x, audio)
+        return out[:B].cpu().numpy(), rows
 
 
 class ForcedAligner:
@@ -325,7 +353,9 @@ class ForcedAligner:
         if not 8000 <= sr <= 192000:
             raise ValueError(f"{what}sample_rate {sr} is outside 8000..192000 Hz")
         wav = to_mono(wav.astype(np.float32, copy=copy))
-        if not np.isfinite(wav).all():
+        # a finite sum needs every sample finite (NaN and inf carry through it): one pass, no temporary; a sum that
+        # overflows is checked sample by sample
+        if not np.isfinite(wav.sum()) and not np.isfinite(wav).all():
             raise ValueError(f"{what}audio has NaN or infinite samples")
         if wav.shape[0] / sr > self.max_seconds:
             raise ValueError(f"{what}audio of {wav.shape[0] / sr:.1f} s is longer than this aligner's "
@@ -409,10 +439,9 @@ class ForcedAligner:
         ts = self.cfg.timestamp_token_id
         if self._padded is not None and (rows_alone or len(items) == 1):
             frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
-            rows = self._prompts(items, frames)
-            classes = self._padded(items, rows, frames)  # [B, S] or None
-            if classes is not None:
-                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
+            out = self._padded(items, frames)  # ([B, S], prompts) or None
+            if out is not None:
+                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(*out)])
         items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
@@ -429,7 +458,8 @@ class ForcedAligner:
         """Each row's words timed from the classes at its <timestamp> slots."""
         seg = np.float32(self.cfg.timestamp_segment_time)
         # ms as the official computes them: int class x float32 segment time
-        return [word_times(it.words, [float(np.float32(c) * seg) for c in cls]) for it, cls in zip(items, classes)]
+        return word_times_rows([it.words for it in items],
+                               [[float(np.float32(c) * seg) for c in cls] for cls in classes])
 
 
 class AlignerWorker:

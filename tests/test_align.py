@@ -143,6 +143,8 @@ def test_korean_is_refused_clearly():
     (dict(sample_rate=100), "8000"),
     (dict(wav=np.zeros(0, np.float32)), "non-empty"),
     (dict(wav=np.full(16000, np.nan, np.float32)), "NaN"),
+    (dict(wav=np.r_[np.zeros(8000, np.float32), np.float32(np.inf)]), "infinite"),
+    (dict(wav=np.r_[np.zeros(8000, np.float32), np.float32(np.inf), np.float32(-np.inf)]), "infinite"),
     (dict(wav=np.zeros(100, np.float32)), "too short"),
     (dict(wav=np.zeros(16000, np.int16)), "float"),
 ])
@@ -151,6 +153,16 @@ def test_bad_input_is_a_clear_error(kwargs, match):
     args = dict(wav=wav, sample_rate=sr, text="hello there", language="English") | kwargs
     with pytest.raises(ValueError, match=match):
         aligner().align(args["wav"], args["sample_rate"], args["text"], args["language"])
+
+
+def test_loud_finite_audio_whose_sum_overflows_is_aligned():
+    """Samples near float32's largest: their sum overflows to inf, yet every sample is finite (the finiteness check
+    falls back to a sample-by-sample look), and the row is scaled back into [-1, 1] as the official does."""
+    wav, sr = audio("a")
+    loud = np.where(wav >= 0, np.float32(3e38), np.float32(-3e38)).astype(np.float32)
+    loud[: loud.shape[0] // 2] = np.float32(3e38)
+    assert not np.isfinite(loud.sum())
+    assert isinstance(aligner().align(loud, sr, "hello there", "English"), list)
 
 
 def test_too_long_audio_is_refused_before_any_work():

@@ -27,9 +27,9 @@ def padded_calls(monkeypatch):
     calls = []
     orig = align_mod._PaddedPass.__call__
 
-    def spy(self, items, rows, frames):
-        out = orig(self, items, rows, frames)
-        calls.append(self.key(frames, [len(r) for r in rows]) if out is not None else None)
+    def spy(self, items, frames):
+        out = orig(self, items, frames)
+        calls.append(self.key(frames, [len(r) for r in out[1]]) if out is not None else None)
         return out
     monkeypatch.setattr(align_mod._PaddedPass, "__call__", spy)
     return calls
@@ -80,7 +80,7 @@ def test_padded_logits_equal_eager_logits():
     a._padded._pass = spy
     try:
         with torch.inference_mode():
-            a._padded(items, rows, frames)
+            a._padded(items, frames)
             mel, fr = a._features(items, rows_alone=True)
             audio_emb = a.thinker.audio_tower(mel, fr)
             ids = np.concatenate(rows)
@@ -156,16 +156,46 @@ def test_fused_qkv_weights_are_held_once():
         assert torch.equal(w[-a.v_proj.out_features:], a.v_proj.weight)
 
 
+class _ReplayedOnCPU:
+    """A CUDA graph's contract on a CPU: fn's output is one static tensor, which replay() recomputes in place from
+    the static inputs that fn reads."""
+
+    def __init__(self, fn):
+        self.fn, self.out = fn, fn()
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+def test_encoder_and_lm_graphs_emulated_on_cpu(monkeypatch):
+    """The captured route's plumbing (the encoder's graph replayed before the prompts are tokenized, the LM's graph
+    reading the encoder graph's static output, each bucket's inputs written in place) with graphs emulated on the
+    CPU: the words of the uncaptured pass, and a second batch of the bucket, its rows in another order, replays the
+    same two graphs."""
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", graphs=True)
+    p = a._padded
+    monkeypatch.setattr(p, "_graph", lambda fn: (lambda g: (g, g.out))(_ReplayedOnCPU(fn)))
+    p.capture = True
+    names, texts = ["c", "b", "d"], [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0]]
+    want = _rows_alone(fast(), names, texts)
+    assert _rows_alone(a, names, texts) == want
+    keys = set(p.graphs)
+    assert sorted(map(len, keys)) == [2, 3]
+    assert _rows_alone(a, names[::-1], texts[::-1]) == want[::-1] and set(p.graphs) == keys
+
+
 @pytest.mark.gpu
 def test_cuda_graphs_equal_the_padded_pass_uncaptured():
-    """On CUDA (fp32): the captured graph's replay gives the words of the same padded pass launched op by op, and a
-    second batch of the same bucket replays the graph captured by the first (loading captured the warm-up's)."""
+    """On CUDA (fp32): the captured graphs' replay gives the words of the same padded pass launched op by op, and a
+    second batch of the same bucket replays the encoder and LM graphs captured by the first (loading captured the
+    warm-up's)."""
     a = ForcedAligner.from_pretrained(checkpoint(), device="cuda", dtype=torch.float32, graphs=True)
     warm = set(a._padded.graphs)
     names, texts = ["c", "b", "d"], [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0]]
     graphed = _rows_alone(a, names, texts)
-    assert len(a._padded.graphs) == len(warm) + 1
-    assert _rows_alone(a, names[::-1], texts[::-1]) == graphed[::-1] and len(a._padded.graphs) == len(warm) + 1
+    new = set(a._padded.graphs) - warm
+    assert sorted(map(len, new)) == [2, 3]  # the bucket's encoder (rows, chunks) and LM (rows, chunks, tokens)
+    assert _rows_alone(a, names[::-1], texts[::-1]) == graphed[::-1] and set(a._padded.graphs) == warm | new
     # the pass entered directly, outside align()'s inference mode, writes the same captured inputs
     items = [a._item(*audio(n), t, "English", i, ready=False) for i, (n, t) in enumerate(zip(names, texts))]
     assert a._run(items, rows_alone=True) == graphed
@@ -235,7 +265,7 @@ def _bf16_passes(a: ForcedAligner, wavs: list[np.ndarray], sr: int, texts: list[
     a._padded._pass = spy
     try:
         with torch.inference_mode():
-            a._padded(items, rows, frames)
+            a._padded(items, frames)
             ready = [it.ready() for it in items]
             mel, fr = a._features(ready, rows_alone=True)
             assert fr == frames

@@ -16,6 +16,8 @@ from __future__ import annotations
 import unicodedata
 from dataclasses import dataclass
 
+import numpy as np
+
 from .request import InputError
 
 EXTRA = "q3tts[aligner-ja-ko]"
@@ -42,6 +44,10 @@ def is_cjk(ch: str) -> bool:
     c = ord(ch)
     return (0x4E00 <= c <= 0x9FFF or 0x3400 <= c <= 0x4DBF or 0x20000 <= c <= 0x2A6DF or 0x2A700 <= c <= 0x2B73F
             or 0x2B740 <= c <= 0x2B81F or 0x2B820 <= c <= 0x2CEAF or 0xF900 <= c <= 0xFAFF)
+
+
+# an ASCII text's characters that clean() drops and split() does not split on: one str.translate cleans it
+_ASCII_DROP = {c: None for c in range(128) if not (chr(c).isspace() or _kept(chr(c)))}
 
 
 def _split_cjk(piece: str) -> list[str]:
@@ -73,6 +79,8 @@ def split_words(text: str, language: str) -> list[str]:
         raise InputError("language 'Korean' is not supported by the aligner yet (its word splitting needs qwen-asr's "
                          "Korean dictionary); accepted: any space-delimited language, Chinese, Japanese (extra "
                          f"{EXTRA})")
+    if text.isascii():  # no CJK: the pieces below are the white-space pieces cleaned, the empty ones dropped
+        return text.translate(_ASCII_DROP).split()
     words: list[str] = []
     for seg in text.split():
         c = clean(seg)
@@ -93,21 +101,85 @@ def prompt_text(words: list[str]) -> str:
     return "<|audio_start|><|audio_pad|><|audio_end|>" + "".join(w + "<timestamp><timestamp>" for w in words)
 
 
-def fix_timestamps(data: list[float]) -> list[int]:
-    """The official monotonic fix-up of the 2W slot times (ms), truncated to int ms."""
+def _longest_run_kept(data: list[float]) -> list[bool]:
+    """The slots of the official's longest non-decreasing subsequence: dp[i] = 1 + the largest dp[j] over j < i with
+    data[j] <= data[i], its parent the first such j; the chain back from the first i of the largest dp. The
+    official scans every j (O(n^2)); a Fenwick tree over the values' ranks keeps, per prefix of ranks, the largest
+    (dp, -j) seen so far: the same dp and the same first j, in O(n log n)."""
     n = len(data)
-    if n == 0:
-        return []
-    dp, parent = [1] * n, [-1] * n
-    for i in range(1, n):
-        for j in range(i):
-            if data[j] <= data[i] and dp[j] + 1 > dp[i]:
-                dp[i], parent[i] = dp[j] + 1, j
-    normal = [False] * n
+    values = sorted(set(data))
+    rank = {v: k + 1 for k, v in enumerate(values)}  # 1-based: data[j] <= data[i] <=> rank[j] <= rank[i]
+    tree: list[tuple[int, int]] = [(0, 0)] * (len(values) + 1)  # (dp, -j); (0, 0): none yet
+    dp, parent = [0] * n, [-1] * n
+    for i, v in enumerate(data):
+        best, k = (0, 0), rank[v]
+        while k > 0:
+            best, k = max(best, tree[k]), k & (k - 1)
+        dp[i], parent[i] = (best[0] + 1, -best[1]) if best[0] else (1, -1)
+        k, item = rank[v], (dp[i], -i)
+        while k < len(tree):
+            if item > tree[k]:
+                tree[k] = item
+            k += k & -k
+    kept = [False] * n
     idx = dp.index(max(dp))
     while idx != -1:
-        normal[idx] = True
+        kept[idx] = True
         idx = parent[idx]
+    return kept
+
+
+def _kept_rows(rows: list[list[float]]) -> list[list[bool]]:
+    """_longest_run_kept of every row, the rows of up to BATCH_DP_MAX slots at once: the official's scan over j
+    vectorized across rows and j (n numpy steps for the batch, not n^2 / 2 Python steps a row); longer rows by the
+    Fenwick tree (whose n log n beats the batch's n^2 there)."""
+    out: list[list[bool] | None] = [None] * len(rows)
+    short = [b for b, r in enumerate(rows) if 0 < len(r) <= BATCH_DP_MAX]
+    for b, r in enumerate(rows):
+        if len(r) > BATCH_DP_MAX:
+            out[b] = _longest_run_kept(r)
+    if short:
+        n = max(len(rows[b]) for b in short)
+        lens = np.array([len(rows[b]) for b in short])
+        data = np.full((len(short), n), np.inf)  # padding slots are never a j of a real slot (j < i < len)
+        for k, b in enumerate(short):
+            data[k, :lens[k]] = rows[b]
+        dp = np.ones((len(short), n), np.int64)
+        parent = np.full((len(short), n), -1, np.int64)
+        for i in range(1, n):
+            # the official: j < i with data[j] <= data[i] and the largest dp[j], the first such j
+            cand = np.where(data[:, :i] <= data[:, i:i + 1], dp[:, :i], 0)  # [rows, i]
+            best = cand.max(1)
+            dp[:, i] = best + 1
+            parent[:, i] = np.where(best > 0, (cand == best[:, None]).argmax(1), -1)
+        for k, b in enumerate(short):
+            kept = [False] * int(lens[k])
+            idx = int(dp[k, :lens[k]].argmax())  # the first of the largest dp
+            while idx != -1:
+                kept[idx] = True
+                idx = int(parent[k, idx])
+            out[b] = kept
+    return [k if k is not None else [] for k in out]
+
+
+BATCH_DP_MAX = 256  # slots: rows up to this long share one vectorized scan (_kept_rows)
+
+
+def fix_timestamps(data: list[float]) -> list[int]:
+    """The official monotonic fix-up of the 2W slot times (ms), truncated to int ms."""
+    return fix_timestamps_rows([data])[0]
+
+
+def fix_timestamps_rows(rows: list[list[float]]) -> list[list[int]]:
+    """fix_timestamps of every row (one vectorized scan for the batch's subsequences)."""
+    monotonic = [all(x <= y for x, y in zip(r, r[1:])) for r in rows]  # whole sequence kept: nothing to fix
+    kept = iter(_kept_rows([r for r, m in zip(rows, monotonic) if not m]))
+    return [[int(v) for v in r] if m else _fix(r, next(kept)) for r, m in zip(rows, monotonic)]
+
+
+def _fix(data: list[float], normal: list[bool]) -> list[int]:
+    """The official's fix-up of the slots outside the kept subsequence `normal`."""
+    n = len(data)
     out = list(data)
     i = 0
     while i < n:
@@ -117,8 +189,9 @@ def fix_timestamps(data: list[float]) -> list[int]:
         j = i
         while j < n and not normal[j]:
             j += 1
-        left = next((out[k] for k in range(i - 1, -1, -1) if normal[k]), None)
-        right = next((out[k] for k in range(j, n) if normal[k]), None)
+        # the run i..j-1 lies between kept slots (i - 1 and j), whose values are never changed
+        left = out[i - 1] if i > 0 else None
+        right = out[j] if j < n else None
         if j - i <= 2:
             for k in range(i, j):
                 if left is None:
@@ -140,6 +213,11 @@ def fix_timestamps(data: list[float]) -> list[int]:
 
 def word_times(words: list[str], slot_ms: list[float]) -> list[WordTime]:
     """words and their 2W slot times (ms) -> WordTimes in seconds (rounded to 3 decimals, as the official)."""
-    fixed = fix_timestamps(slot_ms)
-    return [WordTime(w, round(fixed[2 * i] / 1000.0, 3), round(fixed[2 * i + 1] / 1000.0, 3))
-            for i, w in enumerate(words)]
+    return word_times_rows([words], [slot_ms])[0]
+
+
+def word_times_rows(words: list[list[str]], slot_ms: list[list[float]]) -> list[list[WordTime]]:
+    """word_times of every row of a batch. (The official rounds the seconds to 3 decimals; a whole number of ms over
+    1000.0 is the double nearest to a 3-decimal number, which that rounding returns unchanged.)"""
+    return [[WordTime(w, f[2 * i] / 1000.0, f[2 * i + 1] / 1000.0) for i, w in enumerate(ws)]
+            for ws, f in zip(words, fix_timestamps_rows(slot_ms))]

@@ -90,6 +90,12 @@ def lm_layer(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch
     return x + F.linear(F.silu(gate) * up, m.down_proj.weight)
 
 
+def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module on x: invariant.rms_norm (one fused launch, rounded as the module) where the prefill glue
+    applies, else the module."""
+    return invariant.rms_norm(x, norm.weight, norm.eps) if prefill_glue_applies(x) else norm(x)
+
+
 def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """lm_layer on rows right-padded to one length: x [B, S, D], cos / sin [S, Dh] -> [B, S, D]. NOTE(aligner): as in
     lm_layer, right padding + is_causal keeps every real token's output that of its row alone."""
@@ -97,8 +103,7 @@ def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin
     H, Hkv, Dh = a.num_heads, a.num_kv_heads, a.head_dim
     B, S, _ = x.shape
     glue = prefill_glue_applies(x)  # CUDA bf16: norms, RoPE, SiLU * up fused (kernels.prefill), rounded as the modules
-    norm = (lambda n, t: invariant.rms_norm(t, n.weight, n.eps)) if glue else (lambda n, t: n(t))
-    qkv = F.linear(norm(layer.input_layernorm, x), a.qkv_weight)  # [B, S, (H + 2 Hkv) Dh]
+    qkv = F.linear(_norm(layer.input_layernorm, x), a.qkv_weight)  # [B, S, (H + 2 Hkv) Dh]
     v = qkv[..., (H + Hkv) * Dh:].view(B, S, Hkv, Dh).transpose(1, 2)  # [B, Hkv, S, Dh]
     if glue:
         q, k = qk_norm_rope(qkv, a.q_norm, a.k_norm, cos, sin, H, Hkv)
@@ -108,7 +113,7 @@ def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin
         k = apply_rope(a.k_norm(k.view(B, S, Hkv, Dh)), cos, sin).transpose(1, 2)  # [B, Hkv, S, Dh]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, S, Dh]
     x = x + F.linear(out.transpose(1, 2).reshape(B, S, H * Dh), a.o_proj.weight)
-    gate_up = F.linear(norm(layer.post_attention_layernorm, x), m.gate_up_weight)  # [B, S, 2I]
+    gate_up = F.linear(_norm(layer.post_attention_layernorm, x), m.gate_up_weight)  # [B, S, 2I]
     if glue:
         return x + F.linear(silu_mul(gate_up), m.down_proj.weight)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -160,7 +165,11 @@ class Thinker(nn.Module):
         right-padded; mel / window_mask as AudioEncoder.forward_padded; audio_at [B, S] int64: for an audio_pad slot
         the index of its embedding in the encoder's output flattened to [B * A], anything for the others
         -> logits [B, S, classify_num] at every slot (a row's positions are 0..S-1, as forward's)."""
-        audio = self.audio_tower.forward_padded(mel, window_mask)  # [B, A, D]
+        return self.lm_padded(input_ids, self.audio_tower.forward_padded(mel, window_mask), audio_at)
+
+    def lm_padded(self, input_ids: torch.Tensor, audio: torch.Tensor, audio_at: torch.Tensor) -> torch.Tensor:
+        """forward_padded after the audio encoder: audio [B, A, D] its output (the prompts need not be known before
+        it runs)."""
         B, S = input_ids.shape
         x = self.model.embed_tokens(input_ids)  # [B, S, D]
         audio = audio.reshape(-1, x.shape[-1]).index_select(0, audio_at.view(-1)).view(B, S, -1)
@@ -168,9 +177,7 @@ class Thinker(nn.Module):
         cos, sin = rope_cos_sin(torch.arange(S, device=x.device)[None], self.inv_freq, x.dtype)  # [1, S, Dh]
         for layer in self.model.layers:
             x = lm_layer_padded(layer, x, cos[0], sin[0])
-        norm = self.model.norm
-        x = invariant.rms_norm(x, norm.weight, norm.eps) if prefill_glue_applies(x) else norm(x)
-        return self.lm_head(x)
+        return self.lm_head(_norm(self.model.norm, x))
 
 
 ALIGNER_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json")

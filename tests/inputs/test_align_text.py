@@ -2,6 +2,7 @@
 on real texts; these pin each rule on its own)."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,9 @@ import pytest
 from q3tts.inputs.align_text import (
     InputError,
     WordTime,
+    _split_cjk,
     aligner_language,
+    clean,
     fix_timestamps,
     prompt_text,
     split_words,
@@ -29,6 +32,17 @@ FIXTURE = Path(__file__).resolve().parents[1] / "golden" / "fixtures" / "aligner
 ])
 def test_split_words(text, language, words):
     assert split_words(text, language) == words
+
+
+def test_ascii_texts_split_as_the_general_rule():
+    """An ASCII text takes one str.translate; its words equal the rule's: split on white space (the \\x1c-\\x1f
+    separators included), each piece cleaned, empty pieces dropped."""
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(128)]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+        rule = [w for seg in text.split() if clean(seg) for w in _split_cjk(clean(seg))]
+        assert split_words(text, "English") == rule, repr(text)
 
 
 def test_korean_refused_naming_the_accepted():
@@ -60,6 +74,56 @@ def test_fix_timestamps_equals_the_official():
     assert len(fixups) > 300
     for data, fixed in fixups:
         assert fix_timestamps(data) == fixed, data
+
+
+def official_fixup_kept(data: list[float]) -> list[bool]:
+    """The official's O(n^2) longest non-decreasing subsequence (qwen-asr's fix_timestamp): the first j on ties."""
+    n = len(data)
+    dp, parent = [1] * n, [-1] * n
+    for i in range(1, n):
+        for j in range(i):
+            if data[j] <= data[i] and dp[j] + 1 > dp[i]:
+                dp[i], parent[i] = dp[j] + 1, j
+    kept, idx = [False] * n, dp.index(max(dp))
+    while idx != -1:
+        kept[idx], idx = True, parent[idx]
+    return kept
+
+
+@pytest.mark.parametrize("n,levels", [(1, 3), (7, 2), (60, 5), (400, 40), (400, 4000)])
+def test_fix_timestamps_keeps_the_official_subsequence_on_long_inputs(n, levels):
+    """The Fenwick-tree scan keeps exactly the slots of the official's quadratic scan (ties included: few levels)
+    on sequences far longer than the fixture's, and the fix-up of a long sequence is monotonic."""
+    from q3tts.inputs.align_text import _kept_rows, _longest_run_kept
+    rng = random.Random(n * levels)
+    rows = [[80.0 * rng.randrange(levels) for _ in range(n)] for _ in range(20)]
+    want = [official_fixup_kept(data) for data in rows]
+    assert [_longest_run_kept(data) for data in rows] == want
+    assert _kept_rows(rows) == want  # the batch's vectorized scan
+    for data in rows:
+        fixed = fix_timestamps(data)
+        assert all(a <= b for a, b in zip(fixed, fixed[1:]))
+
+
+def test_fix_timestamps_of_a_batch_is_each_rows():
+    """A batch of rows of every length (empty, monotonic, ties, past BATCH_DP_MAX: the Fenwick tree's) fixed at once
+    equals each row fixed alone, and each row's kept slots are the official's."""
+    from q3tts.inputs.align_text import BATCH_DP_MAX, _kept_rows, fix_timestamps_rows
+    rng = random.Random(1)
+    rows = [[], [80.0], [0.0, 80.0, 80.0, 160.0]]
+    rows += [[80.0 * rng.randrange(12) for _ in range(rng.randrange(2, 70))] for _ in range(30)]
+    rows += [[80.0 * rng.randrange(300) for _ in range(BATCH_DP_MAX + 9)]]
+    assert _kept_rows(rows) == [official_fixup_kept(r) if r else [] for r in rows]
+    assert fix_timestamps_rows(rows) == [fix_timestamps(r) for r in rows]
+    fixups = json.loads(FIXTURE.read_text())["fixups"]
+    assert fix_timestamps_rows([d for d, _ in fixups]) == [f for _, f in fixups]
+
+
+def test_whole_ms_in_seconds_are_their_own_3_decimal_rounding():
+    """word_times skips the official's round(s, 3): k / 1000.0 is already what it returns, for every k ms up to
+    ten minutes (past the aligner's 400 s) and a sample beyond."""
+    ks = list(range(600_001)) + [2 ** 40 + 7, 123_456_789_012]
+    assert all(round(k / 1000.0, 3) == k / 1000.0 for k in ks)
 
 
 def test_word_times_pairs_slots_and_rounds_to_ms():

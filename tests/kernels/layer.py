@@ -5,17 +5,15 @@ import pytest
 import torch
 
 
-def random_layer(hidden: int, n: int, B: int):
-    """A bf16 decoder layer of the real models' head shape (16 x 128, 8 KV heads) with random weights (norm weights
-    away from 1), its float64 twin (the same bf16 values), one token per row at positions < n (row 0 at n - 1) and
-    caches of 300 positions holding random older keys and values."""
+def bf16_layer(hidden: int, seed: int):
+    """A bf16 decoder layer of the real models' head shape (16 x 128, 8 KV heads, MLP 3 x hidden) with random weights
+    (norm weights away from 1), its projections fused, and its float64 twin (the same bf16 values, unfused)."""
     import copy
 
     from q3tts.config import DecoderLayerConfig
     from q3tts.models import layers
-    torch.manual_seed(hidden + 100 * n + B)
-    H, Hkv, Dh = 16, 8, 128
-    lay = layers.DecoderLayer(DecoderLayerConfig(hidden, 3 * hidden, 1, H, Hkv, Dh, 1e-6, 1e6, 2048))
+    torch.manual_seed(seed)
+    lay = layers.DecoderLayer(DecoderLayerConfig(hidden, 3 * hidden, 1, 16, 8, 128, 1e-6, 1e6, 2048))
     with torch.no_grad():
         for p in lay.parameters():
             p.normal_(0, 0.05)
@@ -24,6 +22,15 @@ def random_layer(hidden: int, n: int, B: int):
     lay = lay.to("cuda", torch.bfloat16)
     exact = copy.deepcopy(lay).double()
     layers.fuse_projections(lay)
+    return lay, exact
+
+
+def random_layer(hidden: int, n: int, B: int):
+    """bf16_layer, one token per row at positions < n (row 0 at n - 1) and caches of 300 positions holding random
+    older keys and values."""
+    from q3tts.models import layers
+    Hkv, Dh = 8, 128
+    lay, exact = bf16_layer(hidden, hidden + 100 * n + B)
     x = torch.randn(B, 1, hidden, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(2, B, Hkv, 300, Dh, device="cuda", dtype=torch.bfloat16)
     pos = torch.randint(0, n, (B, 1), device="cuda")

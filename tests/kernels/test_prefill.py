@@ -8,14 +8,14 @@ can cancel, so one step of a term can be several of a small result (on an H100 a
 moved a step: BENCHMARKS.md). The bar is therefore the eager module's own error against float64: the glue's may not be
 larger than it by more than a quarter (max) or a tenth (mean)."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from q3tts import kernels
 from q3tts.kernels.prefill import qk_norm_rope, silu_mul
+
+from .layer import bf16_layer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")]
@@ -29,20 +29,9 @@ def assert_as_accurate(glue: torch.Tensor, eager: torch.Tensor, exact: torch.Ten
 
 
 def random_layer(seed: int):
-    """A bf16 decoder layer of the aligner LM's head shape (16 x 128, 8 KV heads), norm weights away from 1, and its
-    float64 twin."""
-    from q3tts.config import DecoderLayerConfig
+    """layer.bf16_layer at the aligner LM's width (1024), the twin's projections fused too."""
     from q3tts.models import layers
-    torch.manual_seed(seed)
-    lay = layers.DecoderLayer(DecoderLayerConfig(1024, 3072, 1, 16, 8, 128, 1e-6, 1e6, 2048))
-    with torch.no_grad():
-        for p in lay.parameters():
-            p.normal_(0, 0.05)
-        for m in (lay.input_layernorm, lay.post_attention_layernorm, lay.self_attn.q_norm, lay.self_attn.k_norm):
-            m.weight.normal_(1, 0.3)
-    lay = lay.to("cuda", torch.bfloat16)
-    exact = copy.deepcopy(lay).double()
-    layers.fuse_projections(lay)
+    lay, exact = bf16_layer(1024, seed)
     layers.fuse_projections(exact)
     return lay, exact
 
