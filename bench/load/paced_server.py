@@ -9,7 +9,8 @@ processor, AsyncEngine, the Engine's scheduling, prompt embedding (a tiny random
 encoding. Only the device's work becomes a wait that releases the GIL, as a wait for the GPU does: each frame
 (decode-ms, every step with a running row), each step's vocoding (vocode-ms, when a chunk is due) and each
 admission's prefill of its W newcomers (prefill-ms + prefill-ms-per-request x W, or --prefill-table's wait for W:
-admit times measured by wave size); the frames are code 1 (never EOS) and the audio silence. Given the step times
+admit times measured by wave size; --alone-max: the waves up to it are what the engine tells the deadline policy
+are prefill graph replays, as a CUDA runner would); the frames are code 1 (never EOS) and the audio silence. Given the step times
 measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
 HTTP side or the client is the limit, without a GPU.
 """
@@ -60,10 +61,16 @@ class PacedRunner:
     """The engine's ModelRunner with prefill and frame as GIL-free waits; the rest (slots, prompts) is the real one."""
 
     def __init__(self, runner, prefill_s: float, decode_s: float, prefill_per_request_s: float = 0.0,
-                 prefill_table: list[tuple[int, float]] | None = None):
+                 prefill_table: list[tuple[int, float]] | None = None, alone_max: int | None = None):
         self._runner, self.prefill_s, self.decode_s = runner, prefill_s, decode_s
         self.prefill_per_request_s = prefill_per_request_s  # a batched prefill's part that grows with its rows
         self.prefill_table = prefill_table  # given: replaces both (the wave's wait by its size)
+        self.alone_max = alone_max  # given: the GPU runner's prefill regimes the table stands for
+
+    def prefill_alone_max(self, graphs: bool = True) -> float:
+        """What a CUDA runner with its prefill graphs answers (the table's waves up to it are graph replays), given
+        alone_max; else the CPU runner's."""
+        return self._runner.prefill_alone_max(graphs) if self.alone_max is None else self.alone_max
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
@@ -99,7 +106,8 @@ class PacedVocoder:
 
 
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
-              prefill_ms_per_request: float = 0.0, prefill_table: list[tuple[int, float]] | None = None):
+              prefill_ms_per_request: float = 0.0, prefill_table: list[tuple[int, float]] | None = None,
+              alone_max: int | None = None):
     """The server's app on the tiny random CustomVoice checkpoint of the tests, its device work paced."""
     from q3tts import TTS
     from q3tts.server.app import create_app
@@ -111,7 +119,7 @@ def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, 
                                          voice_dir=tempfile.mkdtemp(prefix="q3tts-paced-")))
     engine = app.state.engine.engine  # its thread waits for work: no step runs before the first request
     engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000, prefill_ms_per_request / 1000,
-                                prefill_table)
+                                prefill_table, alone_max)
     engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
     return app
 
@@ -129,9 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-table", type=parse_prefill_table, default=None,
                     help="W:ms,... the whole prefill of W newcomers in one step, by W (linear between the given W, "
                          "extrapolated past the last); replaces --prefill-ms and --prefill-ms-per-request")
+    ap.add_argument("--alone-max", type=int, default=None,
+                    help="with --prefill-table: the waves up to this size are a GPU runner's prefill graph replays "
+                         "(what the engine tells the deadline policy; default PREFILL_GRAPH_MAX_REQUESTS)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the server process (Python's default 5 ms)")
     a = ap.parse_args(argv)
+    if a.alone_max is not None and (a.alone_max < 0 or not a.prefill_table):
+        ap.error(f"--alone-max {a.alone_max}: expected an integer >= 0, with --prefill-table")
     if a.prefill_table and (a.prefill_ms is not None or a.prefill_ms_per_request is not None):
         ap.error("--prefill-table replaces --prefill-ms and --prefill-ms-per-request: give one or the other")
     if a.switch_interval_ms:
@@ -142,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO)
     given = {k: v for k, v in (("prefill_ms", a.prefill_ms), ("prefill_ms_per_request", a.prefill_ms_per_request))
              if v is not None}  # else paced_app's defaults
-    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, **given)
+    if a.prefill_table and a.alone_max is None:
+        from q3tts.engine.runner import PREFILL_GRAPH_MAX_REQUESTS
+        a.alone_max = PREFILL_GRAPH_MAX_REQUESTS
+    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, alone_max=a.alone_max, **given)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 

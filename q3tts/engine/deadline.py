@@ -14,12 +14,17 @@ and the engine measures each part as a moving average (`StepTimes`). The policy 
     with all its whole chunks; the others go nearest deadline first within a frame budget per step, so when many
     chunks fall due in one step, those that can wait go in the next steps instead of lengthening this one;
   - first chunk: the first audio waits until its whole chunks outlast a step and two prefills (the first chunk
-    alone while steps are short), so a young stream does not hold the next newcomers back (burst_wave: while
-    requests queue, the next wave's prefill instead);
-  - admission: a prefill delays every running row by its time, so newcomers go while their estimated prefill
-    (`PrefillCost`: with its fixed part) fits into every playing row's slack less the steps until its next whole
-    chunk and the margin (`admission_budget`): the first goes whenever no row is at risk (one newcomer's prefill
-    would not stall any), and a request that has waited max_wait_s goes anyway (nothing starves).
+    alone while steps are short), so a young stream does not hold the next newcomers back; while requests queue,
+    the prefill of the next wave instead (burst_wave), so a burst goes in a few large waves (max_wave a step), the
+    cheapest per newcomer, rather than a few newcomers a step;
+  - admission: a prefill delays every running row by its time, so a step's wave of newcomers is the largest whose
+    estimated prefill fits into every playing row's slack less the steps until its next whole chunk and the margin
+    (`admission_budget`, `wave`): the first goes whenever no row is at risk (one newcomer's prefill would not stall
+    any), and a request that has waited max_wait_s goes anyway (nothing starves). The estimate (`PrefillCost`)
+    follows the runner's two regimes: up to its alone_max newcomers one prefill graph replay each (N x one), more in
+    one batched forward (a + b * N: a launch-bound floor, then a small part per newcomer). Between them lies an
+    expensive middle (a wave just past alone_max pays the whole floor for a few more newcomers), so a wave is at most
+    alone_max or at least min_batch_wave newcomers, unless those that waited max_wait_s make it one in between.
 Rows that cannot run (streamed text not yet there) and offline requests have no deadline the engine can keep and
 constrain nothing. Scheduling order never changes a row's codes (sampling noise is per request, frame, codebook).
 """
@@ -50,9 +55,8 @@ class MovingAverage:
 
 
 @dataclass(slots=True)
-class PrefillCost:
-    """The prefill time of a step's N newcomers as a + b * N, fitted by exponentially weighted least squares over
-    the steps that admitted (a batched prefill has a fixed part: a few newcomers cost less than N times one)."""
+class LineFit:
+    """t = a + b * N, fitted by exponentially weighted least squares over (N, t) samples."""
 
     alpha: float = 0.1  # weight of a new sample
     samples: int = 0
@@ -67,17 +71,48 @@ class PrefillCost:
         self.t, self.nt = self.t + w * (t - self.t), self.nt + w * (N * t - self.nt)
         self.samples += 1
 
-    def estimate(self, N: int) -> float:
-        """Seconds to prefill N newcomers (0.0 before any sample). With too little spread in N to fit a line, all
-        of it is taken as per newcomer."""
-        if self.samples == 0 or N == 0:
-            return 0.0
+    def per_newcomer(self, N: int) -> float:
+        """N times the samples' (weighted) time per newcomer: a line through 0."""
+        return N * self.t / self.n
+
+    def line(self, N: int) -> float:
+        """a + b * N (a, b >= 0). With too little spread in N to fit a line, the most any such line through the
+        samples' mean allows: all of it fixed below their N (a few newcomers cost no less), per newcomer above."""
         var = self.nn - self.n * self.n
         if var < 0.25:
-            return N * self.t / self.n
+            return max(self.t, self.per_newcomer(N))
         b = max(0.0, (self.nt - self.n * self.t) / var)
         a = max(0.0, self.t - b * self.n)
         return a + b * N
+
+
+@dataclass(slots=True)
+class PrefillCost:
+    """The prefill time of a step's N newcomers in the runner's two regimes (ModelRunner.prefill_alone_max):
+    up to alone_max newcomers each is prefilled alone, one graph replay after another: N x one, learnt per newcomer
+    (`alone`); more go in one batched forward, with a fixed part (a launch-bound floor): a + b * N (`batched`). A
+    regime without a sample yet is estimated by the other's fit. alone_max 0 (no replays: CPU, paged cache): one
+    line for every N."""
+
+    alone_max: float = 0  # set by the engine from its runner (inf: every wave alone)
+    alone: LineFit = field(default_factory=LineFit)  # samples of waves of at most alone_max newcomers
+    batched: LineFit = field(default_factory=LineFit)  # the larger waves
+
+    @property
+    def samples(self) -> int:
+        return self.alone.samples + self.batched.samples
+
+    def add(self, N: int, t: float) -> None:
+        """One step's prefill of N newcomers took t s (its regime: N <= alone_max)."""
+        (self.alone if N <= self.alone_max else self.batched).add(N, t)
+
+    def estimate(self, N: int) -> float:
+        """Seconds to prefill N newcomers (0.0 before any sample)."""
+        if self.samples == 0 or N == 0:
+            return 0.0
+        if N <= self.alone_max:
+            return self.alone.per_newcomer(N) if self.alone.samples else self.batched.line(N)
+        return self.batched.line(N) if self.batched.samples else self.alone.per_newcomer(N)
 
 
 @dataclass(slots=True)
@@ -94,8 +129,8 @@ class StepTimes:
         return self.frame.value + self.vocode.value
 
     def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None) -> None:
-        """One step's measured phases: prefill_s for `admitted` newcomers; frame_s None if no row ran; vocode_s None
-        if nothing was vocoded."""
+        """One step's measured phases: prefill_s for `admitted` newcomers (its regime by prefill.alone_max);
+        frame_s None if no row ran; vocode_s None if nothing was vocoded."""
         if admitted:
             self.prefill.add(admitted, prefill_s)
         if frame_s is not None:
@@ -108,7 +143,8 @@ class StepTimes:
 DEADLINE_ENV = {"MARGIN_MS": ("margin_s", 1e-3, 0.0), "MAX_WAIT_MS": ("max_wait_s", 1e-3, 0.0),
                 "MIN_VOCODE_FRAMES": ("min_vocode_frames", 1, 1),
                 "FIRST_CHUNK_PREFILLS": ("first_chunk_prefills", 1, 0.0),
-                "BURST_WAVE": ("burst_wave", 1, 0), "PREFILL_CAP": ("prefill_cap", 1, 1.0)}
+                "BURST_WAVE": ("burst_wave", 1, 0), "PREFILL_CAP": ("prefill_cap", 1, 1.0),
+                "MIN_BATCH_WAVE": ("min_batch_wave", 1, 0), "MAX_WAVE": ("max_wave", 1, 0)}
 
 
 @dataclass(slots=True)
@@ -120,18 +156,26 @@ class DeadlinePolicy:
             twice what the rows make per step, so a backlog drains.
         first_chunk_prefills: the prefills (of one newcomer) a first send covers while the engine is contended.
         burst_wave: > 0: while requests wait for admission, a first send covers instead the prefill of the next
-            wave, min(waiting, burst_wave) newcomers, so the young rows' slack lets that wave in at once (0: off).
+            wave, min(waiting, burst_wave) newcomers (as `wave` would size it), so the young rows' slack lets that
+            wave in at once rather than a few newcomers per step (0: off).
         prefill_cap: a step's measured prefill enters the estimate as at most this many times the estimate for its
             newcomers (inf: as measured), so one slow step (the GIL held by a burst of requests arriving) does
             not hold admission back for the many steps the average takes to forget it.
+        min_batch_wave: where the runner replays prefill graphs (PrefillCost.alone_max >= 1), a wave larger than
+            alone_max has at least this many newcomers (the batched forward's floor is paid for enough of them);
+            from alone_max + 1 to here a wave goes only as far as max_wait_s forces it (<= alone_max + 1: no gap).
+        max_wave: the most newcomers of one step (0: the scheduler's max_prefills_per_step): with burst_wave, a
+            burst goes in a few large waves, the cheapest per newcomer.
     """
 
     margin_s: float = 0.02
     max_wait_s: float = 1.0
     min_vocode_frames: int = 64
     first_chunk_prefills: float = 2.0
-    burst_wave: int = 0
+    burst_wave: int = 64
     prefill_cap: float = math.inf
+    min_batch_wave: int = 16
+    max_wave: int = 64
     times: StepTimes = field(default_factory=StepTimes)
 
     @classmethod
@@ -154,8 +198,12 @@ class DeadlinePolicy:
             fields[attr] = value * unit
         return cls(**fields)
 
-    def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None) -> None:
-        """One step's measured phases into `times` (StepTimes.record), the prefill capped by prefill_cap."""
+    def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None,
+               alone_max: float | None = None) -> None:
+        """One step's measured phases into `times` (StepTimes.record), the prefill capped by prefill_cap.
+        alone_max: the runner's (ModelRunner.prefill_alone_max): the regime of this and later estimates."""
+        if alone_max is not None:
+            self.times.prefill.alone_max = alone_max
         if admitted and self.times.prefill.samples and math.isfinite(self.prefill_cap):
             prefill_s = min(prefill_s, self.prefill_cap * self.times.prefill.estimate(admitted))
         self.times.record(prefill_s, admitted, frame_s, vocode_s)
@@ -172,7 +220,7 @@ class DeadlinePolicy:
         queued the next wave's prefill; at least its first chunk, at most its largest."""
         s = req.stream
         if self.burst_wave > 0 and waiting > 0:
-            prefills = self.times.prefill.estimate(min(waiting, self.burst_wave))
+            prefills = self.times.prefill.estimate(self.wave(min(waiting, self.burst_wave), 0, math.inf))
         else:
             prefills = self.first_chunk_prefills * self.times.prefill.estimate(1) if contended else 0.0
         need = math.ceil((self.times.step_s + prefills + self.margin_s) / FRAME_S)
@@ -187,14 +235,28 @@ class DeadlinePolicy:
                    for r in running if r.can_run and r.first_sent_at is not None]
         return min(budgets) if budgets else math.inf
 
-    def admits(self, req: EngineRequest, admitted: int, budget: float, now: float) -> bool:
-        """Whether req may join the `admitted` newcomers already chosen this step under `budget` (seconds)."""
+    def waited(self, req: EngineRequest, now: float) -> bool:
+        """Whether req has waited max_wait_s: it goes, whatever the others' slack."""
         # (the wait runs from when its prompt was ready: a long text's later segment or a streamed text's request
         # may be queued long after its arrival_time)
-        if now - (req.arrival_time if req.ready_at is None else req.ready_at) >= self.max_wait_s:
-            return True  # waited long enough: it goes, whatever the others' slack
+        return now - (req.arrival_time if req.ready_at is None else req.ready_at) >= self.max_wait_s
+
+    def in_gap(self, n: int) -> bool:
+        """Whether a wave of n newcomers lies in the expensive middle: past the runner's replays (alone_max >= 1),
+        short of min_batch_wave."""
+        alone_max = self.times.prefill.alone_max
+        return 1 <= alone_max < n < self.min_batch_wave
+
+    def wave(self, candidates: int, forced: int, budget: float) -> int:
+        """How many of `candidates` newcomers (first come, first served; the first `forced` of them include every
+        one that waited max_wait_s) go this step: the most whose estimated prefill fits `budget` (seconds), a wave
+        in the gap (`in_gap`) never, then at least `forced`."""
         # NOTE(first): with no row at risk (budget >= 0) and nothing measured yet, the estimate is 0: the first goes
-        return self.times.prefill.estimate(admitted + 1) <= budget
+        best = 0
+        for n in range(1, candidates + 1):  # (the cost is not monotone across the regimes: every n is tried)
+            if not self.in_gap(n) and self.times.prefill.estimate(n) <= budget:
+                best = n
+        return max(best, forced)
 
     # ------------------------------------------------------------------ vocoding
     def plan_chunks(self, reqs: list[EngineRequest], now: float,

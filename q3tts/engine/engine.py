@@ -247,7 +247,8 @@ class Engine:
             c.phase_s[phase] += dt
         if self.policy is not None:
             self.policy.record(t1 - t0, len(sched.prefill), t2 - t1 if frame is not None else None,
-                                     t3 - t2 if any(ch.num_frames for ch in chunks) else None)
+                                     t3 - t2 if any(ch.num_frames for ch in chunks) else None,
+                                     alone_max=self.runner.prefill_alone_max())  # the prefill's regimes (PrefillCost)
         return chunks
 
     def _admit(self, sched: SchedulerOutput) -> list[int]:

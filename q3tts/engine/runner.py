@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 
 import torch
 
@@ -39,8 +40,9 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_KV_SPAN = 64
 PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256)  # one request's prefill is a captured graph up to these padded lengths
 # Up to this many requests admitted in one step replay their prefill graphs one after another rather than run one
-# batched forward launched from Python (launch-bound): a few replays stay under one batched forward (BENCHMARKS.md)
-PREFILL_GRAPH_MAX_REQUESTS = 4
+# batched forward launched from Python (launch-bound, with a fixed floor): up to about this many replays stay under
+# that floor (BENCHMARKS.md, "What a wave of newcomers costs")
+PREFILL_GRAPH_MAX_REQUESTS = 10
 log = logging.getLogger("q3tts.engine")
 
 
@@ -108,6 +110,18 @@ class ModelRunner:
         return self.compiled and N * self.cfg.num_attention_heads * L * self.kv_span(L) > ATTN_SCORES_CHUNK
 
     # ------------------------------------------------------------------ admission
+    def prefill_alone_max(self, graphs: bool = True) -> float:
+        """The most newcomers of one step that prefill_batch prefills one by one, each as alone (its bucket's prefill
+        graph if captured); more take one batched forward. On CUDA (or with prefill graphs) and a contiguous cache
+        PREFILL_GRAPH_MAX_REQUESTS (on CUDA in batch-invariant mode any number: inf), else 0. The deadline policy's
+        prefill cost model has one regime each side of it (q3tts.engine.deadline.PrefillCost)."""
+        cuda = self.device.type == "cuda"  # NOTE(invariant): graphs and eager prefill alike (each prompt alone)
+        if cuda and invariant.ENABLED:
+            return math.inf
+        if (cuda or bool(self.prefill_graphs)) and graphs and self.block_table is None:
+            return PREFILL_GRAPH_MAX_REQUESTS
+        return 0
+
     def check_prompt(self, num_positions: int, num_trailing: int) -> None:
         """InputError unless a prompt of num_positions (+ num_trailing streamed text tokens) fits the cache (checked
         per request before the batched prefill, so one bad request does not fail the others)."""
@@ -141,9 +155,7 @@ class ModelRunner:
         warm-up of the compiled variants) in one batched forward."""
         N, D, s = len(prefills), self.cfg.hidden_size, self.slots
         lens = [p.shape[0] for p in prefills]
-        cuda = self.device.type == "cuda"  # NOTE(invariant): graphs and eager prefill alike (each prompt alone)
-        alone = (cuda and invariant.ENABLED) or ((cuda or bool(self.prefill_graphs)) and graphs
-                                                 and N <= PREFILL_GRAPH_MAX_REQUESTS and self.block_table is None)
+        alone = N <= self.prefill_alone_max(graphs)
         buckets = [self.prefill_len(1, n) for n in lens] if alone else [self.prefill_len(N, max(lens))] * N
         L = max(buckets)
         r = slice(lo, lo + N)

@@ -3,10 +3,11 @@
 Requests join as soon as a slot is free and leave the moment they finish or are cancelled. The
 newcomers of a step are prefilled in one padded batch [N, Lmax]: at most `max_prefills_per_step` of them
 and N * Lmax <= `max_prefill_tokens` (the first always goes), so a burst of arrivals does not stall the
-running streams for long. With a DeadlinePolicy (q3tts.engine.deadline) newcomers also go only while their
-estimated prefill fits into the running streams' slack (the first whenever no stream is at risk, and one that has
-waited the policy's max_wait_s in any case). The engine's step is schedule() -> run (runner) -> update_from_output()
--> vocode.
+running streams for long. With a DeadlinePolicy (q3tts.engine.deadline) the policy sizes the wave among those:
+the most whose estimated prefill fits into the running streams' slack, never a wave in the expensive middle between
+the runner's prefill graph replays and its batched forward (the first whenever no stream is at risk, and those that
+have waited the policy's max_wait_s in any case); its max_wave, if set, replaces max_prefills_per_step. The
+engine's step is schedule() -> run (runner) -> update_from_output() -> vocode.
 
 Paged KV cache (num_blocks > 0): blocks of block_size positions are handed out as rows need them. A newcomer gets
 the blocks of its prompt and first frame, and is admitted only while one spare block per running row remains; a
@@ -106,23 +107,34 @@ class Scheduler:
         self.free_slots.sort(reverse=True)
         max_len = 0  # Lmax of the padded prefill batch
         ready = [r for r in self.waiting if r.prompt_ready]
+        most = self.max_prefills_per_step
         if self.policy is not None:
             now = time.perf_counter() if now is None else now
-            budget = self.policy.admission_budget(out.decode, now)  # seconds of prefill the running rows allow
             for r in ready:
                 r.ready_at = now if r.ready_at is None else r.ready_at
+            most = self.policy.max_wave or most
+        # the candidates: first come, first served, while slots, the token budget and (paged) blocks allow
+        take, forced, free_blocks = [], 0, len(self.free_blocks)
         for req in ready:
-            if not self.free_slots or len(out.prefill) == self.max_prefills_per_step:
+            if len(take) == min(len(self.free_slots), most):
                 break
-            if self.policy is not None and not self.policy.admits(req, len(out.prefill), budget, now):
-                break  # first come, first served: it waits for more slack
-            max_len = max(max_len, req.num_prompt_tokens)
-            if out.prefill and (len(out.prefill) + 1) * max_len > self.max_prefill_tokens:
-                break  # first come, first served: the next one waits for the next step
+            L = max(max_len, req.num_prompt_tokens)
+            if take and (len(take) + 1) * L > self.max_prefill_tokens:
+                break  # the next one waits for the next step
             if self.paged:
                 need = req.num_prompt_tokens // self.block_size + 1  # positions 0..L (its first frame writes L)
-                if len(self.free_blocks) < need + len(self.running):  # keep a spare block per running row
+                if free_blocks < need + len(self.running) + len(take):  # keep a spare block per running row
                     break
+                free_blocks -= need
+            max_len = L
+            take.append(req)
+            if self.policy is not None and self.policy.waited(req, now):
+                forced = len(take)  # it goes, and those before it
+        if self.policy is not None:  # how many of them the running rows' slack allows
+            take = take[:self.policy.wave(len(take), forced, self.policy.admission_budget(out.decode, now))]
+        for req in take:
+            if self.paged:
+                need = req.num_prompt_tokens // self.block_size + 1
                 req.blocks = [self.free_blocks.pop() for _ in range(need)]
                 out.blocks.append(req)
             self.waiting.remove(req)

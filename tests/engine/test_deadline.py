@@ -59,6 +59,8 @@ class Costs:
     vocode_base: float = 0.002  # the vocoding of a step's chunks: base + per frame
     vocode_frame: float = 0.00004
     slow_admission: tuple[int, float] = (0, 0.0)  # (k, s): the k-th step that admits (from 1) takes s longer
+    alone_max: int = 0  # waves up to this many newcomers are graph replays: prefill_alone each (the engine says so)
+    prefill_alone: float = 0.0
 
 
 def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 125, slots: int = 128,
@@ -70,7 +72,7 @@ def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 12
     reqs = [stream_req(i, frames, t) for i, t in enumerate(arrivals)]
     stall = dict.fromkeys(range(len(reqs)), 0.0)
     cuts = {r.request_id: [] for r in reqs}  # per stream: the chunks its audio was cut into
-    now, queued, waits, admissions = 0.0, 0, [], 0
+    now, queued, waits, admissions, waves = 0.0, 0, [], 0, []
     while not all(r.stream_done for r in reqs):
         while queued < len(reqs) and reqs[queued].arrival_time <= now:
             sched.add(reqs[queued])
@@ -81,7 +83,9 @@ def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 12
         out = sched.schedule(now)
         n = len(out.prefill)
         waits += [now - r.arrival_time for r in out.prefill]
-        prefill_s = costs.prefill_base + costs.prefill_req * n if n else 0.0
+        waves += [n] if n else []
+        prefill_s = (0.0 if not n else costs.prefill_alone * n if n <= costs.alone_max
+                     else costs.prefill_base + costs.prefill_req * n)
         admissions += n > 0
         if n and admissions == costs.slow_admission[0]:
             prefill_s += costs.slow_admission[1]
@@ -102,11 +106,11 @@ def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 12
             r.sent(k, k * FRAME_S, now)
             r.stream_done = r.status.finished
         if pol is not None:
-            pol.record(prefill_s, n, frame_s, vocode_s if vocoded else None)
+            pol.record(prefill_s, n, frame_s, vocode_s if vocoded else None, alone_max=costs.alone_max)
     ttfa = sorted(r.first_sent_at - r.arrival_time for r in reqs)
     return {"stalled": sum(s > 0.001 for s in stall.values()), "stall_max": max(stall.values()),
             "ttfa_p50": ttfa[round(0.5 * (len(ttfa) - 1))], "ttfa_p95": ttfa[round(0.95 * (len(ttfa) - 1))], "ttfa_max": ttfa[-1], "wait_max": max(waits),
-            "frames": [r.num_frames for r in reqs], "cuts": list(cuts.values())}
+            "frames": [r.num_frames for r in reqs], "cuts": list(cuts.values()), "waves": waves}
 
 
 def spread(n, over=1.0):
@@ -149,11 +153,46 @@ def test_a_burst_waits_less_with_first_sends_sized_for_the_next_wave():
     prefill, so waves of 16 go and first audio p95 comes sooner, still without a stall."""
     costs = Costs(frame_base=0.0068, frame_row=0.0, prefill_base=0.0, prefill_req=0.0054, vocode_base=0.004,
                   vocode_frame=0.0)
-    base = simulate(DeadlinePolicy(), [0.0] * 64, costs=costs)
-    burst = simulate(DeadlinePolicy(burst_wave=16), [0.0] * 64, costs=costs)
+    def known(**kw) -> DeadlinePolicy:  # waves of 1 and 16 measured before (a line through 0)
+        pol = DeadlinePolicy(max_wave=0, **kw)  # (max_wave 0: 16 a step, the scheduler's)
+        for n in (1, 16):
+            pol.times.prefill.add(n, 0.0054 * n)
+        return pol
+
+    base = simulate(known(burst_wave=0), [0.0] * 64, costs=costs)
+    burst = simulate(known(burst_wave=16), [0.0] * 64, costs=costs)
     assert base["stalled"] == burst["stalled"] == 0, (base, burst)
     assert burst["ttfa_p95"] < base["ttfa_p95"] - 0.03, (base, burst)
     assert burst["cuts"] == base["cuts"]  # the same chunks: only when they go changes
+
+
+# the measured shape of a wave's prefill on a GPU (BENCHMARKS.md, "What a wave of newcomers costs"), stated: up to 10
+# newcomers one graph replay each, more one batched forward with a fixed part that 11 newcomers pay nearly whole
+WAVES = Costs(frame_base=0.0068, frame_row=0.0, prefill_base=0.027, prefill_req=0.0012, vocode_base=0.004,
+              vocode_frame=0.0, alone_max=10, prefill_alone=0.00292)
+
+
+@pytest.mark.parametrize("arrivals", [[0.0] * 64, [0.0] * 128, spread(64, 0.1)], ids=["64", "128", "64-over-100ms"])
+def test_a_burst_goes_in_a_few_large_waves_without_a_stall(arrivals):
+    """A burst on the measured shape of costs: with the defaults (max_wave 64, burst_wave 64: first sends cover the
+    next wave) it goes in a few large waves, none in the gap between the replays and min_batch_wave, and its first
+    audio p95 comes sooner than with waves of at most 16 sized by one newcomer's prefill; no stream stalls."""
+    new = simulate(DeadlinePolicy(), arrivals, costs=WAVES)
+    small = simulate(DeadlinePolicy(max_wave=0, burst_wave=0), arrivals, costs=WAVES)
+    assert new["stalled"] == small["stalled"] == 0, (new, small)
+    assert not any(10 < n < 16 for n in new["waves"] + small["waves"]), (new["waves"], small["waves"])
+    assert max(new["waves"]) > 16 and len(new["waves"]) < len(small["waves"]), (new["waves"], small["waves"])
+    assert new["ttfa_p95"] < small["ttfa_p95"] - 0.03, (new, small)
+    assert new["cuts"] == small["cuts"]  # the same chunks: only when they go changes
+
+
+def test_a_wave_in_the_gap_would_delay_the_burst():
+    """64 streams over 50 ms on the measured shape of costs: without the gap (min_batch_wave 0) a wave of 11-15 pays
+    the batched forward's fixed part for a few more newcomers; with it the burst's first audio p95 comes sooner."""
+    gap = simulate(DeadlinePolicy(), spread(64, 0.05), costs=WAVES)
+    no_gap = simulate(DeadlinePolicy(min_batch_wave=0), spread(64, 0.05), costs=WAVES)
+    assert any(10 < n < 16 for n in no_gap["waves"]) and not any(10 < n < 16 for n in gap["waves"])
+    assert gap["stalled"] == no_gap["stalled"] == 0 and gap["ttfa_p95"] < no_gap["ttfa_p95"] - 0.02, (gap, no_gap)
 
 
 def test_one_slow_admission_is_capped_in_the_estimate():
@@ -163,8 +202,9 @@ def test_one_slow_admission_is_capped_in_the_estimate():
     costs = Costs(frame_base=0.0068, frame_row=0.0, prefill_base=0.005, prefill_req=0.0, vocode_base=0.004,
                   vocode_frame=0.0, slow_admission=(2, 0.3))
     arrivals = [0.0] + [0.05] * 63  # one request first (the estimate's first sample), then a burst
-    raw = simulate(DeadlinePolicy(), arrivals, costs=costs)
-    capped = simulate(DeadlinePolicy(prefill_cap=2.0), arrivals, costs=costs)
+    # (waves of 16 and first sends sized without burst_wave: where the estimate holds admission back most)
+    raw = simulate(DeadlinePolicy(max_wave=0, burst_wave=0), arrivals, costs=costs)
+    capped = simulate(DeadlinePolicy(max_wave=0, burst_wave=0, prefill_cap=2.0), arrivals, costs=costs)
     assert raw["stalled"] == capped["stalled"] == 1, (raw, capped)
     assert capped["ttfa_p95"] < raw["ttfa_p95"] - 0.2 and capped["ttfa_p50"] < raw["ttfa_p50"], (raw, capped)
 
@@ -192,7 +232,8 @@ def test_moving_average_takes_the_first_sample_then_follows():
     t = StepTimes()
     t.record(0.03, 3, 0.012, None)  # three newcomers in 30 ms; nothing vocoded
     assert t.prefill.estimate(3) == pytest.approx(0.03) and t.frame.value == 0.012 and t.vocode.samples == 0
-    assert t.prefill.estimate(1) == pytest.approx(0.01)  # one size seen: all of it per newcomer
+    # one size seen: fewer newcomers cost no less (all of it may be fixed), more in proportion
+    assert t.prefill.estimate(1) == pytest.approx(0.03) and t.prefill.estimate(6) == pytest.approx(0.06)
     t.record(0.0, 0, None, 0.004)  # no newcomer, no row ran
     assert t.prefill.samples == 1 and t.frame.samples == 1 and t.step_s == pytest.approx(0.016)
 
@@ -207,6 +248,101 @@ def test_prefill_cost_fits_its_fixed_part():
             p.add(n, 0.03 + 0.002 * n)
     assert p.estimate(1) == pytest.approx(0.032) and p.estimate(16) == pytest.approx(0.062)
     assert p.estimate(0) == 0.0
+
+
+def regimes(alone_max=10, per=0.003, a=0.025, b=0.0005, **kw) -> DeadlinePolicy:
+    """A policy whose prefill estimate learnt a runner's two regimes: up to alone_max newcomers `per` s each (graph
+    replays), more a + b * N (one batched forward) (stated, not measured)."""
+    pol = DeadlinePolicy(**kw)
+    pol.times.prefill.alone_max = alone_max
+    for n in (1, 4, 10, 2):
+        pol.times.prefill.add(n, per * n)
+    for n in (16, 64, 24, 40):
+        pol.times.prefill.add(n, a + b * n)
+    return pol
+
+
+def test_prefill_cost_follows_each_regime():
+    """Waves up to alone_max are learnt per newcomer, larger ones as a line with its fixed part, each from its own
+    samples: 5 newcomers cost 5 replays, 11 pay the batched floor. One line over the same samples (alone_max 0, the
+    old model) sees neither: it prices 10 and 11 far below what they cost and 1 far above a replay."""
+    p = regimes().times.prefill
+    assert p.alone.samples == p.batched.samples == 4
+    assert p.estimate(1) == pytest.approx(0.003) and p.estimate(5) == pytest.approx(0.015)
+    assert p.estimate(10) == pytest.approx(0.030)
+    assert p.estimate(11) == pytest.approx(0.0305) and p.estimate(64) == pytest.approx(0.057)
+    one = PrefillCost()
+    for n, t in [(1, 0.003), (4, 0.012), (10, 0.030), (2, 0.006), (16, 0.033), (64, 0.057), (24, 0.037), (40, 0.045)]:
+        one.add(n, t)
+    assert one.estimate(1) > 2 * 0.003 and one.estimate(11) < 0.6 * 0.0305 and one.estimate(10) < 0.6 * 0.030
+    # a regime not yet seen is estimated by the other's fit
+    only_replays = PrefillCost(alone_max=10)
+    only_replays.add(4, 0.012)
+    assert only_replays.estimate(20) == pytest.approx(0.060)
+    only_batched = PrefillCost(alone_max=10)
+    for n in (16, 32):
+        only_batched.add(n, 0.025 + 0.0005 * n)
+    assert only_batched.estimate(2) == pytest.approx(0.026)
+    assert PrefillCost(alone_max=10).estimate(3) == 0.0  # nothing measured
+
+
+def test_a_wave_is_never_in_the_gap_between_replays_and_the_batched_forward():
+    """For every budget and number of candidates, the wave is the largest whose estimate fits, never past alone_max
+    and short of min_batch_wave: 12 ready go as 10 replays (the other 2 next step), not as one batched forward of 12
+    that costs the floor; a larger wave goes once there are min_batch_wave and the budget fits it."""
+    pol = regimes()
+    est = pol.times.prefill.estimate
+    for c in range(0, 41):
+        for budget in [-1.0] + [k * 0.001 for k in range(0, 60)] + [math.inf]:
+            n = pol.wave(c, 0, budget)
+            fits = [m for m in range(1, c + 1) if est(m) <= budget and not 10 < m < 16]
+            assert n == max(fits, default=0), (c, budget, n)
+            assert not 10 < n < 16 and (n == 0 or est(n) <= budget)
+    assert pol.wave(12, 0, math.inf) == 10 and pol.wave(15, 0, 0.05) == 10 and pol.wave(16, 0, 0.05) == 16
+    assert pol.wave(40, 0, 0.0301) == 10 and pol.wave(40, 0, 0.034) == 18  # 10 replays, or 18 in one forward
+    assert pol.wave(40, 0, 0.020) == 6  # only replays fit
+    assert pol.wave(12, 12, 0.0) == 12 and pol.wave(12, 3, -1.0) == 3  # max_wait forces, even into the gap
+    # no replays (CPU, paged) or no gap asked for: every size may go
+    assert regimes(alone_max=0).wave(12, 0, math.inf) == 12
+    assert regimes(min_batch_wave=0).wave(12, 0, math.inf) == 12
+
+
+def test_the_scheduler_admits_the_policy_s_wave():
+    """With the engine idle (no budget limit) 12 ready requests go as 10 replays then 2; 20 in one wave of 20 with
+    max_wave 32 (16: the scheduler's max_prefills_per_step with max_wave 0); requests that waited max_wait_s go even as
+    a wave in the gap."""
+    now = 10.0
+    pol = regimes(max_wave=0)
+    s = Scheduler(max_slots=64, max_queue=64, policy=pol)
+    for i in range(12):
+        s.add(stream_req(i, arrival=now))
+    assert len(s.schedule(now).prefill) == 10 and len(s.schedule(now).prefill) == 2
+    for i in range(20):
+        s.add(stream_req(100 + i, arrival=now))
+    assert len(s.schedule(now).prefill) == 16
+    pol.max_wave = 32
+    assert len(s.schedule(now).prefill) == 4
+    for i in range(20):
+        s.add(stream_req(200 + i, arrival=now))
+    assert len(s.schedule(now).prefill) == 20
+    for i in range(12):
+        s.add(stream_req(300 + i, arrival=now))
+    for r in s.waiting:
+        r.ready_at = now - pol.max_wait_s
+    assert len(s.schedule(now).prefill) == 12
+
+
+def test_first_sends_cover_the_wave_the_policy_would_admit():
+    """burst_wave 16 with 12 requests waiting: the next wave is 10 replays (not 12 in the gap), so a first send
+    covers their prefill."""
+    pol = regimes(burst_wave=16)
+    pol.times.frame.add(0.01)
+    r = stream_req(0)
+    # a step (10 ms) + 10 replays (30 ms) + the margin (20 ms): 60 ms -> 1 frame; 16: 10 + 33 + 20 -> 1 frame as well
+    assert pol.first_chunk_frames(r, waiting=12) == math.ceil((0.01 + 0.030 + 0.02) / FRAME_S)
+    pol.times.prefill.add(64, 0.2)  # a slow batched forward: 16 newcomers now cost more than 80 ms
+    assert pol.first_chunk_frames(r, waiting=12) == 1
+    assert pol.first_chunk_frames(r, waiting=40) == math.ceil((0.01 + pol.times.prefill.estimate(16) + 0.02) / FRAME_S)
 
 
 def test_admission_respects_the_smallest_slack():
@@ -270,7 +406,7 @@ def test_the_first_newcomer_goes_whenever_no_row_is_at_risk():
     known to take longer than the slack allows, newcomers wait (until max_wait_s)."""
     now = 10.0
     pol = policy(frame=0.01, vocode=0.0, prefill=0.0)
-    pol.times.prefill = PrefillCost()  # nothing measured
+    pol.times.prefill, pol.max_wave = PrefillCost(), 0  # nothing measured; the scheduler's one a step
     s = Scheduler(max_slots=8, max_prefills_per_step=1, policy=pol)
     r = playing(0, slack=0.05, pending=16)  # budget 50 - 10 - 20 = 20 ms
     r.slot = 0
@@ -417,20 +553,44 @@ def test_the_engine_streams_the_same_codes_and_bits_with_deadlines():
     assert all(new[rid][1][0] >= 3 or sum(new[rid][1]) < 3 for rid in new)
 
 
+def test_the_engine_tells_the_policy_its_runner_s_prefill_regimes(monkeypatch):
+    """Every step's record carries the runner's prefill_alone_max: on this CPU runner (no prefill graphs) every wave
+    is batched; a runner that replays up to 10 (as a CUDA one) has its waves of 2 learnt as replays."""
+    from q3tts.engine.engine import Engine
+    from tests.golden import fixtures as fx
+
+    tts = fx.tts("cv06")
+    eng = Engine(tts.ckpt, max_slots=4, max_seq_len=256, deadline=True)
+    p = eng.policy.times.prefill
+    assert eng.runner.prefill_alone_max() == 0
+    for _ in range(2):
+        eng.add_request(tts.prepare_custom_voice("One.", "vivian", "English", max_new_tokens=3)[0])
+    eng.step()
+    assert (p.alone_max, p.alone.samples, p.batched.samples) == (0, 0, 1)
+    monkeypatch.setattr(eng.runner, "prefill_alone_max", lambda graphs=True: 10)
+    for _ in range(2):
+        eng.add_request(tts.prepare_custom_voice("Two.", "ryan", "English", max_new_tokens=3)[0])
+    eng.step()
+    assert (p.alone_max, p.alone.samples, p.batched.samples) == (10, 1, 1)
+
+
 def test_the_deadline_policy_reads_its_knobs_from_the_environment():
     """$Q3TTS_DEADLINE_<NAME> sets DeadlinePolicy's fields (ms to s); none set: the defaults; a bad value: an error
     naming the variable and what it accepts."""
     default = DeadlinePolicy()
     pol = DeadlinePolicy.from_env({"Q3TTS_DEADLINE_MAX_WAIT_MS": "150", "Q3TTS_DEADLINE_MARGIN_MS": "10",
                            "Q3TTS_DEADLINE_BURST_WAVE": "16", "Q3TTS_DEADLINE_PREFILL_CAP": "2",
-                           "Q3TTS_DEADLINE_FIRST_CHUNK_PREFILLS": "0", "Q3TTS_DEADLINE_MIN_VOCODE_FRAMES": "32"})
+                           "Q3TTS_DEADLINE_FIRST_CHUNK_PREFILLS": "0", "Q3TTS_DEADLINE_MIN_VOCODE_FRAMES": "32",
+                           "Q3TTS_DEADLINE_MIN_BATCH_WAVE": "24", "Q3TTS_DEADLINE_MAX_WAVE": "64"})
     assert (pol.max_wait_s, pol.margin_s, pol.burst_wave, pol.prefill_cap, pol.first_chunk_prefills,
-            pol.min_vocode_frames) == (pytest.approx(0.15), pytest.approx(0.01), 16, 2.0, 0.0, 32)
+            pol.min_vocode_frames, pol.min_batch_wave, pol.max_wave) == (
+        pytest.approx(0.15), pytest.approx(0.01), 16, 2.0, 0.0, 32, 24, 64)
     same = DeadlinePolicy.from_env({"Q3TTS_DEADLINE_MAX_WAIT_MS": ""})
     assert (same.max_wait_s, same.margin_s, same.burst_wave, same.prefill_cap, same.first_chunk_prefills) == (
         default.max_wait_s, default.margin_s, default.burst_wave, default.prefill_cap, default.first_chunk_prefills)
     for name, raw, accepted in [("BURST_WAVE", "1.5", "an integer >= 0"), ("MAX_WAIT_MS", "-1", "a number >= 0"),
                                 ("PREFILL_CAP", "0.5", "a number >= 1"), ("MARGIN_MS", "nan", "a number >= 0"),
-                                ("MIN_VOCODE_FRAMES", "lots", "an integer >= 1")]:
+                                ("MIN_VOCODE_FRAMES", "lots", "an integer >= 1"),
+                                ("MIN_BATCH_WAVE", "-1", "an integer >= 0"), ("MAX_WAVE", "8.5", "an integer >= 0")]:
         with pytest.raises(ValueError, match=rf"Q3TTS_DEADLINE_{name}=.*{raw}.*expected {accepted}"):
             DeadlinePolicy.from_env({f"Q3TTS_DEADLINE_{name}": raw})

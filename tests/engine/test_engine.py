@@ -114,36 +114,40 @@ def test_a_few_admitted_together_replay_their_prefill_graphs_each_as_alone(monke
     """Up to PREFILL_GRAPH_MAX_REQUESTS requests admitted in one step replay their bucket's prefill graph one after
     another (CPU stand-ins here): code 0, the last hidden, the KV rows, positions and per-row state are bit-identical
     to each request's prefill alone. More requests, or graphs=False, take the one batched forward."""
-    from q3tts.engine.runner import PREFILL_GRAPH_MAX_REQUESTS
-    tts, ps = prepared_lengths("cv06")
-    assert len(ps) == PREFILL_GRAPH_MAX_REQUESTS
+    from q3tts.engine.runner import PREFILL_GRAPH_MAX_REQUESTS as G
+    tts, four = prepared_lengths("cv06")
+    ps = [four[i % len(four)] for i in range(G)]  # G newcomers: the four prompt lengths over and over
     with torch.inference_mode():
         embeds = [embed_prompt(tts.ckpt.talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
     pre, trail, params = [e[0] for e in embeds], [e[1] for e in embeds], [p.params for p in ps]
-    runner = with_prefill_replays(Engine(tts.ckpt, max_slots=8, max_seq_len=256).runner, monkeypatch)
-    codes0 = runner.prefill_batch(1, pre, trail, params)  # rows 1..4
+    runner = with_prefill_replays(Engine(tts.ckpt, max_slots=G + 1, max_seq_len=256).runner, monkeypatch)
+    assert runner.prefill_alone_max() == G and runner.prefill_alone_max(graphs=False) == 0
+    codes0 = runner.prefill_batch(1, pre, trail, params)  # rows 1..G
     replayed = {b: g.replays for b, g in runner.prefill_graphs.items() if g.replays}
     assert replayed == Counter(min(b for b in runner.prefill_graphs if b >= x.shape[0]) for x in pre), replayed
-    for i, p in enumerate(ps):
+    for i, p in enumerate(four):  # (the repeats are the same prompts: the same rows alone)
         single = with_prefill_replays(Engine(tts.ckpt, max_slots=1, max_seq_len=256).runner, monkeypatch)
         assert single.prefill_batch(0, pre[i:i + 1], trail[i:i + 1], params[i:i + 1]) == [codes0[i]]
         L, S = pre[i].shape[0], trail[i].shape[0]
         rs, ss = runner.slots, single.slots
-        assert torch.equal(ss.last_hidden[0], rs.last_hidden[1 + i])
-        assert torch.equal(single.kv[:, :, 0, :, :L], runner.kv[:, :, 1 + i, :, :L])
-        assert rs.position_cpu[1 + i] == L and int(rs.position[1 + i]) == L
-        assert torch.equal(ss.trailing[0, :S], rs.trailing[1 + i, :S]) and int(rs.trailing_len[1 + i]) == S
-        for f in dataclasses.fields(rs.sampling):
-            assert getattr(rs.sampling, f.name)[1 + i] == getattr(ss.sampling, f.name)[0], f.name
-        assert rs.seed[1 + i] == ss.seed[0] and rs.topk_ok_cpu[1 + i] == ss.topk_ok_cpu[0]
-    # one more than PREFILL_GRAPH_MAX_REQUESTS, or graphs=False: one batched forward, no replay
-    five = (pre + pre[:1], trail + trail[:1], params + params[:1])
-    for args, kw in ((five, {}), ((pre, trail, params), {"graphs": False})):
+        for j in range(i, G, len(four)):  # row 1 + j holds prompt i
+            assert single.slots.last_code0[0] == codes0[j]
+            assert torch.equal(ss.last_hidden[0], rs.last_hidden[1 + j])
+            assert torch.equal(single.kv[:, :, 0, :, :L], runner.kv[:, :, 1 + j, :, :L])
+            assert rs.position_cpu[1 + j] == L and int(rs.position[1 + j]) == L
+            assert torch.equal(ss.trailing[0, :S], rs.trailing[1 + j, :S]) and int(rs.trailing_len[1 + j]) == S
+            for f in dataclasses.fields(rs.sampling):
+                assert getattr(rs.sampling, f.name)[1 + j] == getattr(ss.sampling, f.name)[0], f.name
+            assert rs.seed[1 + j] == ss.seed[0] and rs.topk_ok_cpu[1 + j] == ss.topk_ok_cpu[0]
+    # one more than PREFILL_GRAPH_MAX_REQUESTS (G + 1 rows: the slots allow it), or graphs=False: one batched
+    # forward, no replay
+    more = (pre + pre[:1], trail + trail[:1], params + params[:1])
+    for args, kw in ((more, {}), ((pre, trail, params), {"graphs": False})):
         for g in runner.prefill_graphs.values():
             g.replays = 0
         runner.prefill_batch(0, *args, **kw)
         assert not any(g.replays for g in runner.prefill_graphs.values())
-        assert runner.slots.last_code0[:4].tolist() == codes0  # (CPU: the batched forward is bit-identical too)
+        assert runner.slots.last_code0[:G].tolist() == codes0  # (CPU: the batched forward is bit-identical too)
 
 
 def test_a_too_long_request_is_refused_and_the_others_run_as_alone():

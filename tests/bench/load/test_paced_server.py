@@ -1,5 +1,6 @@
 """bench/load/paced_server.py's prefill table: the wave's wait by its size (exact at a given W, linear between, the
-last two points' line past the last) and its command line (a malformed table or one beside --prefill-ms refused)."""
+last two points' line past the last) and its command line (a malformed table or one beside --prefill-ms refused;
+--alone-max only with a table)."""
 
 import argparse
 
@@ -43,3 +44,23 @@ def test_table_beside_the_linear_model_is_an_argparse_error(other, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--prefill-table", "1:3"] + other)
     assert exc.value.code == 2 and "--prefill-table replaces --prefill-ms" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [["--alone-max", "4"], ["--prefill-table", "1:3", "--alone-max", "-1"]])
+def test_alone_max_needs_a_table_and_a_count(args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2 and "--alone-max" in capsys.readouterr().err
+
+
+def test_the_paced_runner_tells_its_regimes():
+    """Given alone_max (a table's stand-in for a CUDA runner's prefill graphs) the engine is told that; else the CPU
+    runner's answer (no prefill graphs: 0)."""
+    from bench.load.paced_server import PacedRunner
+
+    class CPU:
+        def prefill_alone_max(self, graphs=True):
+            return 0
+
+    assert PacedRunner(CPU(), 0.0, 0.0, alone_max=10).prefill_alone_max() == 10
+    assert PacedRunner(CPU(), 0.0, 0.0).prefill_alone_max() == 0
