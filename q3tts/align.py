@@ -13,7 +13,7 @@ import asyncio
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,10 @@ from .models.resample import Polyphase
 from .weights import resolve_model_dir
 
 __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
+
+PREP_THREADS = 8  # CPU threads of a large batch's preparation (ForcedAligner._in_groups)
+PREP_MIN_SAMPLES = 1 << 20  # audio samples from which a batch's preparation is spread over them
+PREP_MIN_ROWS = 8  # rows of a group at least
 
 
 @dataclass(slots=True)
@@ -86,7 +90,6 @@ class _PaddedPass:
     padded differently by the official, so a batch with one runs eagerly."""
 
     TOKEN_STEP = 16  # prompt tokens are padded to a multiple of this; rows to a power of two
-    UPLOAD_PIECE = 1 << 20  # samples: the pinned buffer's copy to the device starts piece by piece as it fills
 
     def __init__(self, aligner: "ForcedAligner", resample_on_device: bool, max_graphs: int = 32):
         self.aligner, self.max_graphs = aligner, max_graphs
@@ -185,10 +188,12 @@ class _PaddedPass:
 
     def _upload(self, wavs: list[np.ndarray]) -> torch.Tensor:
         """The waveforms packed end to end on the device [sum of lengths]. On CUDA through one pinned buffer, reused
-        (grown when short): no fresh host pages to fault in; each UPLOAD_PIECE samples filled are copied on
-        asynchronously while the next are written. The next upload waits for the last copy (its event) before it
-        writes the buffer again (passes end with a host sync anyway)."""
-        total = sum(w.shape[0] for w in wavs)
+        (grown when short): no fresh host pages to fault in. A large batch's rows are written into it by the prep
+        threads, a group of rows each, and each group's part is copied on asynchronously as soon as it is written.
+        The next upload waits for the last copy (its event) before it writes the buffer again (passes end with a
+        host sync anyway)."""
+        lens = [w.shape[0] for w in wavs]
+        total = sum(lens)
         if self.aligner.device.type != "cuda":
             return torch.from_numpy(np.concatenate(wavs))
         if self.staged is not None:
@@ -197,13 +202,13 @@ class _PaddedPass:
             self.staging = torch.empty(max(total, 2 * (0 if self.staging is None else self.staging.shape[0])),
                                        dtype=torch.float32, pin_memory=True)
         out = torch.empty(total, dtype=torch.float32, device=self.aligner.device)
-        host, at, sent = self.staging.numpy(), 0, 0
-        for w in wavs:
-            host[at:at + w.shape[0]] = w
-            at += w.shape[0]
-            if at - sent >= self.UPLOAD_PIECE or at == total:
-                out[sent:at].copy_(self.staging[sent:at], non_blocking=True)
-                sent = at
+        host, at = self.staging.numpy(), np.cumsum([0] + lens)
+
+        def write(i: int) -> None:
+            host[at[i]:at[i + 1]] = wavs[i]
+        for (lo, hi), done in self.aligner._in_groups(write, len(wavs), total):
+            done()  # this group's rows are in the buffer
+            out[at[lo]:at[hi]].copy_(self.staging[at[lo]:at[hi]], non_blocking=True)
         self.staged = torch.cuda.Event()
         self.staged.record()
         return out
@@ -269,6 +274,10 @@ class ForcedAligner:
         self._padded = _PaddedPass(self, on_device) if (self.device.type == "cuda" if graphs is None else graphs) \
             else None
         self._lock = threading.Lock()  # one pass at a time (the worker's thread and direct callers)
+        # a large batch's checks and upload copies (numpy's sums and copies release the GIL) spread over a few cores;
+        # the threads start on first use
+        self._prep_threads = min(PREP_THREADS, os.cpu_count() or 1)
+        self._prep = ThreadPoolExecutor(self._prep_threads, thread_name_prefix="q3tts-align-prep")
         # the last class ends here: longer audio has words the head cannot place
         self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
 
@@ -313,6 +322,20 @@ class ForcedAligner:
         self.align(wav(1.5), SAMPLE_RATE, "one two", "English")
         self.align([wav(1.5), wav(min(window_s + 3, self.max_seconds))], SAMPLE_RATE, ["one two", "three four"],
                    "English", rows_alone=True)
+
+    def _in_groups(self, fn, n: int, samples: int) -> list[tuple[tuple[int, int], Any]]:
+        """fn(i) for i in range(n), rows in contiguous groups (lo, hi) in order, each with a call that waits for its
+        group and returns [fn(lo), ..., fn(hi - 1)] (raising the group's first error). A batch of at least
+        PREP_MIN_SAMPLES audio samples runs its groups on the prep threads, at least PREP_MIN_ROWS rows a group;
+        a smaller one runs here, as one group."""
+        k = min(self._prep_threads, n // PREP_MIN_ROWS) if samples >= PREP_MIN_SAMPLES else 1
+        if k <= 1:
+            out = [fn(i) for i in range(n)]
+            return [((0, n), lambda: out)]
+        bounds = [n * g // k for g in range(k + 1)]
+        futs = [self._prep.submit(lambda lo, hi: [fn(i) for i in range(lo, hi)], lo, hi)
+                for lo, hi in zip(bounds, bounds[1:])]
+        return [((lo, hi), f.result) for lo, hi, f in zip(bounds, bounds[1:], futs)]
 
     @property
     def supported_languages(self) -> list[str] | None:
@@ -397,8 +420,10 @@ class ForcedAligner:
             per[name] = list(v) if isinstance(v, (list, tuple)) else [v] * n
             if len(per[name]) != n:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
-        items = [self._item(a, sr, t, lang, i, ready=False, copy=False) for i, (a, sr, t, lang) in
-                 enumerate(zip(audio, per["sample_rate"], per["text"], per["language"]))]
+        args = list(zip(audio, per["sample_rate"], per["text"], per["language"]))
+        samples = sum(int(np.prod(getattr(a, "shape", ()) or (0,))) for a in audio)  # (arrays, tensors; else 0)
+        items = [it for _, done in self._in_groups(lambda i: self._item(*args[i], i, ready=False, copy=False), n,
+                                                     samples) for it in done()]
         return self._run(items, rows_alone)
 
     def _features(self, items: list[_Item], rows_alone: bool) -> tuple[torch.Tensor, list[int]]:

@@ -156,6 +156,37 @@ def test_fused_qkv_weights_are_held_once():
         assert torch.equal(w[-a.v_proj.out_features:], a.v_proj.weight)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_batch_prepared_on_the_prep_threads(device, monkeypatch):
+    """A large batch's checks (and on CUDA its copies into the upload buffer) run on the prep threads in groups of
+    rows: the words of the batch prepared on the calling thread, and a bad row's error is the first bad row's."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    a = ForcedAligner.from_pretrained(checkpoint(), device=device, dtype=torch.float32, graphs=True)
+    names = ["c", "b", "d", "long", "c", "d"]
+    texts = [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0], CASES["long_windowed"]["text"][0],
+             "five six", "seven eight nine"]
+    alone = _rows_alone(a, names, texts)
+    groups = []
+    orig = ForcedAligner._in_groups
+
+    def spy(self, fn, n, samples):
+        out = orig(self, fn, n, samples)
+        groups.append(len(out))
+        return out
+    monkeypatch.setattr(ForcedAligner, "_in_groups", spy)
+    monkeypatch.setattr(align_mod, "PREP_MIN_SAMPLES", 0)
+    monkeypatch.setattr(align_mod, "PREP_MIN_ROWS", 2)
+    assert _rows_alone(a, names, texts) == alone
+    assert groups and min(groups) == min(3, a._prep_threads) and (device == "cpu" or len(groups) == 2)
+    wavs = [audio(n) for n in names]
+    bad = [w for w, _ in wavs]
+    bad[3] = np.full_like(bad[3], np.nan)
+    bad[5] = np.full_like(bad[5], np.inf)
+    with pytest.raises(ValueError, match="item 3: audio has NaN"):
+        a.align(bad, [sr for _, sr in wavs], texts, "English", rows_alone=True)
+
+
 class _ReplayedOnCPU:
     """A CUDA graph's contract on a CPU: fn's output is one static tensor, which replay() recomputes in place from
     the static inputs that fn reads."""
