@@ -11,6 +11,7 @@ Per 80 ms frame (see q3tts/engine/runner.py for the loop):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -136,27 +137,36 @@ def embed_prompt(talker: Talker, layout, speaker_embedding: torch.Tensor | None 
     (prefill [L, D], trailing [S, D]) embeddings.
 
     speaker_embedding: [D] x-vector for a SPEAKER slot; ref_codes: [T, K] ICL reference frames for REF slots.
+    Which slot takes which part is decided on the host (the layout is host data) and every index and id goes to the
+    device in one asynchronous copy: no host sync, so a wave of newcomers is embedded at launch speed. The parts are
+    added at their positions in a fixed order (text, codec, speaker, reference), as boolean masks would.
     """
     dev = talker.codec_head.weight.device
     dt = talker.codec_head.weight.dtype
-    text_ids = torch.tensor(layout.text_ids)  # on the host, where the text table is on a GPU (load_checkpoint)
-    codec_ids = torch.tensor(layout.codec_ids, device=dev)
+    text = np.asarray(layout.text_ids, dtype=np.int64)
+    codec = np.asarray(layout.codec_ids, dtype=np.int64)
+    trail = np.asarray(layout.trailing_ids, dtype=np.int64)
+    text_at, code_at = np.flatnonzero(text != NONE), np.flatnonzero(codec >= 0)
+    speaker_at, ref_at = np.flatnonzero(codec == SPEAKER), np.flatnonzero(codec == REF)
+    if speaker_at.size and speaker_embedding is None:
+        raise ValueError("this prompt has a speaker slot but no speaker embedding was given")
+    if ref_at.size and (ref_codes is None or ref_codes.shape[0] != ref_at.size):
+        raise ValueError("ICL prompt: reference codes do not match the layout")
+    parts = [text_at, code_at, codec[code_at], speaker_at, ref_at, text[text_at], trail]
+    host = torch.from_numpy(np.concatenate(parts))
+    flat = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+    (text_at, code_at, codes, speaker_at, ref_at, text_dev, trail_dev) = flat.split([len(q) for q in parts])
+    # text ids where the text table is (host ids for a table in host memory: load_checkpoint)
+    on_host = talker.model.text_embedding.weight.device.type == "cpu"
     x = torch.zeros(len(layout), talker.cfg.hidden_size, device=dev, dtype=dt)
-    has_text = text_ids != NONE
-    if has_text.any():
-        x[has_text.to(dev)] += talker.embed_text(text_ids[has_text])
-    is_code = codec_ids >= 0
-    if is_code.any():
-        x[is_code] += talker.model.codec_embedding(codec_ids[is_code])
-    if (codec_ids == SPEAKER).any():
-        if speaker_embedding is None:
-            raise ValueError("this prompt has a speaker slot but no speaker embedding was given")
-        x[codec_ids == SPEAKER] += speaker_embedding.to(dev, dt)
-    is_ref = codec_ids == REF
-    if is_ref.any():
-        if ref_codes is None or ref_codes.shape[0] != int(is_ref.sum()):
-            raise ValueError("ICL prompt: reference codes do not match the layout")
-        x[is_ref] += talker.embed_codes(ref_codes.to(dev))
-    trailing = (talker.embed_text(torch.tensor(layout.trailing_ids)) if layout.trailing_ids
+    if text_at.numel():
+        x[text_at] += talker.embed_text(torch.from_numpy(parts[5]) if on_host else text_dev)
+    if code_at.numel():
+        x[code_at] += talker.model.codec_embedding(codes)
+    if speaker_at.numel():
+        x[speaker_at] += speaker_embedding.to(dev, dt)
+    if ref_at.numel():
+        x[ref_at] += talker.embed_codes(ref_codes.to(dev))
+    trailing = (talker.embed_text(torch.from_numpy(trail) if on_host else trail_dev) if trail.size
                 else x.new_zeros(0, talker.cfg.hidden_size))
     return x, trailing
