@@ -295,8 +295,8 @@ class ForcedAligner:
             compile: torch.compile the decoder and encoder layers (norms, RoPE, the attention glue and the MLP's
                 activations fused; the GEMMs and attention stay cuBLAS / SDPA). The first passes compile.
             graphs: batches of rows aligned as alone (and single utterances) run padded to a bucket of shapes, each
-                bucket's pass captured as one CUDA graph on first use, beside running synthesis (CUDA; elsewhere the
-                padded pass runs as is). Default: on CUDA.
+                bucket's pass captured as two CUDA graphs (audio encoder, LM) on first use, beside running synthesis
+                (CUDA; elsewhere the padded pass runs as is). Default: on CUDA.
             resample_on_device: with graphs, resample 24 (or 8, 48) kHz input to 16 kHz on the aligner's device with
                 soxr's own filter (q3tts.models.resample) instead of soxr on the CPU; default: on CUDA.
         """
