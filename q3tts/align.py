@@ -229,9 +229,10 @@ class _PaddedPass:
         xa["mel"][:B, :, :mel.shape[2]] = mel.masked_fill(past[:, None], 0.0)
         t = tokens_after_cnn(2 * enc.n_window)
         T = a.thinker.audio_tower.window_tokens(C)
+        tokens = [tokens_after_cnn(f) for f in frames]  # a row's audio tokens (its audio_pad run)
         mask = np.zeros((Bb, C * t // T, T), bool)  # [B, windows a row, T]
-        for b, f in enumerate(frames):
-            mask[b].reshape(-1)[:tokens_after_cnn(f)] = True
+        for b, n in enumerate(tokens):
+            mask[b].reshape(-1)[:n] = True
         mask = mask.reshape(-1, T)
         mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
         xa["mask"].copy_(torch.from_numpy(mask))
@@ -242,9 +243,9 @@ class _PaddedPass:
         key = (Bb, C, -(-max(map(len, rows)) // self.TOKEN_STEP) * self.TOKEN_STEP)
         x = self.inputs.get(key) or self._buffers(key)
         ids, audio_at = np.zeros((2, Bb, key[2]), np.int64)
-        for b, (r, f) in enumerate(zip(rows, frames)):
+        for b, (r, n) in enumerate(zip(rows, tokens)):
             ids[b, :len(r)] = r
-            audio_at[b, 1:1 + tokens_after_cnn(f)] = b * C * t + np.arange(tokens_after_cnn(f))  # from slot 1 on
+            audio_at[b, 1:1 + n] = b * C * t + np.arange(n)  # the prompt's audio_pad run starts at slot 1
         x["ids"].copy_(torch.from_numpy(ids))
         x["audio_at"].copy_(torch.from_numpy(audio_at))
         if audio is None:

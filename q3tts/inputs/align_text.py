@@ -129,6 +129,9 @@ def _longest_run_kept(data: list[float]) -> list[bool]:
     return kept
 
 
+BATCH_DP_MAX = 256  # slots: rows up to this long share one vectorized scan (_kept_rows)
+
+
 def _kept_rows(rows: list[list[float]]) -> list[list[bool]]:
     """_longest_run_kept of every row, the rows of up to BATCH_DP_MAX slots at once: the official's scan over j
     vectorized across rows and j (n numpy steps for the batch, not n^2 / 2 Python steps a row); longer rows by the
@@ -160,9 +163,6 @@ def _kept_rows(rows: list[list[float]]) -> list[list[bool]]:
                 idx = int(parent[k, idx])
             out[b] = kept
     return [k if k is not None else [] for k in out]
-
-
-BATCH_DP_MAX = 256  # slots: rows up to this long share one vectorized scan (_kept_rows)
 
 
 def fix_timestamps(data: list[float]) -> list[int]:
