@@ -124,6 +124,10 @@ class Engine:
         self._held: list[EngineRequest] = []  # the requests of the step in progress
         self.failed_ids: list[str] = []  # the requests a step that raised held (it finished them with an error)
         self.counters = EngineCounters()
+        # NOTE(settled): no request waits for a slot and every streaming row that can run has sent its first audio;
+        # set after each step (False at once when a request comes), read by other threads to hold back work that can
+        # wait (the forced aligner's worker) while newcomers are admitted and their first chunks made
+        self.settled = True
         self.owner = None  # the AsyncEngine whose thread steps it (q3tts.engine.async_engine): the only one that may
 
     # ------------------------------------------------------------------ requests in
@@ -146,6 +150,7 @@ class Engine:
             before_queue(req)
         with self._lock:
             self.scheduler.add(req)
+        self.settled = False
         self.wake.set()
         return req
 
@@ -249,6 +254,8 @@ class Engine:
             self.policy.record(t1 - t0, len(sched.prefill), t2 - t1 if frame is not None else None,
                                      t3 - t2 if any(ch.num_frames for ch in chunks) else None,
                                      alone_max=self.runner.prefill_alone_max())  # the prefill's regimes (PrefillCost)
+        self.settled = self.scheduler.queue_depth == 0 and all(
+            r.first_sent_at is not None or r.stream is None or r.stream_done or not r.can_run for r in sched.rows)
         return chunks
 
     def _admit(self, sched: SchedulerOutput) -> list[int]:
