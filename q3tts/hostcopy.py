@@ -29,6 +29,6 @@ def to_device(tensors: list[torch.Tensor], device: torch.device, pack: bool | No
         n += t.numel() * t.element_size()
     buf = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
     for t, o in zip(tensors, offsets):
-        buf[o:o + t.numel() * t.element_size()] = t.detach().contiguous().view(-1).view(torch.uint8)
+        buf[o:o + t.numel() * t.element_size()].view(t.dtype).copy_(t.detach().reshape(-1))
     dev = buf.to(device, non_blocking=True)
     return [dev[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for t, o in zip(tensors, offsets)]

@@ -108,11 +108,12 @@ class Slots:
         N = len(params)
         r = slice(lo, lo + N)
         topk_ok = [_topk_ok(p) for p in params]
-        # trailing destinations: (row, position) of each packed trailing row
-        rows = torch.repeat_interleave(torch.arange(lo, lo + N), torch.tensor(trailing_lens, dtype=torch.long))
-        cols = torch.cat([torch.arange(n) for n in trailing_lens]) if N else torch.zeros(0, dtype=torch.long)
-        host = [*self.sampling.host_rows(params), torch.tensor(topk_ok), torch.tensor([p.seed for p in params], dtype=self.seed.dtype),
-                torch.tensor(trailing_lens, dtype=torch.long), torch.tensor(positions, dtype=torch.long), rows, cols]
+        ints = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        # the packed trailing rows' destinations: (row, position)
+        rows = torch.repeat_interleave(torch.arange(lo, lo + N), ints(trailing_lens))
+        cols = torch.cat([torch.arange(n) for n in trailing_lens] or [ints([])])
+        host = [*self.sampling.host_rows(params), torch.tensor(topk_ok), ints([p.seed for p in params]),
+                ints(trailing_lens), ints(positions), rows, cols]
         *sampling, topk, seed, trailing_len, position, rows, cols = to_device(host, self.device)
         for t, v in zip(self.sampling.tensors(), sampling):
             t[r] = v
@@ -139,8 +140,9 @@ class Slots:
         if not rows:
             return
         W = self.block_table.shape[1]
-        table = torch.tensor([blocks + [0] * (W - len(blocks)) for _, blocks in rows])
-        self.block_table[torch.tensor([s for s, _ in rows], device=self.device)] = table.to(self.device)
+        table, slots = to_device([torch.tensor([blocks + [0] * (W - len(blocks)) for _, blocks in rows]),
+                                  torch.tensor([s for s, _ in rows])], self.device)  # one copy, no sync
+        self.block_table[slots] = table
 
     def reset(self) -> None:
         """Every row back to its initial state (after warm-ups wrote into free rows)."""

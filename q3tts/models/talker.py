@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import invariant
-from ..hostcopy import to_device
 from ..config import TalkerConfig
+from ..hostcopy import to_device
 from ..kernels import linear
 from .layers import DecoderLayer, RMSNorm, run_layers
 

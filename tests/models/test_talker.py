@@ -56,3 +56,112 @@ def test_prompt_embedding_picks_slots_on_the_host_bit_identically(variant, name)
         with torch.inference_mode():
             got, want = embed_prompt(*args), _embed_prompt_by_masks(*args)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _wave(variant):
+    """(talker, a wave of prepared requests mixing every prompt kind the processor builds for this model type, lengths
+    different; cv06 adds a streamed text's layout: its prompt without trailing text)."""
+    import dataclasses
+    tts = fx.tts(variant)
+    if variant == "cv06":
+        greedy = dict(do_sample=False, subtalker_dosample=False)
+        ps = tts.prepare_custom_voice(["Hello there.", "你好，今天天气真不错。", "A longer sentence, with commas, and words.",
+                                       "Auto."], ["vivian", "dylan", "eric", "ryan"],
+                                      ["English", "Auto", "Chinese", "Auto"], **greedy)
+        ps += tts.prepare_custom_voice("Streamed text layout.", "serena", "Japanese", non_streaming_mode=False,
+                                       seed=3)
+        streamed = tts.prepare_custom_voice("Streamed, its text still coming.", "aiden", non_streaming_mode=False)[0]
+        ps.append(dataclasses.replace(streamed, layout=dataclasses.replace(streamed.layout, trailing_ids=[])))
+    elif variant == "vd17":
+        ps = tts.prepare_voice_design(["Designed voice.", "A much longer designed sentence, with more words."],
+                                      ["A robot.", ""], ["English", "Auto"])
+        ps += tts.prepare_voice_design("Streamed design.", "A warm narrator.", non_streaming_mode=False)
+    else:  # Base: x-vector, ICL with a short and a long reference, both layouts
+        items = [it for name in ("icl_short_ref_stream", "icl_long_ref_stream", "xvec_stream", "icl_nsm")
+                 for it in fx.case_prompt_items(variant, fx.get_case(variant, name))]
+        ps = tts.prepare_voice_clone(["Short clone.", "A longer sentence to clone with the long reference.",
+                                      "X-vector.", "Non-streaming ICL."], ["English", "Auto", "English", "Auto"],
+                                     voice_clone_prompt=items[:4])
+        ps += tts.prepare_voice_clone("Streamed clone.", "English", voice_clone_prompt=items[:1],
+                                      non_streaming_mode=False)
+    return tts.ckpt.talker, ps
+
+
+def _row_by_row(monkeypatch):
+    """The text projection computed one row per call, in either path: a BLAS may round a row differently by the
+    number of rows in its GEMM (MKL does for 1-3 rows, or more with threads), which is not what these tests check."""
+    from q3tts.models.talker import TextProjection
+    orig = TextProjection.forward
+    monkeypatch.setattr(TextProjection, "forward", lambda self, x: torch.cat(
+        [orig(self, r[None]) for r in x.reshape(-1, x.shape[-1])]).view(*x.shape[:-1], -1))
+
+
+@pytest.mark.parametrize("variant", ["cv06", "vd17", "base06"])
+def test_a_wave_embedded_at_once_equals_each_prompt_embedded_alone(variant, monkeypatch):
+    """embed_prompts over a wave mixing kinds and lengths (speaker ids, dialects, languages / auto, instruct,
+    x-vector, ICL references, both layouts, a streamed text without trailing) == embed_prompt per prompt, bit for
+    bit: the padded prefill rows (zeros past each prompt) and the packed trailing rows. With the projection's
+    rounding left to the BLAS, equal to float32 rounding."""
+    from q3tts.models.talker import embed_prompt, embed_prompts
+    talker, ps = _wave(variant)
+    assert len({len(p.layout) for p in ps}) > 2 and len({len(p.layout.trailing_ids) for p in ps}) > 1
+    args = ([p.layout for p in ps], [p.speaker_embedding for p in ps], [p.ref_codes for p in ps])
+    L = max(len(p.layout) for p in ps) + 3
+    for exact in (False, True):
+        if exact:
+            _row_by_row(monkeypatch)
+        with torch.inference_mode():
+            x, trailing = embed_prompts(talker, *args, L=L)
+            alone = [embed_prompt(talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
+        want_x = torch.zeros_like(x)
+        for i, (pre, _) in enumerate(alone):
+            want_x[i, :pre.shape[0]] = pre
+        want_trailing = torch.cat([t for _, t in alone])
+        assert x.shape == (len(ps), L, talker.cfg.hidden_size) and trailing.shape == want_trailing.shape
+        if exact:
+            assert torch.equal(x, want_x) and torch.equal(trailing, want_trailing)
+        else:
+            torch.testing.assert_close(x, want_x, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(trailing, want_trailing, atol=1e-6, rtol=1e-6)
+
+
+def test_a_wave_is_one_text_projection_and_one_copy(monkeypatch):
+    """runner.admit of a wave of several prompts: one text projection call (before: one or two per prompt), one
+    staged copy for the embedding and one for the slots' fields; every row's state as the per-prompt path writes."""
+    import dataclasses
+
+    from q3tts.engine.engine import Engine
+    from q3tts.models.talker import TextProjection, embed_prompt
+    talker, ps = _wave("cv06")
+    calls = {"projection": 0, "talker": 0, "slots": 0}
+    orig = TextProjection.forward
+
+    def counted(self, x):
+        calls["projection"] += 1
+        return orig(self, x)
+
+    import q3tts.engine.slots as slots_mod
+    import q3tts.models.talker as talker_mod
+    for mod, key in ((talker_mod, "talker"), (slots_mod, "slots")):
+        def staged(tensors, device, pack=None, _key=key, _orig=mod.to_device):
+            calls[_key] += 1
+            return _orig(tensors, device, pack=True)  # staged in one buffer as on CUDA (views of its copy)
+        monkeypatch.setattr(mod, "to_device", staged)
+    monkeypatch.setattr(TextProjection, "forward", counted)
+    runner = Engine(fx.tts("cv06").ckpt, max_slots=len(ps) + 1, max_seq_len=256).runner
+    with torch.inference_mode():
+        runner.admit(1, ps)
+    assert calls == {"projection": 1, "talker": 1, "slots": 1}
+    _row_by_row(monkeypatch)  # the per-prompt path's rows (the BLAS may round a row by the rows beside it)
+    with torch.inference_mode():
+        runner.admit(1, ps)
+        alone = [embed_prompt(talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
+    s = runner.slots
+    for i, (p, (pre, trail)) in enumerate(zip(ps, alone)):
+        row, S = 1 + i, trail.shape[0]
+        assert torch.equal(s.trailing[row, :S], trail) and int(s.trailing_len[row]) == S
+        assert s.position_cpu[row] == int(s.position[row]) == pre.shape[0] and int(s.num_generated[row]) == 1
+        assert int(s.seed[row]) == p.params.seed
+        for f in dataclasses.fields(s.sampling):
+            assert getattr(s.sampling, f.name)[row] == torch.tensor(getattr(p.params, f.name),
+                                                                    dtype=getattr(s.sampling, f.name).dtype), f.name

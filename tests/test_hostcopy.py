@@ -1,0 +1,18 @@
+"""hostcopy.to_device: many host tensors of any dtype and shape staged in one buffer give back their own values."""
+
+import torch
+
+from q3tts.hostcopy import to_device
+
+
+def test_staged_tensors_come_back_with_their_values_dtypes_and_shapes():
+    host = [torch.arange(5), torch.tensor([0.1, -2.5, 3e-8], dtype=torch.float32), torch.tensor([True, False, True]),
+            torch.randn(3, 4).to(torch.bfloat16), torch.zeros(0, dtype=torch.long), torch.tensor([7], dtype=torch.int32),
+            torch.randn(2, 3, dtype=torch.float64), torch.arange(6).view(2, 3).t(), torch.tensor(9).expand(4)]
+    out = to_device(host, torch.device("cpu"), pack=True)
+    assert len(out) == len(host)
+    for h, o in zip(host, out):
+        assert o.dtype == h.dtype and o.shape == h.shape and torch.equal(o, h)
+    base = out[0].untyped_storage().data_ptr()  # all views of the one staged buffer
+    assert all(o.untyped_storage().data_ptr() == base for o in out)
+    assert to_device(host[:2], torch.device("cpu"))[0] is host[0]  # unstaged on the CPU: the tensors themselves
