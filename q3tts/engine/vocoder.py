@@ -79,10 +79,11 @@ class StreamingVocoder:
         dev, dt = self.device, self.dtype
         idx = to_device([torch.tensor(rows)], dev)[0]  # an asynchronous copy (a pageable one waits for the device)
         self.pool.assign_rows_(idx, self.code2wav.init_state(len(rows), dev, dt))
-        for row, ref in zip(rows, ref_codes):
+        for j, ref in enumerate(ref_codes):
             if ref is not None and ref.shape[0] > 0:
-                warmed = self.code2wav.warm(ref.T[None].to(dev), self.code2wav.init_state(1, dev, dt))
-                self.pool.assign_rows_(torch.tensor([row], device=dev), warmed)
+                ref = to_device([ref.T[None]], dev)[0] if ref.device.type == "cpu" else ref.T[None]
+                warmed = self.code2wav.warm(ref, self.code2wav.init_state(1, dev, dt))
+                self.pool.assign_rows_(idx[j:j + 1], warmed)
         return rows
 
     def close(self, row: int) -> None:
