@@ -165,3 +165,36 @@ def test_a_wave_is_one_text_projection_and_one_copy(monkeypatch):
         for f in dataclasses.fields(s.sampling):
             assert getattr(s.sampling, f.name)[row] == torch.tensor(getattr(p.params, f.name),
                                                                     dtype=getattr(s.sampling, f.name).dtype), f.name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_wave_embeds_each_prompt_as_alone_in_batch_invariant_mode(real_checkpoint):
+    """bf16 at the real dimensions, batch-invariant mode (the projection is invariant.matmul: a row's sums in one order
+    whatever the rows beside it; the text table in host memory, as load_checkpoint leaves it): a wave of 16 mixed
+    prompts embedded at once == each embedded alone == embed_prompt, bit for bit."""
+    from q3tts import TTS, invariant
+    from q3tts.models.talker import embed_prompt, embed_prompts
+    tts = TTS.from_pretrained(real_checkpoint("0.6B-CustomVoice"), device="cuda", dtype=torch.bfloat16)
+    speakers = tts.get_supported_speakers()
+    texts = ["Hi.", "A longer sentence, with commas, to vary the prompt length.", "你好，今天天气真不错。", "Numbers 1 2 3."]
+    ps = []
+    for i in range(16):
+        ps += tts.prepare_custom_voice(texts[i % 4] * (1 + i // 4), speakers[i % len(speakers)],
+                                       ["English", "Auto", "Chinese", "Auto"][i % 4], non_streaming_mode=i % 2 == 0)
+    talker = tts.ckpt.talker
+    assert talker.model.text_embedding.weight.device.type == "cpu"
+    invariant.set_enabled(True)
+    try:
+        with torch.inference_mode():
+            x, trailing = embed_prompts(talker, [p.layout for p in ps], [None] * 16, [None] * 16)
+            alone = [embed_prompts(talker, [p.layout], [None], [None]) for p in ps]
+            old = [embed_prompt(talker, p.layout) for p in ps]
+    finally:
+        invariant.set_enabled(False)
+    trailing = trailing.split([len(p.layout.trailing_ids) for p in ps])
+    for i, (p, (xa, ta), (xo, to)) in enumerate(zip(ps, alone, old)):
+        n = len(p.layout)
+        assert torch.equal(x[i, :n], xa[0]) and torch.equal(x[i, :n], xo), i
+        assert torch.equal(trailing[i], ta) and torch.equal(trailing[i], to), i
+        assert not x[i, n:].any()
