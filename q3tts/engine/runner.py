@@ -138,7 +138,7 @@ class ModelRunner:
         alone, buckets, L = self._prefill_shape(lens)
         x, trailing = embed_prompts(self.talker, [p.layout for p in prepared], [p.speaker_embedding for p in prepared],
                                     [p.ref_codes for p in prepared], L)  # straight into the padded batch
-        return self._prefill_padded(lo, x.to(self.dtype), lens, alone, buckets, trailing,
+        return self.prefill_padded(lo, x.to(self.dtype), lens, alone, buckets, trailing,
                                     [len(p.layout.trailing_ids) for p in prepared], [p.params for p in prepared])
 
     @torch.inference_mode()
@@ -164,7 +164,7 @@ class ModelRunner:
         for i, pre in enumerate(prefills):
             x[i, : lens[i]] = pre.to(self.dtype)
         trailing = torch.cat([t.to(self.device) for t in trailings]) if N else x.new_zeros(0, D)
-        return self._prefill_padded(lo, x, lens, alone, buckets, trailing, [t.shape[0] for t in trailings], params)
+        return self.prefill_padded(lo, x, lens, alone, buckets, trailing, [t.shape[0] for t in trailings], params)
 
     def _prefill_shape(self, lens: list[int], graphs: bool = True) -> tuple[bool, list[int], int]:
         """For prompts of these lengths -> (prefilled one by one as alone, each one's padded length, the batch's
@@ -174,7 +174,7 @@ class ModelRunner:
         buckets = [self.prefill_len(1, n) for n in lens] if alone else [self.prefill_len(N, max(lens))] * N
         return alone, buckets, max(buckets)
 
-    def _prefill_padded(self, lo: int, x: torch.Tensor, lens: list[int], alone: bool, buckets: list[int],
+    def prefill_padded(self, lo: int, x: torch.Tensor, lens: list[int], alone: bool, buckets: list[int],
                         trailing: torch.Tensor, trailing_lens: list[int], params: list[SamplingParams]) -> list[int]:
         """prefill_batch on the wave's padded prompts x [N, L, D] (lens: the real lengths; alone, buckets: from
         _prefill_shape) and its trailing text packed [sum S_i, D] (row i's trailing_lens[i] rows in order)."""
