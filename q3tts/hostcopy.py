@@ -7,28 +7,50 @@ copies it asynchronously and hands back typed views of the device copy.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 ALIGN = 8  # bytes: every section starts where any dtype's view of it may (int64, float64)
 
 
-def to_device(tensors: list[torch.Tensor], device: torch.device, pack: bool | None = None) -> list[torch.Tensor]:
-    """Host tensors (any dtypes and shapes) -> the same values on `device`, in one non-blocking copy on CUDA.
+class Fill(NamedTuple):
+    """A section written in place on the host (e.g. rows gathered straight into the staging buffer: no tensor of
+    its own to allocate, fault in and copy again): fill(out) writes out [shape] of dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fill: Callable[[torch.Tensor], object]
+
+
+def to_device(tensors: list[torch.Tensor | Fill], device: torch.device, pack: bool | None = None) -> list[torch.Tensor]:
+    """Host tensors (any dtypes and shapes) or Fill sections -> the same values on `device`, in one non-blocking copy
+    on CUDA.
 
     pack (default: device is CUDA): stage them in one byte buffer (pinned on CUDA) and return views of its copy;
-    else each tensor `.to(device)` (on the CPU: the tensors themselves).
+    else each tensor `.to(device)` (on the CPU: the tensors themselves; a Fill: a tensor of its own, filled).
     NOTE(pinned-lifetime): the staging buffer comes from torch's caching host allocator, which records the copy's
     event and reuses the memory only after it, so it may go out of scope before the copy has run.
     """
     if not (device.type == "cuda" if pack is None else pack):
-        return [t.to(device) for t in tensors]
-    offsets, n = [], 0
+        return [_filled(t, torch.empty(t.shape, dtype=t.dtype)).to(device) if isinstance(t, Fill) else t.to(device)
+                for t in tensors]
+    offsets, sizes, n = [], [], 0
     for t in tensors:
         n = -(-n // ALIGN) * ALIGN
         offsets.append(n)
-        n += t.numel() * t.element_size()
+        sizes.append(math.prod(t.shape) * t.dtype.itemsize)
+        n += sizes[-1]
     buf = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    for t, o in zip(tensors, offsets):
-        buf[o:o + t.numel() * t.element_size()].view(t.dtype).copy_(t.detach().reshape(-1))
+    for t, o, size in zip(tensors, offsets, sizes):
+        out = buf[o:o + size].view(t.dtype).view(t.shape)
+        _filled(t, out) if isinstance(t, Fill) else out.copy_(t.detach())
     dev = buf.to(device, non_blocking=True)
-    return [dev[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for t, o in zip(tensors, offsets)]
+    return [dev[o:o + size].view(t.dtype).view(t.shape) for t, o, size in zip(tensors, offsets, sizes)]
+
+
+def _filled(f: Fill, out: torch.Tensor) -> torch.Tensor:
+    f.fill(out)
+    return out

@@ -16,3 +16,14 @@ def test_staged_tensors_come_back_with_their_values_dtypes_and_shapes():
     base = out[0].untyped_storage().data_ptr()  # all views of the one staged buffer
     assert all(o.untyped_storage().data_ptr() == base for o in out)
     assert to_device(host[:2], torch.device("cpu"))[0] is host[0]  # unstaged on the CPU: the tensors themselves
+
+
+def test_fill_sections_are_written_in_place_staged_or_not():
+    from q3tts.hostcopy import Fill
+    table = torch.randn(10, 3).to(torch.bfloat16)
+    ids = torch.tensor([4, 0, 4, 9])
+    gather = Fill((4, 3), torch.bfloat16, lambda out: torch.index_select(table, 0, ids, out=out))
+    for pack in (True, False):
+        a, rows, b = to_device([torch.arange(3), gather, torch.tensor([True])], torch.device("cpu"), pack=pack)
+        assert torch.equal(rows, table[ids]) and rows.dtype == torch.bfloat16
+        assert torch.equal(a, torch.arange(3)) and bool(b)

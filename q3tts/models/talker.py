@@ -18,7 +18,7 @@ from torch import nn
 
 from .. import invariant
 from ..config import TalkerConfig
-from ..hostcopy import to_device
+from ..hostcopy import Fill, to_device
 from ..kernels import linear
 from .layers import DecoderLayer, RMSNorm, run_layers
 
@@ -219,7 +219,10 @@ def embed_prompts(talker: Talker, layouts: list, speaker_embeddings: list[torch.
     # (load_checkpoint), x-vectors and reference frames unless they are already on the device
     table = talker.model.text_embedding.weight
     on_host = table.device.type == "cpu"
-    host.append(F.embedding(ids, table) if on_host else ids)
+    # (the rows gathered straight into the staging buffer: F.embedding's values, without a tensor of their own)
+    rows = Fill((ids.shape[0], table.shape[1]), table.dtype, lambda out: torch.index_select(table.detach(), 0, ids,
+                                                                                             out=out))
+    host.append(rows if on_host else ids)
     # x-vectors cast on the host: the same rounding as a cast on the device (to nearest even)
     spk_host = bool(speakers) and all(s.device.type == "cpu" for s in speakers)
     ref_host = bool(refs) and all(r.device.type == "cpu" for r in refs)
