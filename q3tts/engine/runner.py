@@ -133,13 +133,14 @@ class ModelRunner:
     @torch.inference_mode()
     def admit(self, lo: int, prepared: list[PreparedRequest]) -> list[int]:
         """Embed the prompts of N prepared requests (laid out, checked by check_prompt) and prefill them into rows
-        [lo, lo+N) -> their code 0 of frame 0."""
+        [lo, lo+N) -> their code 0 of frame 0. The wave is embedded in one pass (embed_prompts) and its slots written
+        per field (Slots.admit): host work and copies that do not grow with N, one host sync (the codes returned)."""
         lens = [len(p.layout) for p in prepared]
         alone, buckets, L = self._prefill_shape(lens)
         x, trailing = embed_prompts(self.talker, [p.layout for p in prepared], [p.speaker_embedding for p in prepared],
                                     [p.ref_codes for p in prepared], L)  # straight into the padded batch
         return self.prefill_padded(lo, x.to(self.dtype), lens, alone, buckets, trailing,
-                                    [len(p.layout.trailing_ids) for p in prepared], [p.params for p in prepared])
+                                   [len(p.layout.trailing_ids) for p in prepared], [p.params for p in prepared])
 
     @torch.inference_mode()
     def append_text(self, slot: int, start: int, ids: list[int]) -> None:
@@ -175,7 +176,7 @@ class ModelRunner:
         return alone, buckets, max(buckets)
 
     def prefill_padded(self, lo: int, x: torch.Tensor, lens: list[int], alone: bool, buckets: list[int],
-                        trailing: torch.Tensor, trailing_lens: list[int], params: list[SamplingParams]) -> list[int]:
+                       trailing: torch.Tensor, trailing_lens: list[int], params: list[SamplingParams]) -> list[int]:
         """prefill_batch on the wave's padded prompts x [N, L, D] (lens: the real lengths; alone, buckets: from
         _prefill_shape) and its trailing text packed [sum S_i, D] (row i's trailing_lens[i] rows in order)."""
         N, D, s = len(lens), self.cfg.hidden_size, self.slots
