@@ -134,7 +134,7 @@ class ModelRunner:
     def admit(self, lo: int, prepared: list[PreparedRequest]) -> list[int]:
         """Embed the prompts of N prepared requests (laid out, checked by check_prompt) and prefill them into rows
         [lo, lo+N) -> their code 0 of frame 0. The wave is embedded in one pass (embed_prompts) and its slots written
-        per field (Slots.admit): host work and copies that do not grow with N, one host sync (the codes returned)."""
+        per field (Slots.admit): a host->device copy each, none per row, whatever N."""
         lens = [len(p.layout) for p in prepared]
         alone, buckets, L = self._prefill_shape(lens)
         x, trailing = embed_prompts(self.talker, [p.layout for p in prepared], [p.speaker_embedding for p in prepared],
