@@ -13,7 +13,10 @@ from typing import NamedTuple
 
 import torch
 
-ALIGN = 8  # bytes: every section starts where any dtype's view of it may (int64, float64)
+# bytes: every section starts where any dtype's view of it may, and aligned as a fresh allocation for the kernels
+# that read it (Triton specializes a pointer by its 16-byte alignment: a less aligned view would compile another
+# variant; vectorized loads)
+ALIGN = 64
 
 
 class Fill(NamedTuple):

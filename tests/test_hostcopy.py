@@ -27,3 +27,11 @@ def test_fill_sections_are_written_in_place_staged_or_not():
         a, rows, b = to_device([torch.arange(3), gather, torch.tensor([True])], torch.device("cpu"), pack=pack)
         assert torch.equal(rows, table[ids]) and rows.dtype == torch.bfloat16
         assert torch.equal(a, torch.arange(3)) and bool(b)
+
+
+def test_every_staged_section_is_aligned_as_a_fresh_allocation():
+    from q3tts.hostcopy import ALIGN
+    host = [torch.arange(3), torch.tensor([True]), torch.randn(5).to(torch.bfloat16), torch.zeros(0), torch.arange(7)]
+    out = to_device(host, torch.device("cpu"), pack=True)
+    base = out[0].data_ptr()
+    assert ALIGN % 16 == 0 and all((o.data_ptr() - base) % ALIGN == 0 for o in out)
