@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             # rounds of: alone; beside the busy aligner as the server runs it (the engine's steps on their stream of
             # higher priority, the worker's passes waiting while the engine is not settled); without that wait; and
             # without either (steps on the default stream): run to run spread shows
+            from q3tts.engine.async_engine import step_stream
             driver = tts.driver
-            prio = driver.step_stream
+            prio = step_stream(device)  # as the server sets it beside an aligner
             served = AlignerWorker(aligners[last], busy=lambda: not tts.engine.settled)
             plain = AlignerWorker(aligners[last])
             workers = {"alone": None, "beside": served, "beside_undeferred": plain, "beside_default_priority": plain}
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         driver.step_stream = None if name == "beside_default_priority" else prio
                         rounds[name].append(streams_beside(tts, worker, texts, wavs, sr, a.streams, frames))
             finally:
-                driver.step_stream = prio
+                driver.step_stream = None
                 served.close()
                 plain.close()
             for name, rs in rounds.items():

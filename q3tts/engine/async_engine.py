@@ -41,13 +41,11 @@ def _stop_all() -> None:
 
 
 def step_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """On CUDA, the stream the loop steps on: a priority above the default's (CUDA: lower is higher, 0 the
-    default). Where other work shares the GPU (the forced aligner's worker on its own stream of default priority), the
-    block scheduler starts a step's kernels before the other stream's queued ones, so a step waits at most for blocks
-    already running. None elsewhere, and where $Q3TTS_STEP_PRIORITY=0 (the thread's current stream)."""
-    if device.type != "cuda" or os.environ.get("Q3TTS_STEP_PRIORITY", "1") == "0":
-        return None
-    return torch.cuda.Stream(device, priority=-1)
+    """For an engine whose GPU other work shares (the server's forced aligner worker, on its own stream of default
+    priority): on CUDA a stream of priority above the default's (CUDA: lower is higher, 0 the default) for
+    `AsyncEngine.step_stream`, so the block scheduler starts a step's kernels before the other stream's queued ones
+    and a step waits at most for blocks already running. None elsewhere."""
+    return torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
 
 
 @dataclass(slots=True)
@@ -73,7 +71,9 @@ class AsyncEngine:
         self._offline: dict[str, EngineRequest] = {}  # offline requests (no chunks): delivered once finished
         self._stop = False
         self.last_error: str | None = None  # last step failure (a device assert poisons the CUDA context)
-        self.step_stream = step_stream(engine.runner.device)  # None: the thread's current stream (CPU)
+        # the stream the loop steps on (None: the thread's current one); `step_stream(device)` where other work shares
+        # the GPU
+        self.step_stream: torch.cuda.Stream | None = None
         self._thread = threading.Thread(target=self._loop, name="q3tts-engine", daemon=True)
         self._thread.start()
         _RUNNING.add(self)

@@ -17,6 +17,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from q3tts.engine import AsyncEngine
+from q3tts.engine.async_engine import step_stream
 
 from . import logfilter
 from .metrics import Metrics
@@ -49,7 +50,9 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
     serving = SpeechServing(tts, engine, voices, metrics, settings)
     if getattr(tts, "aligner", None) is not None:  # word timestamps: one aligner worker beside the engine
         from q3tts.align import AlignerWorker
-        # its passes wait while the engine admits newcomers and makes their first audio (Engine.settled)
+        # the engine's steps above the aligner's stream, and its passes waiting while the engine admits newcomers and
+        # makes their first audio (Engine.settled)
+        engine.step_stream = step_stream(tts.ckpt.device)
         serving.aligner = AlignerWorker(tts.aligner, busy=lambda: not engine.engine.settled)
 
     @asynccontextmanager

@@ -71,16 +71,18 @@ def test_a_tts_call_and_the_server_share_one_loop_and_get_what_they_get_alone():
 
 @pytest.mark.gpu
 def test_on_cuda_the_loop_steps_on_a_stream_above_the_default_and_the_codes_do_not_change():
-    """The loop's steps run on a stream of higher priority than the default's (where the forced aligner's worker runs
-    beside them), ordered after what other threads queued on the default stream: the codes are those of steps on the
-    default stream, bit for bit (fp32, greedy)."""
+    """With step_stream set (the server beside a forced aligner) the loop's steps run on a stream of higher priority
+    than the default's, ordered after what other threads queued on the default stream: the codes are those of steps
+    on the default stream, bit for bit (fp32, greedy)."""
     import torch
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from q3tts import TTS
+    from q3tts.engine.async_engine import step_stream
     tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cuda", dtype=torch.float32)
     driver = tts.driver
-    stream = driver.step_stream
+    assert driver.step_stream is None  # (no other work shares the GPU)
+    stream = driver.step_stream = step_stream(torch.device("cuda"))
     assert stream is not None and stream.priority < torch.cuda.default_stream().priority
 
     def codes():
@@ -90,8 +92,5 @@ def test_on_cuda_the_loop_steps_on_a_stream_above_the_default_and_the_codes_do_n
 
     high = codes()
     driver.step_stream = None
-    try:
-        default = codes()
-    finally:
-        driver.step_stream = stream
+    default = codes()
     assert all(torch.equal(a, b) for a, b in zip(high, default)) and len(high) == 2
