@@ -197,6 +197,7 @@ class Engine:
                 failed.append(req)
                 req.error = str(e)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        feeds = []  # (slot, start, ids): embedded for every row at once
         for req in [r for r in self.scheduler.running.values() if r.prepared.text is not None and not r.text_done]:
             ids, req.text_done = req.prepared.text.take()
             if req.text_done:  # the whole text is known: the runaway guard
@@ -207,8 +208,9 @@ class Engine:
                              "engine's max_seq_len; send shorter utterances")
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             elif ids:
-                self.runner.append_text(req.slot, req.text_fed, ids)
+                feeds.append((req.slot, req.text_fed, ids))
                 req.text_fed += len(ids)
+        self.runner.append_text(feeds)
         return failed
 
     # ------------------------------------------------------------------ the step

@@ -138,12 +138,28 @@ class ModelRunner:
         return self.prefill_batch(lo, [e[0] for e in embeds], [e[1] for e in embeds], [p.params for p in prepared])
 
     @torch.inference_mode()
-    def append_text(self, slot: int, start: int, ids: list[int]) -> None:
-        """Streamed text: the next text token ids of the row in `slot`, embedded at trailing[start:]."""
-        assert start + len(ids) <= self.max_len, "the engine checks the room"
-        text = self.talker.embed_text(torch.tensor(ids))  # ids on the host: see embed_text
-        self.slots.trailing[slot, start:start + len(ids)] = text.to(self.dtype)
-        self.slots.trailing_len[slot] = start + len(ids)
+    def append_text(self, feeds: list[tuple[int, int, list[int]]]) -> None:
+        """Streamed text: per (slot, start, ids) the row's next text token ids, embedded at trailing[start:]. Every
+        row's tokens of the step go through one embed_text call, their places and new lengths to the device in one
+        asynchronous copy, into the slots in one scatter each: no host sync, a few launches whatever the rows."""
+        feeds = [(slot, start, ids) for slot, start, ids in feeds if ids]
+        if not feeds:
+            return
+        assert all(start + len(ids) <= self.max_len for _, start, ids in feeds), "the engine checks the room"
+        ids = [i for *_, row_ids in feeds for i in row_ids]
+        rows = [slot for slot, _, row_ids in feeds for _ in row_ids]
+        cols = [start + j for _, start, row_ids in feeds for j in range(len(row_ids))]
+        slots = [slot for slot, *_ in feeds]
+        lens = [start + len(row_ids) for _, start, row_ids in feeds]
+        host = torch.tensor(ids + rows + cols + slots + lens)  # [3M + 2F] int64
+        flat = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        ids_dev, rows_dev, cols_dev, slots_dev, lens_dev = flat.split([len(ids)] * 3 + [len(slots)] * 2)
+        on_host = self.talker.model.text_embedding.weight.device.type == "cpu"  # ids where the table is
+        # NOTE(invariant): one call for every row's tokens; in batch-invariant mode each token's projection is the
+        # same as in its own row's call (TextProjection)
+        text = self.talker.embed_text(host[:len(ids)] if on_host else ids_dev)  # [M, D]
+        self.slots.trailing[rows_dev, cols_dev] = text.to(self.dtype)
+        self.slots.trailing_len[slots_dev] = lens_dev
 
     @torch.inference_mode()
     def prefill_batch(self, lo: int, prefills: list[torch.Tensor], trailings: list[torch.Tensor],

@@ -97,10 +97,16 @@ class Talker(nn.Module):
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """Text token ids [...] -> [..., D]: text_embedding then text_projection. The table may live in host
         memory while the rest of the model is on the GPU (see load_checkpoint): the rows are looked up where the
-        table is and projected where the projection is (ids given on the host need no device sync)."""
-        table = self.model.text_embedding.weight
+        table is and projected where the projection is (ids given on the host need no device sync; the rows cross
+        from pinned memory, asynchronously)."""
+        table, dev = self.model.text_embedding.weight, self.codec_head.weight.device
+        if table.device.type == "cpu" and dev.type == "cuda":  # the rows into pinned memory: an asynchronous copy
+            flat = ids.reshape(-1).cpu()
+            x = torch.empty(flat.numel(), table.shape[1], dtype=table.dtype, pin_memory=True)  # [M, 2048]
+            torch.index_select(table, 0, flat, out=x)
+            return self.text_projection(x.view(*ids.shape, -1).to(dev, non_blocking=True))
         x = F.embedding(ids.to(table.device), table)
-        return self.text_projection(x.to(self.codec_head.weight.device))
+        return self.text_projection(x.to(dev))
 
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """A frame of K codes [..., K] -> [..., D]: the sum of its K codec embeddings.
