@@ -234,6 +234,7 @@ class Engine:
         t0 = time.perf_counter()
         with self._lock:
             failed = self._feed_text()
+            t_text = time.perf_counter()
             sched = self.scheduler.schedule()
             self._held = [r for r in failed + sched.aborted + sched.rows if not r.stream_done]
         codes0 = self._admit(sched)
@@ -248,9 +249,10 @@ class Engine:
         for phase, dt in zip(("admit", "decode", "vocode"), (t1 - t0, t2 - t1, t3 - t2)):
             c.phase_s[phase] += dt
         if self.policy is not None:
-            self.policy.record(t1 - t0, len(sched.prefill), t2 - t1 if frame is not None else None,
+            self.policy.record(t1 - t_text, len(sched.prefill), t2 - t1 if frame is not None else None,
                                      t3 - t2 if any(ch.num_frames for ch in chunks) else None,
-                                     alone_max=self.runner.prefill_alone_max())  # the prefill's regimes (PrefillCost)
+                                     alone_max=self.runner.prefill_alone_max(),  # the prefill's regimes (PrefillCost)
+                                     text_s=t_text - t0)  # every step's: not the newcomers' cost
         return chunks
 
     def _admit(self, sched: SchedulerOutput) -> list[int]:
@@ -284,7 +286,7 @@ class Engine:
         """Decode the chunks that are due (by deadline with the policy, else full chunks), in that order; each
         advances its request's playback clock."""
         work, sizes, meta = [], [], []
-        plan = (self.policy.plan_chunks(reqs, time.perf_counter(), self.scheduler.queue_depth)
+        plan = (self.policy.plan_chunks(reqs, time.perf_counter(), self.scheduler.num_ready)
                 if self.policy is not None else full_chunks(reqs))
         for r, n in plan:
             if n > 0:
