@@ -231,9 +231,10 @@ def parked(eng, ps, fed, pieces: list[str], every: int = 3):
         steps += 1
         if not eng.has_work():  # only more text can move it on
             continue
-        waits, others = req.status == RequestStatus.RUNNING and not req.can_run, sum(r.num_frames for r in reqs)
+        mine, others = req.num_frames, sum(r.num_frames for r in reqs)
         eng.step()
-        sat_out += waits and sum(r.num_frames for r in reqs) > others  # its talker step sat out, theirs ran
+        sat_out += (req.status == RequestStatus.RUNNING and req.num_frames == mine
+                    and sum(r.num_frames for r in reqs) > others)
     return [torch.stack(r.frames).cpu() for r in reqs], torch.stack(req.frames).cpu(), sat_out
 
 

@@ -19,9 +19,8 @@ are measured into the policy's moving averages after every step (its knobs: $Q3T
 DeadlinePolicy.from_env). A stream's audio is cut into the same chunks whatever the timing: the same bits.
 
 Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
-then every newly committed text token is handed to its row (all rows' in one call per step); frame k's codes are
-made (and sent) at once, the talker step after it, which reads token k, once token k is there (or the text is
-complete), so the frames equal those of the whole text whatever the pace of the text.
+then every newly committed text token is handed to its row; frame k runs once token k is there (or the
+text is complete), so the frames equal those of the whole text whatever the pace of the text.
 """
 
 from __future__ import annotations
@@ -240,8 +239,7 @@ class Engine:
             self._held = [r for r in failed + sched.aborted + sched.rows if not r.stream_done]
         codes0 = self._admit(sched)
         t1 = time.perf_counter()
-        makes = any(a or not r.held for r, a in zip(sched.rows, sched.active))  # a talker step, or a frame held
-        frame = self.runner.decode_frame(len(sched.rows), sched.active) if makes else None
+        frame = self.runner.decode_frame(len(sched.rows), sched.active) if any(sched.active) else None
         self.scheduler.update_from_output(sched, codes0, frame)
         t2 = time.perf_counter()
         chunks = self._vocode([r for r in failed + sched.aborted + sched.rows if r.stream is not None])

@@ -62,7 +62,6 @@ class EngineRequest:
     blocks: list[int] = field(default_factory=list)  # paged KV cache: its blocks, in position order
     text_fed: int = 0  # streamed text: trailing text tokens handed to its row so far
     text_done: bool = False  # streamed text: all of it (and tts_eos) handed over
-    held: bool = False  # its last frame was made before the text token of that frame's talker step had come
     stream_done: bool = False  # its last chunk has been emitted
     first_sent_at: float | None = None  # streaming: when its first chunk was emitted (perf_counter): playback starts
     audio_sent_s: float = 0.0  # streaming: seconds of audio emitted so far
@@ -82,16 +81,14 @@ class EngineRequest:
 
     @property
     def can_run(self) -> bool:
-        """Its next talker step may run: the step after frame k reads trailing text token k, so with streamed text
-        that token must have arrived, or the text be complete (then tts_eos and tts_pad follow). Frame k's codes
-        need no text: a row that cannot run makes them all the same, once (`held`)."""
-        return self.prepared.text is None or self.text_done or self.text_fed > self.num_frames - self.held
+        """Its next frame may run: frame k reads trailing text token k, so with streamed text that token must
+        have arrived, or the text be complete (then tts_eos and tts_pad follow)."""
+        return self.prepared.text is None or self.text_done or self.text_fed > self.num_frames
 
     @property
     def next_position(self) -> int:
-        """The cache position its next talker step writes (the prefill wrote 0..L-1; the step after frame k writes
-        L + k)."""
-        return self.num_prompt_tokens + self.num_frames - self.held
+        """The cache position its next frame writes (the prefill wrote 0..L-1; frame k writes L + k)."""
+        return self.num_prompt_tokens + self.num_frames
 
     def sent(self, n: int, audio_s: float, now: float) -> None:
         """A chunk of n frames (audio_s seconds) was emitted at `now`: its playback clock starts at the first."""

@@ -8,9 +8,8 @@ One frame (`_frame(B, n)`) for rows [0, B), attending over the first n cache pos
      steps -> codes 2..15
   2. talker input = embed_codes(frame) + trailing_text[frame] (tts_pad once the text is used up)
   3. talker step at each row's position -> hidden h' -> codec_head -> rules -> sample next code 0
-A row whose streamed text has not reached its next token sits the talker step out (`active` False): its frame's codes
-(step 1, which reads no text) are made and kept (`held`: sent at once, fed back as made), its state is left as it
-was, so its talker step runs later. A frame has fixed shapes for fixed (B, n),
+A row whose streamed text has not reached its next token sits the frame out (`active` False): computed with the
+others, its state is left as it was, so it runs the same frame later. A frame has fixed shapes for fixed (B, n),
 reads no host value and syncs nothing, so on CUDA it is one CUDA graph per (batch bucket, length bucket, sampler),
 replayed with padding rows. One request's prefill is a graph too, per padded prompt length (PREFILL_GRAPH_LENS),
 into a scratch cache row then copied into the request's row (q3tts.engine.graphs).
@@ -63,7 +62,7 @@ class ModelRunner:
         assert not block_size or MIN_KV_SPAN % block_size == 0, "every attended span must be whole blocks"
         self.kv, self.num_blocks = alloc_kv(cfg, S, self.max_len, block_size, num_blocks, dev, dt)
         self.slots = Slots(S, cfg.hidden_size, cfg.vocab_size, self.max_len, dev, dt,
-                           self.max_len // block_size if block_size else None, self.K)
+                           self.max_len // block_size if block_size else None)
         self.block_table = self.slots.block_table
         self.tts_pad_embed = tts_pad_embed.to(dev, dt)  # [D]
         self.frame_codes = torch.zeros(S, self.K, dtype=torch.long, device=dev)  # output of the last frame
@@ -183,7 +182,6 @@ class ModelRunner:
             s.write(lo + i, prm, trail)
         s.seen[r] = False
         s.num_generated[r] = 0
-        s.held[r] = False
         last = torch.tensor(lens, device=self.device)
         if alone:
             h = torch.empty(N, D, device=self.device, dtype=self.dtype)
@@ -267,9 +265,7 @@ class ModelRunner:
         code0 = s.last_code0[r]
         frame = s.num_generated[r] - 1  # this frame's index: noise differs per frame and codebook
         codes = self.depth(s.last_hidden[r], code0, s.sampling.rows(r), s.seed[r], frame, capped, s.topk_ok[r])
-        # NOTE(held): a row whose talker step sat out had this frame made (and emitted) then: it keeps those codes
-        # (made again beside other rows they could round otherwise), so the frame fed back is the frame heard
-        self.frame_codes[r] = torch.where(s.held[r][:, None], s.held_codes[r], torch.cat([code0[:, None], codes], 1))
+        self.frame_codes[r] = torch.cat([code0[:, None], codes], dim=1)
 
     def _frame_talker(self, B: int, n: int, capped: bool = False) -> None:
         """Talker step on the completed frame -> next hidden and code 0."""
@@ -283,15 +279,13 @@ class ModelRunner:
         kv, ctx = self._kv_ctx(r, pos, self.key_pos[None, None, None, :n] <= pos[:, None, :, None])
         h = self.talker(x[:, None], self.rope_cos[pos], self.rope_sin[pos], kv, ctx)[:, -1]
         act = s.active[r]  # NOTE(sit-out): a row that sits out writes K/V at its position, rewritten when it runs
-        s.held[r] = ~act  # (its frame is made: kept until its step runs)
-        s.held_codes[r] = self.frame_codes[r]
         s.position[r] += act
         s.last_hidden[r] = torch.where(act[:, None], h, s.last_hidden[r])
         self._sample_code0(0, B, h, capped, act)
 
     @torch.inference_mode()
     def decode_frame(self, B: int, active: list[bool]) -> FrameResult:
-        """One whole frame for the running rows [0, B); a row with active[row] False sits its talker step out."""
+        """One whole frame for the running rows [0, B); a row with active[row] False sits it out."""
         s = self.slots
         s.set_active(B, active)
         n = self.kv_span(max(s.position_cpu[:B]) + 1)

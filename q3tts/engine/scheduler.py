@@ -83,10 +83,9 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        """Something a step would do: a cancellation, a newcomer whose prompt is ready, a row that can run or whose
-        frame waiting for text is not yet made."""
+        """Something a step would do: a cancellation, a newcomer whose prompt is ready, a row that can run."""
         return bool(self._aborts or any(r.prompt_ready for r in self.waiting)
-                    or any(r.can_run or not r.held for r in self.running.values()))
+                    or any(r.can_run for r in self.running.values()))
 
     def add(self, req: EngineRequest) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -173,28 +172,18 @@ class Scheduler:
             self.finish(victim, RequestStatus.FINISHED_ERROR)
 
     def update_from_output(self, sched: SchedulerOutput, prefill_code0: list[int], out: FrameResult | None) -> None:
-        """Record each row's frame (out is None when no frame ran) and finish the requests that are done: EOS
-        sampled (a newcomer's frame-0 code too), or max_frames reached. Their slots are free at once; the next
-        schedule() closes the holes."""
+        """Record each active row's frame (out is None when no row was active) and finish the requests that are
+        done: EOS sampled (a newcomer's frame-0 code too), or max_frames reached. Their slots are free at once;
+        the next schedule() closes the holes."""
         for req, code0 in zip(sched.prefill, prefill_code0):
             if code0 == self.eos:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.max_frames <= 0:
                 self.finish(req, RequestStatus.FINISHED_LENGTH)
         for row, req in enumerate(sched.rows):
-            if out is None or req.status.finished:
-                continue  # finished at its prefill: the frame made for its row is dropped
-            if not sched.active[row]:  # NOTE(held): its frame's codes are made; its talker step waits (for text)
-                if not req.held:
-                    req.frames.append(out.codes[row])
-                    req.held = True
-                    if req.num_frames >= req.max_frames:
-                        self.finish(req, RequestStatus.FINISHED_LENGTH)
-                continue
-            if req.held:
-                req.held = False  # this frame was recorded when it was made; its talker step ran now
-            else:
-                req.frames.append(out.codes[row])
+            if out is None or req.status.finished or not sched.active[row]:
+                continue  # sat the frame out, or finished at its prefill: the frame made for its row is dropped
+            req.frames.append(out.codes[row])
             if out.next_code0[row] == self.eos:
                 self.finish(req, RequestStatus.FINISHED_STOPPED)
             elif req.num_frames >= req.max_frames:

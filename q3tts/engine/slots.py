@@ -66,7 +66,7 @@ class Slots:
     cache's blocks per slot (None: not paged)."""
 
     def __init__(self, S: int, D: int, V: int, max_len: int, device: torch.device, dtype: torch.dtype,
-                 table_width: int | None = None, num_codes: int = 16):
+                 table_width: int | None = None):
         self.num_rows, self.device = S, device
         self._fields: list[tuple[torch.Tensor, object, bool]] = []  # (tensor, reset value, moves with its request)
         f = self._field
@@ -85,9 +85,7 @@ class Slots:
             top_k=f((), long), subtalker_top_k=f((), long), do_sample=f((), b), subtalker_dosample=f((), b))
         # paged: each slot's blocks in position order (entry 0: the scratch block)
         self.block_table = f((table_width,), long) if table_width else None
-        self.active = f((), b, True, moves=False)  # rows whose talker step runs (a row waiting for text sits out)
-        self.held = f((), b)  # the row's frame was made while it sat out: its codes are kept for its talker step
-        self.held_codes = f((num_codes,), long)  # [K] that frame
+        self.active = f((), b, True, moves=False)  # rows whose frame counts (a row waiting for text sits out)
         self.topk_ok = f((), b, True)  # the row fits the capped sampler (batch-invariant mode: DepthLoop.draw)
         # host mirrors
         self.position_cpu = [0] * S  # picks the length bucket without a device sync

@@ -80,22 +80,3 @@ def test_batched_feed_equals_per_row_bit_for_bit_in_batch_invariant_mode(real_ch
     finally:
         invariant.set_enabled(False)
     assert torch.equal(got_len, want_len) and torch.equal(got, want)
-
-
-def test_a_held_frame_is_fed_back_as_it_was_made():
-    """A row whose frame was made while its talker step sat out (held) gets that frame back, not one made again;
-    the others get the code predictor's. After a frame, a row that sat out holds the frame it made."""
-    tts = fx.tts("cv06")
-    runner = fresh_runner(tts)
-    s, K = runner.slots, runner.K
-    with torch.inference_mode():
-        s.num_generated[:2] = 1
-        s.held[:2] = torch.tensor([True, False])
-        s.held_codes[0] = torch.arange(K) + 3
-        runner._frame_codes(2)
-        assert runner.frame_codes[0].tolist() == list(range(3, 3 + K))
-        made = runner.frame_codes[1].clone()
-        assert s.held_codes[1].tolist() != made.tolist()
-        s.active[:2] = torch.tensor([True, False])
-        runner._frame_talker(2, 64)
-    assert s.held[:2].tolist() == [False, True] and torch.equal(s.held_codes[1], made)

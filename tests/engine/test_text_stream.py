@@ -207,24 +207,3 @@ def test_a_row_waiting_for_text_does_not_hold_up_the_others():
     p.text.close()
     run_to_completion(eng, [waiting])
     assert waiting.status.finished and waiting.num_frames == 9
-
-
-def test_a_frame_is_sent_before_the_text_its_talker_step_reads():
-    """Frame k's codes need no text (the talker step after it reads trailing text token k): a request whose prompt is
-    laid out with no text beyond it sends frame 0 at once, then waits; with the rest of the text it equals the
-    official output (the held frame is the one fed back)."""
-    tts, text, p, ref_codes, ref_wav = prepared_stream("cv06", "english_stream")
-    eng = Engine(tts.ckpt, max_slots=1, max_seq_len=256)
-    req = eng.add_request(p, StreamOptions(1, 4))
-    at = 0
-    while not p.text.ready():
-        p.text.append(text[at])
-        at += 1
-    chunks = []
-    for _ in range(4):
-        chunks += eng.step()
-    assert req.text_fed == 0 and req.num_frames == 1 and req.held and not req.can_run
-    assert [(c.frame_index, c.num_frames) for c in chunks if c.num_frames] == [(0, 1)]
-    assert not eng.scheduler.has_work()  # nothing more until text comes
-    chunks += drive(eng, [(p, [text[at:]], 1)])
-    check(req, chunks, ref_codes, ref_wav, p)
