@@ -19,7 +19,6 @@ HTTP side or the client is the limit, without a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import tempfile
@@ -113,54 +112,6 @@ class PacedVocoder:
         return [np.zeros(codes.shape[0] * 1920, dtype=np.float32) for _, codes in work]
 
 
-class PhaseTrace:
-    """Where each streaming request's first audio waits, one JSON line per request at its first audio: ms from its
-    arrival (a WebSocket utterance: its first text) to its prompt laid out (`prompt`), to its admission (`admit`),
-    to its first trailing text token handed to its row (`text`: frame 0 may run), to its first chunk made (`first`;
-    frames: that chunk's)."""
-
-    def __init__(self, engine, path: str):
-        self.out = open(path, "a", buffering=1)
-        self.at: dict[str, dict] = {}  # request id -> phase -> perf_counter
-        set_prompt, schedule, vocode = engine._set_prompt, engine.scheduler.schedule, engine._vocode
-        feed_text = engine._feed_text
-
-        def _feed_text():
-            failed = feed_text()
-            now = time.perf_counter()
-            for r in engine.scheduler.running.values():
-                at = self.at.setdefault(r.request_id, {})
-                if r.prepared.text is not None and "text" not in at and (r.text_fed or r.text_done):
-                    at["text"] = now
-            return failed
-
-        def _set_prompt(req, lay):
-            set_prompt(req, lay)
-            self.at.setdefault(req.request_id, {})["prompt"] = time.perf_counter()
-
-        def _schedule(*a, **kw):
-            out = schedule(*a, **kw)
-            now = time.perf_counter()
-            for r in out.prefill:
-                self.at.setdefault(r.request_id, {})["admit"] = now
-            return out
-
-        def _vocode(reqs):
-            arrival = {r.request_id: r.arrival_time for r in reqs}
-            chunks = vocode(reqs)
-            now = time.perf_counter()
-            for c in chunks:
-                if c.frame_index == 0 and c.num_frames and c.request_id in arrival:
-                    at, t0 = self.at.pop(c.request_id, {}), arrival[c.request_id]
-                    ms = {k: round((v - t0) * 1000, 1) for k, v in at.items()}
-                    self.out.write(json.dumps({**ms, "first": round((now - t0) * 1000, 1),
-                                               "frames": c.num_frames}) + "\n")
-            return chunks
-
-        engine._set_prompt, engine.scheduler.schedule, engine._vocode = _set_prompt, _schedule, _vocode
-        engine._feed_text = _feed_text
-
-
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
               prefill_ms_per_request: float = 0.0, prefill_table: list[tuple[int, float]] | None = None,
               alone_max: int | None = None, text_ms: float = 0.0, trace: str | None = None):
@@ -179,6 +130,7 @@ def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, 
                                 prefill_table, alone_max, text_ms / 1000)
     engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
     if trace:
+        from bench.load.phase_trace import PhaseTrace
         PhaseTrace(engine, trace)
     return app
 
