@@ -16,8 +16,10 @@ align() (with the CPU preparation: checks, and soxr resampling where the variant
 the pass alone (checked items; eager's resampled before it); load_s includes the compiled variant's compilations,
 ready_s the first calls too (graph captures: capture_s), words_vs_eager compares the batch's words with eager's. With --tts DIR (a TTS checkpoint, e.g. from
 bench/make_checkpoint.py), the same call times synthesizing the batch (the aligner's share of it, whole and pass
-only), then --streams synthesis streams at once, alone and beside an AlignerWorker kept busy with the batch (the last
-variant): first audio and the stall of a player that starts at each stream's first chunk.
+only), the batch submitted at once to an AlignerWorker of 16 and of 64 rows a pass (the server's path: its share),
+then --rounds rounds of --streams synthesis streams at once: alone, beside an AlignerWorker kept busy with the batch
+(the last variant), and beside it with the engine's steps on the default stream instead of their higher-priority one:
+first audio and the stall of a player that starts at each stream's first chunk, per round and their medians.
 """
 
 from __future__ import annotations
@@ -123,6 +125,27 @@ def measure_aligner(aligner: ForcedAligner, wavs: list, texts: list[str], sr: in
     return r, words
 
 
+def worker_batches(aligner: ForcedAligner, wavs: list, texts: list[str], sr: int, repeats: int,
+                   max_batch: int) -> dict:
+    """The whole batch submitted at once to an AlignerWorker of max_batch rows a pass (as the server's streams ask,
+    each checked at submit): the median wall time until every utterance has its words."""
+    from q3tts.align import AlignerWorker
+    worker = AlignerWorker(aligner, max_batch=max_batch)
+    try:
+        def run():
+            for f in [worker.submit(w, sr, t, "English") for w, t in zip(wavs, texts)]:
+                f.result()
+        run()  # the buckets' graphs of this batching captured
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    finally:
+        worker.close()
+    return dict(max_batch=max_batch, ms=round(statistics.median(times) * 1000, 2))
+
+
 def same_words(a: list[list], b: list[list]) -> dict:
     """Rows whose words and times are equal, and the largest time difference (ms) where they differ."""
     diff = [max((abs(x.start_s - y.start_s) + abs(x.end_s - y.end_s) for x, y in zip(ra, rb)), default=0.0)
@@ -192,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tts", default=None, help="also time synthesizing the batch with this TTS checkpoint")
     ap.add_argument("--streams", type=int, default=16,
                     help="with --tts: synthesis streams timed alone and beside a busy aligner worker (0: skip)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --streams: rounds of streams alone, beside the aligner, and beside it without the "
+                         "engine's stream priority")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     a = ap.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -242,15 +268,34 @@ def main(argv: list[str] | None = None) -> int:
             r = result[v]
             r["share_of_synthesis"] = round(r["batch_ms"] / result["synthesis_ms"], 4)
             r["pass_share_of_synthesis"] = round(r["batch_pass_ms"] / result["synthesis_ms"], 4)
-        if a.streams and aligners:
-            last = list(aligners)[-1]  # the last variant that ran
-            result["streams_alone"] = streams_beside(tts, None, texts, wavs, sr, a.streams, frames)
+        last = list(aligners)[-1] if aligners else None  # the last variant that ran
+        if last is not None:
+            for mb in (16, 64):
+                w = worker_batches(aligners[last], wavs, texts, sr, a.repeats, mb)
+                w["share_of_synthesis"] = round(w["ms"] / result["synthesis_ms"], 4)
+                result.setdefault("worker", []).append(w)
+                print(json.dumps({"worker": w}), flush=True)
+        if a.streams and last is not None:
+            # rounds of: alone, beside the busy aligner with the engine's step stream (its priority), and beside it
+            # with the steps on the default stream (engine.async_engine.step_stream off): run to run spread shows
+            driver = tts.driver
+            prio = driver.step_stream
             worker = AlignerWorker(aligners[last])
+            rounds = {"alone": [], "beside": [], "beside_default_priority": []}
             try:
-                result[f"streams_beside_{last}_aligner"] = streams_beside(tts, worker, texts, wavs, sr, a.streams,
-                                                                         frames)
+                for _ in range(a.rounds):
+                    for name in rounds:
+                        driver.step_stream = None if name == "beside_default_priority" else prio
+                        rounds[name].append(streams_beside(tts, None if name == "alone" else worker, texts, wavs, sr,
+                                                           a.streams, frames))
             finally:
+                driver.step_stream = prio
                 worker.close()
+            for name, rs in rounds.items():
+                result[f"streams_{name}"] = dict(
+                    rounds=rs, **{f"median_{k}": statistics.median(r[k] for r in rs)
+                                  for k in ("first_audio_p50_ms", "first_audio_max_ms", "stall_max_ms")})
+                print(json.dumps({name: result[f"streams_{name}"]}), flush=True)
     line = json.dumps(result)
     print(line)
     if a.out:

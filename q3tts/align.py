@@ -49,6 +49,10 @@ __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
 PREP_THREADS = 8  # CPU threads of a large batch's preparation (ForcedAligner._in_groups)
 PREP_MIN_SAMPLES = 1 << 20  # audio samples from which a batch's preparation is spread over them
 PREP_MIN_ROWS = 8  # rows of a group at least
+# the most rows of one AlignerWorker pass: a pass of many rows costs less per row (the padded pass's GEMMs fill the
+# GPU), and with the engine's steps on a stream of higher priority (engine.async_engine.step_stream) a long pass does
+# not hold them back
+WORKER_MAX_BATCH = 64
 
 
 @dataclass(slots=True)
@@ -498,7 +502,7 @@ class AlignerWorker:
         words = await worker.align(wav, 24000, "Hello world.", "English")      # or worker.submit(...).result()
     """
 
-    def __init__(self, aligner: ForcedAligner, max_batch: int = 16):
+    def __init__(self, aligner: ForcedAligner, max_batch: int = WORKER_MAX_BATCH):
         self.aligner, self.max_batch = aligner, max_batch
         self._queue: list[tuple[_Item, Future]] = []
         self._cond = threading.Condition()

@@ -40,6 +40,14 @@ def _stop_all() -> None:
         owner.shutdown()
 
 
+def step_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """On CUDA, the stream the loop steps on: a priority above the default's (CUDA: lower is higher, 0 the
+    default). Where other work shares the GPU (the forced aligner's worker on its own stream of default priority), the
+    block scheduler starts a step's kernels before the other stream's queued ones, so a step waits at most for blocks
+    already running. None elsewhere."""
+    return torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+
+
 @dataclass(slots=True)
 class EngineStats:
     queue_depth: int
@@ -63,6 +71,7 @@ class AsyncEngine:
         self._offline: dict[str, EngineRequest] = {}  # offline requests (no chunks): delivered once finished
         self._stop = False
         self.last_error: str | None = None  # last step failure (a device assert poisons the CUDA context)
+        self.step_stream = step_stream(engine.runner.device)  # None: the thread's current stream (CPU)
         self._thread = threading.Thread(target=self._loop, name="q3tts-engine", daemon=True)
         self._thread.start()
         _RUNNING.add(self)
@@ -106,7 +115,7 @@ class AsyncEngine:
             if not self.engine.wait_for_work():
                 continue
             try:
-                chunks = self.engine.step()
+                chunks = self._step()
             except Exception as e:  # a bug or device error: fail the requests the step held, keep serving
                 self.last_error = f"{type(e).__name__}: {e}"
                 for rid in self.engine.failed_ids:
@@ -122,6 +131,17 @@ class AsyncEngine:
                 # NOTE(handoff): a consumer woken by a delivery needs the GIL and a core, which this thread, going on
                 # into the next step, holds until it blocks (a device sync) or is made to switch: give both up once
                 _yield_cpu()
+
+    def _step(self) -> list[AudioChunk]:
+        stream = self.step_stream
+        if stream is None:
+            return self.engine.step()
+        # NOTE(priority): what other threads queued on the default stream before handing it over (a voice's
+        # embedding or reference codes made while preparing a request) is ordered before this step; the step's own
+        # results reach other threads only after its host syncs (codes, audio)
+        stream.wait_stream(torch.cuda.default_stream(stream.device))
+        with torch.cuda.stream(stream):
+            return self.engine.step()
 
     def _deliver(self, request_id: str, item: object) -> None:
         sink = self._sinks.get(request_id)

@@ -294,9 +294,15 @@ class AudioEncoder(nn.Module):
         conv = self.conv2d1
         c = conv.out_channels
         m1, t1 = _conv_len_once(M), _conv_len_once(w)
-        cols = F.unfold(x[:, None], 3, padding=1, stride=2).transpose(1, 2)  # [C, m1 * t1, 9] patches (kh, kw)
-        # K padded 9 -> 16 with zeros (in patches and weights alike: the sums are unchanged) for aligned GEMM rows
-        h = F.linear(F.pad(cols, (0, 7)), F.pad(conv.weight.view(c, 9), (0, 7)), conv.bias)  # [C, m1 * t1, c]
+        # the 3x3 patches as one strided view of the zero-padded input, gathered by one copy (F.unfold launches an
+        # im2col per chunk); K padded 9 -> 16 with zeros (in patches and weights alike: the sums are unchanged) for
+        # aligned GEMM rows
+        xp = F.pad(x, (1, 1, 1, 1))  # [C, M + 2, w + 2]
+        s0, s1, s2 = xp.stride()
+        patches = xp.as_strided((C, m1, t1, 3, 3), (s0, 2 * s1, 2 * s2, s1, s2))  # [C, m1, t1, kh, kw]
+        cols = xp.new_zeros(C, m1 * t1, 16)
+        cols[..., :9].view(C, m1, t1, 3, 3).copy_(patches)
+        h = F.linear(cols, F.pad(conv.weight.view(c, 9), (0, 7)), conv.bias)  # [C, m1 * t1, c]
         h = F.gelu(h).view(C, m1, t1, c).permute(0, 3, 1, 2)  # [C, c, m1, t1], channels-last memory
         return F.gelu(self.conv2d3(F.gelu(self.conv2d2(h))))  # cuDNN keeps the input's channels-last layout
 

@@ -67,3 +67,31 @@ def test_a_tts_call_and_the_server_share_one_loop_and_get_what_they_get_alone():
     assert together_server[-1].is_last and together_server[-1].finish_reason in ("stop", "length")
     s = tts.engine.scheduler
     assert s.num_running == 0 and s.queue_depth == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_loop_steps_on_a_stream_above_the_default_and_the_codes_do_not_change():
+    """The loop's steps run on a stream of higher priority than the default's (where the forced aligner's worker runs
+    beside them), ordered after what other threads queued on the default stream: the codes are those of steps on the
+    default stream, bit for bit (fp32, greedy)."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from q3tts import TTS
+    tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cuda", dtype=torch.float32)
+    driver = tts.driver
+    stream = driver.step_stream
+    assert stream is not None and stream.priority < torch.cuda.default_stream().priority
+
+    def codes():
+        prepared = tts.prepare_custom_voice(["A stream above the default.", "And a second request."],
+                                            ["vivian", "ryan"], max_new_tokens=30, **GREEDY)
+        return driver.generate_codes(prepared)
+
+    high = codes()
+    driver.step_stream = None
+    try:
+        default = codes()
+    finally:
+        driver.step_stream = stream
+    assert all(torch.equal(a, b) for a, b in zip(high, default)) and len(high) == 2
