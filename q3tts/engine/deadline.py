@@ -270,8 +270,8 @@ class DeadlinePolicy:
         chunks (`whole_chunks`). A finished request's remainder always goes (n may be 0: its empty last chunk;
         nothing for a cancelled one); a row not yet playing goes once its whole chunks reach its first chunk's
         frames; a playing row with whole chunks goes when its slack is under the horizon, else within the step's
-        frame budget. waiting: requests queued for a slot, their prompts ready (with them or other rows, first chunks grow
-        by load)."""
+        frame budget. waiting: requests queued for a slot, their prompts ready (with them or other rows, first chunks
+        grow by load)."""
         must, may = [], []  # (deadline, order, request, frames)
         contended = waiting > 0 or sum(not r.status.finished for r in reqs) > 1
         streaming = 0

@@ -19,8 +19,9 @@ are measured into the policy's moving averages after every step (its knobs: $Q3T
 DeadlinePolicy.from_env). A stream's audio is cut into the same chunks whatever the timing: the same bits.
 
 Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
-then every newly committed text token is handed to its row (all rows' in one call per step); frame k runs once token k is there (or the
-text is complete), so the frames equal those of the whole text whatever the pace of the text.
+then every newly committed text token is handed to its row (all rows' in one call per step); frame k runs once
+token k is there (or the text is complete), so the frames equal those of the whole text whatever the pace of the
+text.
 """
 
 from __future__ import annotations
