@@ -17,9 +17,11 @@ the pass alone (checked items; eager's resampled before it); load_s includes the
 ready_s the first calls too (graph captures: capture_s), words_vs_eager compares the batch's words with eager's. With --tts DIR (a TTS checkpoint, e.g. from
 bench/make_checkpoint.py), the same call times synthesizing the batch (the aligner's share of it, whole and pass
 only), the batch submitted at once to an AlignerWorker of 16 and of 64 rows a pass (the server's path: its share),
-then --rounds rounds of --streams synthesis streams at once: alone, beside an AlignerWorker kept busy with the batch
-(the last variant), and beside it with the engine's steps on the default stream instead of their higher-priority one:
-first audio and the stall of a player that starts at each stream's first chunk, per round and their medians.
+then --rounds rounds of --streams synthesis streams at once: alone; beside an AlignerWorker kept busy with the batch
+(the last variant) as the server runs it (its passes waiting while the engine admits and makes first audio); beside
+one that does not wait; and beside that one with the engine's steps on the default stream instead of their
+higher-priority one: first audio and the stall of a player that starts at each stream's first chunk, per round and
+their medians.
 """
 
 from __future__ import annotations
@@ -276,21 +278,25 @@ def main(argv: list[str] | None = None) -> int:
                 result.setdefault("worker", []).append(w)
                 print(json.dumps({"worker": w}), flush=True)
         if a.streams and last is not None:
-            # rounds of: alone, beside the busy aligner with the engine's step stream (its priority), and beside it
-            # with the steps on the default stream (engine.async_engine.step_stream off): run to run spread shows
+            # rounds of: alone; beside the busy aligner as the server runs it (the engine's steps on their stream of
+            # higher priority, the worker's passes waiting while the engine is not settled); without that wait; and
+            # without either (steps on the default stream): run to run spread shows
             driver = tts.driver
             prio = driver.step_stream
-            worker = AlignerWorker(aligners[last])
-            rounds = {"alone": [], "beside": [], "beside_default_priority": []}
+            served = AlignerWorker(aligners[last], busy=lambda: not tts.engine.settled)
+            plain = AlignerWorker(aligners[last])
+            workers = {"alone": None, "beside": served, "beside_undeferred": plain, "beside_default_priority": plain}
+            rounds = {name: [] for name in workers}
             try:
+                streams_beside(tts, None, texts, wavs, sr, a.streams, frames)  # warm-up (first streams of the TTS)
                 for _ in range(a.rounds):
-                    for name in rounds:
+                    for name, worker in workers.items():
                         driver.step_stream = None if name == "beside_default_priority" else prio
-                        rounds[name].append(streams_beside(tts, None if name == "alone" else worker, texts, wavs, sr,
-                                                           a.streams, frames))
+                        rounds[name].append(streams_beside(tts, worker, texts, wavs, sr, a.streams, frames))
             finally:
                 driver.step_stream = prio
-                worker.close()
+                served.close()
+                plain.close()
             for name, rs in rounds.items():
                 result[f"streams_{name}"] = dict(
                     rounds=rs, **{f"median_{k}": statistics.median(r[k] for r in rs)

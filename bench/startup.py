@@ -89,7 +89,7 @@ class PhaseProfile:
                 return out
             setattr(cls, name, timed)
         wrap(runner.ModelRunner, "_frame", lambda a: f"frame B={a[0]} n={a[1]} capped={a[2] if len(a) > 2 else False}")
-        wrap(runner.ModelRunner, "prefill_batch", lambda a: f"prefill N={len(a[1])} L={a[1][0].shape[0]}")
+        wrap(runner.ModelRunner, "prefill_padded", lambda a: f"prefill N={a[1].shape[0]} L={a[1].shape[1]}")
         wrap(vocoder.StreamingVocoder, "capture_graphs", lambda a: "vocoder capture_graphs")
 
     def report(self) -> dict:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -53,6 +54,10 @@ PREP_MIN_ROWS = 8  # rows of a group at least
 # GPU), and with the engine's steps on a stream of higher priority (engine.async_engine.step_stream) a long pass does
 # not hold them back
 WORKER_MAX_BATCH = 64
+# a worker's pass that can wait (its audio is out already) waits while the engine admits newcomers and makes their
+# first chunks (AlignerWorker's busy), at most this long from its oldest utterance's submission
+WORKER_MAX_DEFER_S = 0.25
+WORKER_POLL_S = 0.002
 
 
 @dataclass(slots=True)
@@ -61,6 +66,8 @@ class _Item:
     wav: np.ndarray  # mono float32 at sample_rate; once prepared: at 16 kHz, in [-1, 1]
     sample_rate: int
     prepared: bool = False
+    pinned: torch.Tensor | None = None  # wav's samples in page-locked memory (AlignerWorker.submit on CUDA): the
+    # padded pass copies them straight to the device
 
     def ready(self) -> "_Item":
         """Resampled to 16 kHz and brought into [-1, 1]: the CPU part of an item, after its checks (the worker does it
@@ -71,6 +78,7 @@ class _Item:
             if peak > 1.0:  # as the official: int-scaled or clipping input is brought back into [-1, 1]
                 wav = wav / peak
             self.wav, self.sample_rate, self.prepared = np.clip(wav, -1.0, 1.0).astype(np.float32), SAMPLE_RATE, True
+            self.pinned = None
         return self
 
     @property
@@ -183,15 +191,16 @@ class _PaddedPass:
         else:
             items = [it.ready() for it in items]
         n = [it.wav.shape[0] for it in items]
-        wav = rows_of(self._upload([it.wav for it in items]), n)  # [B, max n]
+        wav = rows_of(self._upload([it.wav if it.pinned is None else it.pinned for it in items]), n)  # [B, max n]
         if f is not None:
             wav = f(wav, n)
         # as _Item.ready (and the official): a row whose peak is past 1 is scaled back into [-1, 1], then clipped
         peak = wav.abs().amax(1, keepdim=True)
         return torch.where(peak > 1.0, wav / peak, wav).clamp(-1.0, 1.0)
 
-    def _upload(self, wavs: list[np.ndarray]) -> torch.Tensor:
-        """The waveforms packed end to end on the device [sum of lengths]. On CUDA through one pinned buffer, reused
+    def _upload(self, wavs: list[np.ndarray | torch.Tensor]) -> torch.Tensor:
+        """The waveforms packed end to end on the device [sum of lengths]. On CUDA rows already in page-locked memory
+        (torch tensors: staged at submission) are copied straight; otherwise through one pinned buffer, reused
         (grown when short): no fresh host pages to fault in. A large batch's rows are written into it by the prep
         threads, a group of rows each, and each group's part is copied on asynchronously as soon as it is written.
         The next upload waits for the last copy (its event) before it writes the buffer again (passes end with a
@@ -199,7 +208,13 @@ class _PaddedPass:
         lens = [w.shape[0] for w in wavs]
         total = sum(lens)
         if self.aligner.device.type != "cuda":
-            return torch.from_numpy(np.concatenate(wavs))
+            return torch.from_numpy(np.concatenate([np.asarray(w) for w in wavs]))
+        if all(isinstance(w, torch.Tensor) for w in wavs):
+            out = torch.empty(total, dtype=torch.float32, device=self.aligner.device)
+            for w, lo, hi in zip(wavs, np.cumsum([0] + lens), np.cumsum(lens)):
+                out[lo:hi].copy_(w, non_blocking=True)  # (the host allocator keeps w's pages until the copy is done)
+            return out
+        wavs = [w.numpy() if isinstance(w, torch.Tensor) else w for w in wavs]
         if self.staged is not None:
             self.staged.synchronize()
         if self.staging is None or self.staging.shape[0] < total:
@@ -496,15 +511,20 @@ class AlignerWorker:
     """One ForcedAligner shared by many callers (the server's streams, a TTS facade): each `submit` is checked at
     once (a bad item fails alone, before any work), queued, and a background thread aligns everything waiting as
     one batch (up to max_batch rows, each row as if alone: rows_alone). On CUDA the thread runs on its own stream,
-    so synthesis steps queued meanwhile are not ordered behind the aligner's kernels.
+    so synthesis steps queued meanwhile are not ordered behind the aligner's kernels, and each waveform is staged
+    in page-locked memory at submission (the pass copies it straight to the device). busy (e.g. an engine's
+    `not settled`): while it returns True a pass waits, at most max_defer_s from its oldest submission, so the
+    aligner's work, which can wait, does not slow newcomers' admission and first audio.
 
         worker = AlignerWorker(aligner)
         words = await worker.align(wav, 24000, "Hello world.", "English")      # or worker.submit(...).result()
     """
 
-    def __init__(self, aligner: ForcedAligner, max_batch: int = WORKER_MAX_BATCH):
+    def __init__(self, aligner: ForcedAligner, max_batch: int = WORKER_MAX_BATCH,
+                 busy: Callable[[], bool] | None = None, max_defer_s: float = WORKER_MAX_DEFER_S):
         self.aligner, self.max_batch = aligner, max_batch
-        self._queue: list[tuple[_Item, Future]] = []
+        self.busy, self.max_defer_s = busy, max_defer_s
+        self._queue: list[tuple[_Item, Future, float]] = []  # (item, its future, submitted at: time.monotonic())
         self._cond = threading.Condition()
         self._closed = False
         self._stream = torch.cuda.Stream(aligner.device) if aligner.device.type == "cuda" else None
@@ -513,12 +533,16 @@ class AlignerWorker:
 
     def submit(self, audio: Any, sample_rate: int, text: str, language: str) -> Future:
         """A Future of the utterance's [WordTime]; ValueError at once for bad input."""
-        item = self.aligner._item(audio, sample_rate, text, language, -1, ready=False)  # resampled on the thread
+        item = self.aligner._item(audio, sample_rate, text, language, -1, ready=False,
+                                  copy=self._stream is None)  # resampled on the thread (a copy: pinned, or copy)
+        if self._stream is not None:
+            item.pinned = torch.from_numpy(item.wav).pin_memory()
+            item.wav = item.pinned.numpy()  # (the caller's array is not kept)
         fut: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("the aligner worker is closed")
-            self._queue.append((item, fut))
+            self._queue.append((item, fut, time.monotonic()))
             self._cond.notify()
         return fut
 
@@ -539,8 +563,12 @@ class AlignerWorker:
                     self._cond.wait()
                 if self._closed and not self._queue:
                     return
+                until = self._queue[0][2] + self.max_defer_s
+            while self.busy is not None and not self._closed and time.monotonic() < until and self.busy():
+                time.sleep(WORKER_POLL_S)  # (utterances that come meanwhile join this pass)
+            with self._cond:
                 batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-            batch = [(it, f) for it, f in batch if f.set_running_or_notify_cancel()]
+            batch = [(it, f) for it, f, _ in batch if f.set_running_or_notify_cancel()]
             if not batch:
                 continue
             try:

@@ -302,3 +302,34 @@ def test_compiled_layers_time_the_words_as_eager():
         torch.testing.assert_close(a.thinker.audio_tower(mel, frames), eager.thinker.audio_tower(mel, frames),
                                    atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the warm-up
+
+
+def test_worker_passes_wait_while_busy_at_most_max_defer():
+    """A pass waits while busy() holds (the server's: the engine admitting newcomers, making first audio), utterances
+    submitted meanwhile joining it; past max_defer_s from its oldest submission it goes anyway."""
+    import threading
+    import time
+
+    from q3tts.align import AlignerWorker
+    busy = threading.Event()
+    busy.set()
+    worker = AlignerWorker(aligner(), busy=busy.is_set, max_defer_s=30.0)
+    passes = []
+    orig = worker.aligner._run
+    worker.aligner._run = lambda items, rows_alone=False: passes.append(len(items)) or orig(items, rows_alone)
+    try:
+        first = worker.submit(*audio(CASES["en"]["audio"][0]), CASES["en"]["text"][0], "English")
+        time.sleep(0.3)
+        assert not first.done() and passes == []  # held while busy
+        second = worker.submit(*audio(CASES["zh"]["audio"][0]), CASES["zh"]["text"][0], "Chinese")
+        busy.clear()
+        assert [first.result(timeout=60), second.result(timeout=60)] == [expected(CASES[n])[0] for n in ("en", "zh")]
+        assert passes == [2]  # one pass for both
+        busy.set()
+        worker.max_defer_s = 0.2
+        t0 = time.monotonic()
+        assert worker.submit(*audio("b"), CASES["zh"]["text"][0], "Chinese").result(timeout=60) == expected(CASES["zh"])[0]
+        assert time.monotonic() - t0 >= 0.2 and passes == [2, 1]  # busy all along: it went after max_defer_s
+    finally:
+        del worker.aligner._run
+        worker.close()

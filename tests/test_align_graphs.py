@@ -4,6 +4,7 @@ CUDA-graph replay of it is checked on a GPU (the `gpu` marker)."""
 
 from __future__ import annotations
 
+import threading
 from functools import lru_cache
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import q3tts.align as align_mod
-from q3tts.align import ForcedAligner
+from q3tts.align import AlignerWorker, ForcedAligner
 from q3tts.models.audio_encoder import Ragged, reflect_rows, reflect_rows_device, rows_of, tokens_after_cnn
 from tests.test_align import CASES, aligner, audio, checkpoint, expected, run_case_with
 
@@ -360,3 +361,25 @@ def test_bf16_padded_logits_within_bf16_rounding_of_eager(on_device):
     assert bf16_error > 0  # the bound is bf16's own rounding, not zero
     assert (padded - eager).abs().max() <= 2 * bf16_error
     torch.testing.assert_close(torch.cat(f32["padded"]), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_worker_gives_the_words_of_align(device):
+    """AlignerWorker's path (on CUDA each waveform staged in page-locked memory at submission and copied straight to
+    the device in its pass) gives the words of align() with rows_alone, for a batch that its passes take together."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    a = ForcedAligner.from_pretrained(checkpoint(), device=device, dtype=torch.float32, graphs=True)
+    names = ["c", "b", "d", "long"]
+    texts = [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0], CASES["long_windowed"]["text"][0]]
+    want = _rows_alone(a, names, texts)
+    release = threading.Event()
+    worker = AlignerWorker(a, busy=lambda: not release.is_set(), max_defer_s=60.0)  # holds its pass until released
+    try:
+        futs = [worker.submit(*audio(n), t, "English") for n, t in zip(names, texts)]
+        staged = [it.pinned for it, _, _ in worker._queue]
+        assert all((p is not None and p.is_pinned()) if device == "cuda" else p is None for p in staged)
+        release.set()
+        assert [f.result(timeout=120) for f in futs] == want
+    finally:
+        worker.close()

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "q3tts"
-LAYERS = ["config", ("weights", "audio", "sampling", "kernels", "invariant", "randomckpt"), "models", "inputs",
+LAYERS = ["config", ("weights", "audio", "sampling", "kernels", "invariant", "randomckpt", "hostcopy"), "models", "inputs",
           "engine",
           ("api", "align", "longform"),
           "server", ("cli", "cli_media", "cli_voices")]

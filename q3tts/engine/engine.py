@@ -125,6 +125,10 @@ class Engine:
         self._held: list[EngineRequest] = []  # the requests of the step in progress
         self.failed_ids: list[str] = []  # the requests a step that raised held (it finished them with an error)
         self.counters = EngineCounters()
+        # NOTE(settled): no request waits for a slot and every streaming row that can run has sent its first audio;
+        # set after each step (False at once when a request comes), read by other threads to hold back work that can
+        # wait (the forced aligner's worker) while newcomers are admitted and their first chunks made
+        self.settled = True
         self.owner = None  # the AsyncEngine whose thread steps it (q3tts.engine.async_engine): the only one that may
 
     # ------------------------------------------------------------------ requests in
@@ -147,6 +151,7 @@ class Engine:
             before_queue(req)
         with self._lock:
             self.scheduler.add(req)
+        self.settled = False
         self.wake.set()
         return req
 
@@ -254,6 +259,8 @@ class Engine:
                                      t3 - t2 if any(ch.num_frames for ch in chunks) else None,
                                      alone_max=self.runner.prefill_alone_max(),  # the prefill's regimes (PrefillCost)
                                      text_s=t_text - t0)  # every step's: not the newcomers' cost
+        self.settled = self.scheduler.queue_depth == 0 and all(
+            r.first_sent_at is not None or r.stream is None or r.stream_done or not r.can_run for r in sched.rows)
         return chunks
 
     def _admit(self, sched: SchedulerOutput) -> list[int]:

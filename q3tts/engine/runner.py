@@ -24,10 +24,11 @@ import math
 import torch
 
 from .. import invariant
+from ..hostcopy import Fill, to_device
 from ..inputs.request import InputError, PreparedRequest
 from ..kernels import linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, rope_cos_sin, rope_inv_freq
-from ..models.talker import Talker, embed_prompt
+from ..models.talker import Talker, embed_prompts
 from ..sampling import SamplingParams, uniform_noise
 from .compile import compile_model, use_compile_cache, want_compile
 from .depth import DepthLoop
@@ -133,33 +134,40 @@ class ModelRunner:
     @torch.inference_mode()
     def admit(self, lo: int, prepared: list[PreparedRequest]) -> list[int]:
         """Embed the prompts of N prepared requests (laid out, checked by check_prompt) and prefill them into rows
-        [lo, lo+N) -> their code 0 of frame 0."""
-        embeds = [embed_prompt(self.talker, p.layout, p.speaker_embedding, p.ref_codes) for p in prepared]
-        return self.prefill_batch(lo, [e[0] for e in embeds], [e[1] for e in embeds], [p.params for p in prepared])
+        [lo, lo+N) -> their code 0 of frame 0. The wave is embedded in one pass (embed_prompts) and its slots written
+        per field (Slots.admit): a host->device copy each, none per row, whatever N."""
+        lens = [len(p.layout) for p in prepared]
+        alone, buckets, L = self._prefill_shape(lens)
+        x, trailing = embed_prompts(self.talker, [p.layout for p in prepared], [p.speaker_embedding for p in prepared],
+                                    [p.ref_codes for p in prepared], L)  # straight into the padded batch
+        return self.prefill_padded(lo, x.to(self.dtype), lens, alone, buckets, trailing,
+                                   [len(p.layout.trailing_ids) for p in prepared], [p.params for p in prepared])
 
     @torch.inference_mode()
     def append_text(self, feeds: list[tuple[int, int, list[int]]]) -> None:
         """Streamed text: per (slot, start, ids) the row's next text token ids, embedded at trailing[start:]. Every
-        row's tokens of the step go through one embed_text call, their places and new lengths to the device in one
-        asynchronous copy, into the slots in one scatter each: no host sync, a few launches whatever the rows."""
+        row's tokens of the step in one staged copy (with their places and the rows' new lengths; the text rows
+        themselves where the table lives in host memory), one text projection and one scatter: no host sync, a few
+        launches whatever the rows."""
         feeds = [(slot, start, ids) for slot, start, ids in feeds if ids]
         if not feeds:
             return
         assert all(start + len(ids) <= self.max_len for _, start, ids in feeds), "the engine checks the room"
-        ids = [i for *_, row_ids in feeds for i in row_ids]
-        rows = [slot for slot, _, row_ids in feeds for _ in row_ids]
-        cols = [start + j for _, start, row_ids in feeds for j in range(len(row_ids))]
-        slots = [slot for slot, *_ in feeds]
-        lens = [start + len(row_ids) for _, start, row_ids in feeds]
-        host = torch.tensor(ids + rows + cols + slots + lens)  # [3M + 2F] int64
-        flat = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        ids_dev, rows_dev, cols_dev, slots_dev, lens_dev = flat.split([len(ids)] * 3 + [len(slots)] * 2)
-        on_host = self.talker.model.text_embedding.weight.device.type == "cpu"  # ids where the table is
-        # NOTE(invariant): one call for every row's tokens; in batch-invariant mode each token's projection is the
-        # same as in its own row's call (TextProjection)
-        text = self.talker.embed_text(host[:len(ids)] if on_host else ids_dev)  # [M, D]
-        self.slots.trailing[rows_dev, cols_dev] = text.to(self.dtype)
-        self.slots.trailing_len[slots_dev] = lens_dev
+        ids = torch.tensor([i for *_, row_ids in feeds for i in row_ids])  # [M]
+        M, F = ids.shape[0], len(feeds)
+        index = torch.tensor([slot for slot, _, row_ids in feeds for _ in row_ids]  # [2M + 2F]: row, position, ...
+                             + [start + j for _, start, row_ids in feeds for j in range(len(row_ids))]
+                             + [slot for slot, *_ in feeds] + [start + len(row_ids) for _, start, row_ids in feeds])
+        table = self.talker.model.text_embedding.weight
+        on_host = table.device.type == "cpu"  # (load_checkpoint): its rows gathered straight into the staging buffer
+        rows = Fill((M, table.shape[1]), table.dtype, lambda out: torch.index_select(table.detach(), 0, ids, out=out))
+        text, index = to_device([rows if on_host else ids, index], self.device)
+        row, col, slot, length = index.split([M, M, F, F])
+        # NOTE(invariant): one projection for every row's tokens (as embed_prompts for a wave): in batch-invariant
+        # mode a token's bits are those of its own row's call (TextProjection)
+        text = self.talker.text_projection(text if on_host else self.talker.model.text_embedding(text))  # [M, D]
+        self.slots.trailing[row, col] = text.to(self.dtype)
+        self.slots.trailing_len[slot] = length
 
     @torch.inference_mode()
     def prefill_batch(self, lo: int, prefills: list[torch.Tensor], trailings: list[torch.Tensor],
@@ -169,20 +177,31 @@ class ModelRunner:
         On CUDA up to PREFILL_GRAPH_MAX_REQUESTS prompts (contiguous cache; any number in batch-invariant mode) are
         prefilled one by one, each as alone (its bucket's prefill graph if captured); else (and with graphs=False, the
         warm-up of the compiled variants) in one batched forward."""
-        N, D, s = len(prefills), self.cfg.hidden_size, self.slots
+        N, D = len(prefills), self.cfg.hidden_size
         lens = [p.shape[0] for p in prefills]
+        alone, buckets, L = self._prefill_shape(lens, graphs)
+        x = torch.zeros(N, L, D, device=self.device, dtype=self.dtype)  # right-padded with zeros
+        for i, pre in enumerate(prefills):
+            x[i, : lens[i]] = pre.to(self.dtype)
+        trailing = torch.cat([t.to(self.device) for t in trailings]) if N else x.new_zeros(0, D)
+        return self.prefill_padded(lo, x, lens, alone, buckets, trailing, [t.shape[0] for t in trailings], params)
+
+    def _prefill_shape(self, lens: list[int], graphs: bool = True) -> tuple[bool, list[int], int]:
+        """For prompts of these lengths -> (prefilled one by one as alone, each one's padded length, the batch's
+        padded length L)."""
+        N = len(lens)
         alone = N <= self.prefill_alone_max(graphs)
         buckets = [self.prefill_len(1, n) for n in lens] if alone else [self.prefill_len(N, max(lens))] * N
-        L = max(buckets)
+        return alone, buckets, max(buckets)
+
+    def prefill_padded(self, lo: int, x: torch.Tensor, lens: list[int], alone: bool, buckets: list[int],
+                       trailing: torch.Tensor, trailing_lens: list[int], params: list[SamplingParams]) -> list[int]:
+        """prefill_batch on the wave's padded prompts x [N, L, D] (lens: the real lengths; alone, buckets: from
+        _prefill_shape) and its trailing text packed [sum S_i, D] (row i's trailing_lens[i] rows in order)."""
+        N, D, s = len(lens), self.cfg.hidden_size, self.slots
         r = slice(lo, lo + N)
-        x = torch.zeros(N, L, D, device=self.device, dtype=self.dtype)  # right-padded with zeros
-        for i, (pre, trail, prm) in enumerate(zip(prefills, trailings, params)):
-            assert lens[i] < self.max_len and trail.shape[0] <= self.max_len, "call check_prompt first"
-            x[i, : lens[i]] = pre.to(self.dtype)
-            s.write(lo + i, prm, trail)
-        s.seen[r] = False
-        s.num_generated[r] = 0
-        last = torch.tensor(lens, device=self.device)
+        assert max(lens, default=0) < self.max_len and max(trailing_lens, default=0) <= self.max_len, "check_prompt"
+        last = s.admit(lo, params, lens, trailing, trailing_lens)  # [N] the prompts' lengths, on the device
         if alone:
             h = torch.empty(N, D, device=self.device, dtype=self.dtype)
             for i, b in enumerate(buckets):
@@ -201,8 +220,6 @@ class ModelRunner:
             kv = self.kv if self.block_table is not None else self.kv[:, :, r]
             table = None if self.block_table is None else self.block_table[r]
             h = self._prefill_forward(x, kv, table, last - 1)
-        s.position[r] = last
-        s.position_cpu[r] = lens
         s.last_hidden[r] = h
         self._sample_code0(lo, lo + N, h, capped=False)
         return s.last_code0[r].tolist()

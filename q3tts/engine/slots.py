@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..hostcopy import to_device
 from ..sampling import TOPK_CAP, SamplingParams
 from .memory import KV_SPARE
 
@@ -50,9 +51,10 @@ class SlotSampling:
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
 
-    def write(self, row: int, params: SamplingParams) -> None:
-        for f in fields(self):
-            getattr(self, f.name)[row] = getattr(params, f.name)
+    def host_rows(self, params: list[SamplingParams]) -> list[torch.Tensor]:
+        """The fields' values for rows of these parameters, on the host: one tensor [N] per field, in fields order."""
+        return [torch.tensor([getattr(p, f.name) for p in params], dtype=getattr(self, f.name).dtype)
+                for f in fields(self)]
 
 
 def _topk_ok(params: SamplingParams) -> bool:
@@ -97,14 +99,31 @@ class Slots:
         self._fields.append((t, fill, moves))
         return t
 
-    def write(self, row: int, params: SamplingParams, trailing: torch.Tensor) -> None:
-        """A newcomer's parameters and its embedded trailing text [n, D] into `row`."""
-        self.sampling.write(row, params)
-        self.topk_ok_cpu[row] = _topk_ok(params)
-        self.topk_ok[row] = self.topk_ok_cpu[row]
-        self.seed[row] = params.seed
-        self.trailing[row, : trailing.shape[0]] = trailing.to(self.trailing.dtype)
-        self.trailing_len[row] = trailing.shape[0]
+    def admit(self, lo: int, params: list[SamplingParams], positions: list[int], trailing: torch.Tensor,
+              trailing_lens: list[int]) -> torch.Tensor:
+        """N newcomers into rows [lo, lo+N): their parameters, positions (prompt lengths), no history, and their
+        embedded trailing text (trailing [sum S_i, D]: row i's trailing_lens[i] rows after row i-1's). Every host
+        value in one copy (hostcopy.to_device) and one write per field for the wave: no host sync.
+        Returns the positions on the device [N]."""
+        N = len(params)
+        r = slice(lo, lo + N)
+        topk_ok = [_topk_ok(p) for p in params]
+        ints = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+        # the packed trailing rows' destinations: (row, position)
+        rows = torch.repeat_interleave(torch.arange(lo, lo + N), ints(trailing_lens))
+        cols = torch.cat([torch.arange(n) for n in trailing_lens] or [ints([])])
+        host = [*self.sampling.host_rows(params), torch.tensor(topk_ok), ints([p.seed for p in params]),
+                ints(trailing_lens), ints(positions), rows, cols]
+        *sampling, topk, seed, trailing_len, position, rows, cols = to_device(host, self.device)
+        for t, v in zip(self.sampling.tensors(), sampling):
+            t[r] = v
+        self.topk_ok[r], self.seed[r], self.trailing_len[r], self.position[r] = topk, seed, trailing_len, position
+        self.trailing[rows, cols] = trailing.to(self.trailing.dtype)
+        self.seen[r] = False
+        self.num_generated[r] = 0
+        self.topk_ok_cpu[r] = topk_ok
+        self.position_cpu[r] = positions
+        return position
 
     def move(self, src: int, dst: int) -> None:
         """Compaction: the request in row src continues in row dst (paged: src's table row points at scratch)."""
@@ -121,8 +140,9 @@ class Slots:
         if not rows:
             return
         W = self.block_table.shape[1]
-        table = torch.tensor([blocks + [0] * (W - len(blocks)) for _, blocks in rows])
-        self.block_table[torch.tensor([s for s, _ in rows], device=self.device)] = table.to(self.device)
+        table, slots = to_device([torch.tensor([blocks + [0] * (W - len(blocks)) for _, blocks in rows]),
+                                  torch.tensor([s for s, _ in rows])], self.device)  # one copy, no sync
+        self.block_table[slots] = table
 
     def reset(self) -> None:
         """Every row back to its initial state (after warm-ups wrote into free rows)."""

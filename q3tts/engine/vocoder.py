@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import invariant
+from ..hostcopy import to_device
 from ..models.codec import Code2Wav, Code2WavState
 from .graphs import capture, gc_paused, side_stream
 
@@ -76,11 +77,13 @@ class StreamingVocoder:
             return []
         rows = [self.free_rows.pop() for _ in ref_codes]
         dev, dt = self.device, self.dtype
-        self.pool.assign_rows_(torch.tensor(rows, device=dev), self.code2wav.init_state(len(rows), dev, dt))
-        for row, ref in zip(rows, ref_codes):
+        idx = to_device([torch.tensor(rows)], dev)[0]  # an asynchronous copy (a pageable one waits for the device)
+        self.pool.assign_rows_(idx, self.code2wav.init_state(len(rows), dev, dt))
+        for j, ref in enumerate(ref_codes):
             if ref is not None and ref.shape[0] > 0:
-                warmed = self.code2wav.warm(ref.T[None].to(dev), self.code2wav.init_state(1, dev, dt))
-                self.pool.assign_rows_(torch.tensor([row], device=dev), warmed)
+                ref = to_device([ref.T[None]], dev)[0] if ref.device.type == "cpu" else ref.T[None]
+                warmed = self.code2wav.warm(ref, self.code2wav.init_state(1, dev, dt))
+                self.pool.assign_rows_(idx[j:j + 1], warmed)
         return rows
 
     def close(self, row: int) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import invariant
 from ..config import TalkerConfig
+from ..hostcopy import Fill, to_device
 from ..kernels import linear
 from .layers import DecoderLayer, RMSNorm, run_layers
 
@@ -97,16 +98,10 @@ class Talker(nn.Module):
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """Text token ids [...] -> [..., D]: text_embedding then text_projection. The table may live in host
         memory while the rest of the model is on the GPU (see load_checkpoint): the rows are looked up where the
-        table is and projected where the projection is (ids given on the host need no device sync; the rows cross
-        from pinned memory, asynchronously)."""
-        table, dev = self.model.text_embedding.weight, self.codec_head.weight.device
-        if table.device.type == "cpu" and dev.type == "cuda":  # the rows into pinned memory: an asynchronous copy
-            flat = ids.reshape(-1).cpu()
-            x = torch.empty(flat.numel(), table.shape[1], dtype=table.dtype, pin_memory=True)  # [M, 2048]
-            torch.index_select(table, 0, flat, out=x)
-            return self.text_projection(x.view(*ids.shape, -1).to(dev, non_blocking=True))
+        table is and projected where the projection is (ids given on the host need no device sync)."""
+        table = self.model.text_embedding.weight
         x = F.embedding(ids.to(table.device), table)
-        return self.text_projection(x.to(dev))
+        return self.text_projection(x.to(self.codec_head.weight.device))
 
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """A frame of K codes [..., K] -> [..., D]: the sum of its K codec embeddings.
@@ -176,3 +171,81 @@ def embed_prompt(talker: Talker, layout, speaker_embedding: torch.Tensor | None 
     trailing = (talker.embed_text(torch.from_numpy(trail) if on_host else trail_dev) if trail.size
                 else x.new_zeros(0, talker.cfg.hidden_size))
     return x, trailing
+
+
+def embed_prompts(talker: Talker, layouts: list, speaker_embeddings: list[torch.Tensor | None],
+                  ref_codes: list[torch.Tensor | None], L: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A wave of N layouts -> (prefill x [N, L, D] right-padded with zeros, trailing [sum S_i, D]: row i's S_i
+    trailing text embeddings after row i-1's), each row as embed_prompt makes it.
+
+    L: the padded length (default: the longest prompt). speaker_embeddings / ref_codes: per layout, as embed_prompt's.
+    A constant number of launches for the wave: every host value (slot indices, ids, host-resident x-vectors and
+    reference frames, the text rows of a host-resident table) in one asynchronous copy, one text lookup and one
+    text projection for all the wave's text (prompts and trailing), one codec lookup, one sum of reference frames.
+    NOTE(invariant): a token's projection is computed with the whole wave's text in one call: the same bits as alone
+    wherever kernels.linear is row-invariant (batch-invariant mode on CUDA); elsewhere the BLAS may round a row
+    differently by the number of rows in the call (see tests/models/test_talker.py).
+    """
+    dev, dt, D = talker.codec_head.weight.device, talker.codec_head.weight.dtype, talker.cfg.hidden_size
+    N = len(layouts)
+    L = L or max(len(lay) for lay in layouts)
+    dest = {k: [] for k in ("text", "code", "speaker", "ref")}  # flat positions in x [N * L]
+    text_ids, code_ids, trail_ids, speaker_of, speakers, refs = [], [], [], [], [], []
+    for i, (lay, spk, ref) in enumerate(zip(layouts, speaker_embeddings, ref_codes)):
+        assert len(lay) <= L, "L below a prompt's length"
+        text = np.asarray(lay.text_ids, dtype=np.int64)
+        codec = np.asarray(lay.codec_ids, dtype=np.int64)
+        text_at, code_at = np.flatnonzero(text != NONE), np.flatnonzero(codec >= 0)
+        speaker_at, ref_at = np.flatnonzero(codec == SPEAKER), np.flatnonzero(codec == REF)
+        if speaker_at.size and spk is None:
+            raise ValueError("this prompt has a speaker slot but no speaker embedding was given")
+        if ref_at.size and (ref is None or ref.shape[0] != ref_at.size):
+            raise ValueError("ICL prompt: reference codes do not match the layout")
+        for k, at in (("text", text_at), ("code", code_at), ("speaker", speaker_at), ("ref", ref_at)):
+            dest[k].append(i * L + at)
+        text_ids.append(text[text_at])
+        code_ids.append(codec[code_at])
+        trail_ids.append(np.asarray(lay.trailing_ids, dtype=np.int64))
+        if speaker_at.size:
+            speaker_of.append(np.full(speaker_at.size, len(speakers), dtype=np.int64))
+            speakers.append(spk)
+        if ref_at.size:
+            refs.append(ref)
+    cat = lambda arrays: torch.from_numpy(np.concatenate(arrays or [np.zeros(0, np.int64)]))  # noqa: E731
+    ids = cat(text_ids + trail_ids)  # the prompts' text, then the trailing text
+    host = [cat(dest["text"]), cat(dest["code"]), cat(code_ids), cat(dest["speaker"]), cat(speaker_of),
+            cat(dest["ref"])]
+    # what sits on the host rides in the one copy: the text rows themselves where the table lives in host memory
+    # (load_checkpoint), x-vectors and reference frames unless they are already on the device
+    table = talker.model.text_embedding.weight
+    on_host = table.device.type == "cpu"
+    # (the rows gathered straight into the staging buffer: F.embedding's values, without a tensor of their own)
+    rows = Fill((ids.shape[0], table.shape[1]), table.dtype, lambda out: torch.index_select(table.detach(), 0, ids,
+                                                                                             out=out))
+    host.append(rows if on_host else ids)
+    # x-vectors cast on the host: the same rounding as a cast on the device (to nearest even)
+    spk_host = bool(speakers) and all(s.device.type == "cpu" for s in speakers)
+    ref_host = bool(refs) and all(r.device.type == "cpu" for r in refs)
+    if spk_host:
+        host.append(torch.stack([s.reshape(-1).to(dt) for s in speakers]))
+    if ref_host:
+        host.append(torch.cat(refs))
+    (text_at, code_at, codes, speaker_at, speaker_of, ref_at, text, *rest) = to_device(host, dev)
+    spk = rest.pop(0) if spk_host else (torch.stack([s.reshape(-1).to(dev, dt) for s in speakers]) if speakers
+                                        else None)
+    ref = rest.pop(0) if ref_host else (torch.cat([r.to(dev) for r in refs]) if refs else None)
+    x = torch.zeros(N * L, D, device=dev, dtype=dt)
+    if ids.numel():
+        text = talker.text_projection(text if on_host else F.embedding(text.to(table.device), table).to(dev))
+    n_text = text_at.shape[0]
+    # added in embed_prompt's order (text, codec, speaker, reference); each flat position once per part
+    if n_text:
+        x[text_at] += text[:n_text]
+    if code_at.numel():
+        x[code_at] += talker.model.codec_embedding(codes)
+    if spk is not None:
+        x[speaker_at] += spk[speaker_of]
+    if ref is not None:
+        x[ref_at] += talker.embed_codes(ref)
+    trailing = text[n_text:] if ids.numel() else x.new_zeros(0, D)
+    return x.view(N, L, D), trailing

@@ -49,7 +49,8 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
     serving = SpeechServing(tts, engine, voices, metrics, settings)
     if getattr(tts, "aligner", None) is not None:  # word timestamps: one aligner worker beside the engine
         from q3tts.align import AlignerWorker
-        serving.aligner = AlignerWorker(tts.aligner)
+        # its passes wait while the engine admits newcomers and makes their first audio (Engine.settled)
+        serving.aligner = AlignerWorker(tts.aligner, busy=lambda: not engine.engine.settled)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

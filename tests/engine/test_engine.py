@@ -327,3 +327,28 @@ def test_code_predictor_steps_reuse_the_layers_compiled_for_the_talker():
         runner.warm_up_frames([(2, 64, True)])
     variants = torch._dynamo.eval_frame._debug_get_cache_entry_list(DecoderLayer.forward.__code__)
     assert len(variants) == 2
+
+
+def test_settled_once_every_streaming_row_has_sent_its_first_audio():
+    """Engine.settled (what the forced aligner's worker waits for): False from a request's arrival until no request
+    waits for a slot and every streaming row has sent its first chunk; an offline request does not hold it."""
+    tts = fx.tts("cv06")
+    eng = Engine(tts.ckpt, max_slots=1, max_seq_len=256)
+    assert eng.settled
+    kw = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=20)
+    a = eng.add_request(tts.prepare_custom_voice("A first stream.", "vivian", **kw)[0],
+                        StreamOptions(first_chunk_frames=3, chunk_frames=4))
+    b = eng.add_request(tts.prepare_custom_voice("A second one waits for the slot.", "ryan", **kw)[0],
+                        StreamOptions(first_chunk_frames=1, chunk_frames=4))
+    assert not eng.settled
+    seen = []
+    while not b.first_sent_at:
+        eng.step()
+        seen.append((a.first_sent_at is not None, b.first_sent_at is not None, eng.settled))
+    assert (True, False, False) in seen  # a played while b waited for its slot
+    assert seen[-1] == (True, True, True)
+    run_to_completion(eng, [b])
+    eng.add_request(tts.prepare_custom_voice("Offline.", "ryan", **kw)[0])
+    assert not eng.settled
+    eng.step()
+    assert eng.settled

@@ -13,8 +13,9 @@ def test_write_move_reset():
     s = Slots(3, D=4, V=8, max_len=6, device=torch.device("cpu"), dtype=torch.float32, table_width=2)
     fresh = [t.clone() for t, _, _ in s._fields]
     params = SamplingParams(temperature=0.5, top_k=7, top_p=0.9, do_sample=True, subtalker_top_k=100, seed=11)
-    s.write(2, params, torch.ones(3, 4))
+    s.admit(2, [params], [4], torch.ones(3, 4), [3])
     assert s.seed[2] == 11 and s.trailing_len[2] == 3 and torch.equal(s.trailing[2, :3], torch.ones(3, 4))
+    assert s.position[2] == 4 and s.position_cpu[2] == 4 and s.num_generated[2] == 0
     for f in dataclasses.fields(s.sampling):
         assert getattr(s.sampling, f.name)[2] == getattr(params, f.name), f.name
     assert s.topk_ok_cpu[2] is False  # subtalker_top_k 100 does not fit the capped sampler

@@ -140,7 +140,7 @@ def test_engine_fault_fails_only_the_requests_it_held(server):
 
     # a fault before the first audio (in the prefill) is a JSON 500, and the next request is served
     calls.clear()
-    with patched(eng.runner, "prefill_batch", lambda orig: fail_once(orig, calls)):
+    with patched(eng.runner, "prefill_padded", lambda orig: fail_once(orig, calls)):
         r = httpx.post(server.base_url + "/v1/audio/speech", json=body(5, 8), timeout=60)
         assert r.status_code == 500 and r.headers["content-type"] == "application/json"
         err = r.json()["error"]
