@@ -44,8 +44,10 @@ def step_stream(device: torch.device) -> torch.cuda.Stream | None:
     """On CUDA, the stream the loop steps on: a priority above the default's (CUDA: lower is higher, 0 the
     default). Where other work shares the GPU (the forced aligner's worker on its own stream of default priority), the
     block scheduler starts a step's kernels before the other stream's queued ones, so a step waits at most for blocks
-    already running. None elsewhere."""
-    return torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+    already running. None elsewhere, and where $Q3TTS_STEP_PRIORITY=0 (the thread's current stream)."""
+    if device.type != "cuda" or os.environ.get("Q3TTS_STEP_PRIORITY", "1") == "0":
+        return None
+    return torch.cuda.Stream(device, priority=-1)
 
 
 @dataclass(slots=True)
