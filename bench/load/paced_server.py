@@ -10,7 +10,8 @@ encoding. Only the device's work becomes a wait that releases the GIL, as a wait
 (decode-ms, every step with a running row), each step's vocoding (vocode-ms, when a chunk is due) and each
 admission's prefill of its W newcomers (prefill-ms + prefill-ms-per-request x W, or --prefill-table's wait for W:
 admit times measured by wave size; --alone-max: the waves up to it are what the engine tells the deadline policy
-are prefill graph replays, as a CUDA runner would); the frames are code 1 (never EOS) and the audio silence. Given the step times
+are prefill graph replays, as a CUDA runner would; --text-ms: each call that hands a row its streamed text, as a GPU
+runner's host->device copy and projection of it); the frames are code 1 (never EOS) and the audio silence. Given the step times
 measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
 HTTP side or the client is the limit, without a GPU.
 """
@@ -61,8 +62,10 @@ class PacedRunner:
     """The engine's ModelRunner with prefill and frame as GIL-free waits; the rest (slots, prompts) is the real one."""
 
     def __init__(self, runner, prefill_s: float, decode_s: float, prefill_per_request_s: float = 0.0,
-                 prefill_table: list[tuple[int, float]] | None = None, alone_max: int | None = None):
+                 prefill_table: list[tuple[int, float]] | None = None, alone_max: int | None = None,
+                 text_s: float = 0.0):
         self._runner, self.prefill_s, self.decode_s = runner, prefill_s, decode_s
+        self.text_s = text_s  # each call that embeds streamed text into rows (the real one runs too)
         self.prefill_per_request_s = prefill_per_request_s  # a batched prefill's part that grows with its rows
         self.prefill_table = prefill_table  # given: replaces both (the wave's wait by its size)
         self.alone_max = alone_max  # given: the GPU runner's prefill regimes the table stands for
@@ -83,6 +86,10 @@ class PacedRunner:
         time.sleep(prefill_wait_s(self.prefill_table, W) if self.prefill_table
                    else self.prefill_s + self.prefill_per_request_s * W)
         return [1] * len(prefills)
+
+    def append_text(self, feeds) -> None:
+        time.sleep(self.text_s)
+        self._runner.append_text(feeds)
 
     def decode_frame(self, B: int, active: list[bool]):
         from q3tts.engine.scheduler import FrameResult
@@ -107,7 +114,7 @@ class PacedVocoder:
 
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
               prefill_ms_per_request: float = 0.0, prefill_table: list[tuple[int, float]] | None = None,
-              alone_max: int | None = None):
+              alone_max: int | None = None, text_ms: float = 0.0, trace: str | None = None):
     """The server's app on the tiny random CustomVoice checkpoint of the tests, its device work paced."""
     from q3tts import TTS
     from q3tts.server.app import create_app
@@ -116,11 +123,15 @@ def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, 
 
     tts = TTS.from_pretrained(fixtures.checkpoint("cv06"), device="cpu", dtype=torch.float32, max_seq_len=512)
     app = create_app(tts, ServerSettings(model="paced", max_concurrent=slots, max_queue=4 * slots, max_seq_len=512,
+                                         ws_max_client_utterances=4 * slots,
                                          voice_dir=tempfile.mkdtemp(prefix="q3tts-paced-")))
     engine = app.state.engine.engine  # its thread waits for work: no step runs before the first request
     engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000, prefill_ms_per_request / 1000,
-                                prefill_table, alone_max)
+                                prefill_table, alone_max, text_ms / 1000)
     engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
+    if trace:
+        from bench.load.phase_trace import PhaseTrace
+        PhaseTrace(engine, trace)
     return app
 
 
@@ -140,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alone-max", type=int, default=None,
                     help="with --prefill-table: the waves up to this size are a GPU runner's prefill graph replays "
                          "(what the engine tells the deadline policy; default PREFILL_GRAPH_MAX_REQUESTS)")
+    ap.add_argument("--text-ms", type=float, default=0.0,
+                    help="each call that hands rows their streamed text (a GPU runner's copy and projection of it)")
+    ap.add_argument("--trace", default=None, help="append a JSON line per streaming request at its first audio: "
+                    "ms from its arrival to its prompt laid out, its admission and its first chunk")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the server process (Python's default 5 ms)")
     a = ap.parse_args(argv)
@@ -158,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.prefill_table and a.alone_max is None:
         from q3tts.engine.runner import PREFILL_GRAPH_MAX_REQUESTS
         a.alone_max = PREFILL_GRAPH_MAX_REQUESTS
-    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, alone_max=a.alone_max, **given)
+    app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, alone_max=a.alone_max,
+                    text_ms=a.text_ms, trace=a.trace, **given)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 

@@ -4,7 +4,7 @@ Every streaming request keeps a playback clock: a listener starts playing at its
 played (t - first_sent_at) s of its audio_sent_s s. Its slack = audio_sent_s - (t - first_sent_at) is how long the
 engine may leave it without a new chunk before its listener stalls. A step costs
 
-    prefill (its newcomers) + frame (every running row) + vocode (the chunks due)
+    text (streamed text to its rows) + prefill (its newcomers) + frame (every running row) + vocode (the chunks due)
 
 and the engine measures each part as a moving average (`StepTimes`). The policy (`DeadlinePolicy`):
   - vocode: a stream's audio is cut into its StreamOptions chunks (first_chunk_frames doubling up to chunk_frames)
@@ -122,21 +122,26 @@ class StepTimes:
     frame: MovingAverage = field(default_factory=MovingAverage)  # one frame of every running row
     vocode: MovingAverage = field(default_factory=MovingAverage)  # a step's vocoding, in steps that vocode
     prefill: PrefillCost = field(default_factory=PrefillCost)  # a step's admission of N newcomers
+    text: MovingAverage = field(default_factory=MovingAverage)  # a step's streamed text handed to its rows
 
     @property
     def step_s(self) -> float:
-        """A step without newcomers: its frame and its chunks."""
-        return self.frame.value + self.vocode.value
+        """A step without newcomers: its text, its frame and its chunks."""
+        return self.text.value + self.frame.value + self.vocode.value
 
-    def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None) -> None:
+    def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None,
+               text_s: float | None = None) -> None:
         """One step's measured phases: prefill_s for `admitted` newcomers (its regime by prefill.alone_max);
-        frame_s None if no row ran; vocode_s None if nothing was vocoded."""
+        frame_s None if no row ran; vocode_s None if nothing was vocoded; text_s: its streamed text's feed (every
+        step's, 0 without streamed text: a cost of the step like its frame, not of its newcomers)."""
         if admitted:
             self.prefill.add(admitted, prefill_s)
         if frame_s is not None:
             self.frame.add(frame_s)
         if vocode_s is not None:
             self.vocode.add(vocode_s)
+        if text_s is not None:
+            self.text.add(text_s)
 
 
 # $Q3TTS_DEADLINE_<NAME>: DeadlinePolicy's field, the value's unit and its least value (an unset variable: the default)
@@ -199,14 +204,14 @@ class DeadlinePolicy:
         return cls(**fields)
 
     def record(self, prefill_s: float, admitted: int, frame_s: float | None, vocode_s: float | None,
-               alone_max: float | None = None) -> None:
+               alone_max: float | None = None, text_s: float | None = None) -> None:
         """One step's measured phases into `times` (StepTimes.record), the prefill capped by prefill_cap.
         alone_max: the runner's (ModelRunner.prefill_alone_max): the regime of this and later estimates."""
         if alone_max is not None:
             self.times.prefill.alone_max = alone_max
         if admitted and self.times.prefill.samples and math.isfinite(self.prefill_cap):
             prefill_s = min(prefill_s, self.prefill_cap * self.times.prefill.estimate(admitted))
-        self.times.record(prefill_s, admitted, frame_s, vocode_s)
+        self.times.record(prefill_s, admitted, frame_s, vocode_s, text_s)
 
     @property
     def horizon_s(self) -> float:
@@ -265,7 +270,8 @@ class DeadlinePolicy:
         chunks (`whole_chunks`). A finished request's remainder always goes (n may be 0: its empty last chunk;
         nothing for a cancelled one); a row not yet playing goes once its whole chunks reach its first chunk's
         frames; a playing row with whole chunks goes when its slack is under the horizon, else within the step's
-        frame budget. waiting: requests queued for a slot (with them or other rows, first chunks grow by load)."""
+        frame budget. waiting: requests queued for a slot, their prompts ready (with them or other rows, first chunks
+        grow by load)."""
         must, may = [], []  # (deadline, order, request, frames)
         contended = waiting > 0 or sum(not r.status.finished for r in reqs) > 1
         streaming = 0

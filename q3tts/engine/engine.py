@@ -19,8 +19,9 @@ are measured into the policy's moving averages after every step (its knobs: $Q3T
 DeadlinePolicy.from_env). A stream's audio is cut into the same chunks whatever the timing: the same bits.
 
 Streamed text (PreparedRequest.text, q3tts.inputs.text): a request waits until its text fills the prompt,
-then every newly committed text token is handed to its row; frame k runs once token k is there (or the
-text is complete), so the frames equal those of the whole text whatever the pace of the text.
+then every newly committed text token is handed to its row (all rows' in one call per step); frame k runs once
+token k is there (or the text is complete), so the frames equal those of the whole text whatever the pace of the
+text.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ class Engine:
                 failed.append(req)
                 req.error = str(e)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        feeds = []  # (slot, start, ids): embedded for every row at once
         for req in [r for r in self.scheduler.running.values() if r.prepared.text is not None and not r.text_done]:
             ids, req.text_done = req.prepared.text.take()
             if req.text_done:  # the whole text is known: the runaway guard
@@ -212,8 +214,9 @@ class Engine:
                              "engine's max_seq_len; send shorter utterances")
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
             elif ids:
-                self.runner.append_text(req.slot, req.text_fed, ids)
+                feeds.append((req.slot, req.text_fed, ids))
                 req.text_fed += len(ids)
+        self.runner.append_text(feeds)
         return failed
 
     # ------------------------------------------------------------------ the step
@@ -237,6 +240,7 @@ class Engine:
         t0 = time.perf_counter()
         with self._lock:
             failed = self._feed_text()
+            t_text = time.perf_counter()
             sched = self.scheduler.schedule()
             self._held = [r for r in failed + sched.aborted + sched.rows if not r.stream_done]
         codes0 = self._admit(sched)
@@ -251,9 +255,10 @@ class Engine:
         for phase, dt in zip(("admit", "decode", "vocode"), (t1 - t0, t2 - t1, t3 - t2)):
             c.phase_s[phase] += dt
         if self.policy is not None:
-            self.policy.record(t1 - t0, len(sched.prefill), t2 - t1 if frame is not None else None,
+            self.policy.record(t1 - t_text, len(sched.prefill), t2 - t1 if frame is not None else None,
                                      t3 - t2 if any(ch.num_frames for ch in chunks) else None,
-                                     alone_max=self.runner.prefill_alone_max())  # the prefill's regimes (PrefillCost)
+                                     alone_max=self.runner.prefill_alone_max(),  # the prefill's regimes (PrefillCost)
+                                     text_s=t_text - t0)  # every step's: not the newcomers' cost
         self.settled = self.scheduler.queue_depth == 0 and all(
             r.first_sent_at is not None or r.stream is None or r.stream_done or not r.can_run for r in sched.rows)
         return chunks
@@ -289,7 +294,7 @@ class Engine:
         """Decode the chunks that are due (by deadline with the policy, else full chunks), in that order; each
         advances its request's playback clock."""
         work, sizes, meta = [], [], []
-        plan = (self.policy.plan_chunks(reqs, time.perf_counter(), self.scheduler.queue_depth)
+        plan = (self.policy.plan_chunks(reqs, time.perf_counter(), self.scheduler.num_ready)
                 if self.policy is not None else full_chunks(reqs))
         for r, n in plan:
             if n > 0:

@@ -24,6 +24,7 @@ import math
 import torch
 
 from .. import invariant
+from ..hostcopy import Fill, to_device
 from ..inputs.request import InputError, PreparedRequest
 from ..kernels import linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, rope_cos_sin, rope_inv_freq
@@ -143,12 +144,30 @@ class ModelRunner:
                                    [len(p.layout.trailing_ids) for p in prepared], [p.params for p in prepared])
 
     @torch.inference_mode()
-    def append_text(self, slot: int, start: int, ids: list[int]) -> None:
-        """Streamed text: the next text token ids of the row in `slot`, embedded at trailing[start:]."""
-        assert start + len(ids) <= self.max_len, "the engine checks the room"
-        text = self.talker.embed_text(torch.tensor(ids))  # ids on the host: see embed_text
-        self.slots.trailing[slot, start:start + len(ids)] = text.to(self.dtype)
-        self.slots.trailing_len[slot] = start + len(ids)
+    def append_text(self, feeds: list[tuple[int, int, list[int]]]) -> None:
+        """Streamed text: per (slot, start, ids) the row's next text token ids, embedded at trailing[start:]. Every
+        row's tokens of the step in one staged copy (with their places and the rows' new lengths; the text rows
+        themselves where the table lives in host memory), one text projection and one scatter: no host sync, a few
+        launches whatever the rows."""
+        feeds = [(slot, start, ids) for slot, start, ids in feeds if ids]
+        if not feeds:
+            return
+        assert all(start + len(ids) <= self.max_len for _, start, ids in feeds), "the engine checks the room"
+        ids = torch.tensor([i for *_, row_ids in feeds for i in row_ids])  # [M]
+        M, F = ids.shape[0], len(feeds)
+        index = torch.tensor([slot for slot, _, row_ids in feeds for _ in row_ids]  # [2M + 2F]: row, position, ...
+                             + [start + j for _, start, row_ids in feeds for j in range(len(row_ids))]
+                             + [slot for slot, *_ in feeds] + [start + len(row_ids) for _, start, row_ids in feeds])
+        table = self.talker.model.text_embedding.weight
+        on_host = table.device.type == "cpu"  # (load_checkpoint): its rows gathered straight into the staging buffer
+        rows = Fill((M, table.shape[1]), table.dtype, lambda out: torch.index_select(table.detach(), 0, ids, out=out))
+        text, index = to_device([rows if on_host else ids, index], self.device)
+        row, col, slot, length = index.split([M, M, F, F])
+        # NOTE(invariant): one projection for every row's tokens (as embed_prompts for a wave): in batch-invariant
+        # mode a token's bits are those of its own row's call (TextProjection)
+        text = self.talker.text_projection(text if on_host else self.talker.model.text_embedding(text))  # [M, D]
+        self.slots.trailing[row, col] = text.to(self.dtype)
+        self.slots.trailing_len[slot] = length
 
     @torch.inference_mode()
     def prefill_batch(self, lo: int, prefills: list[torch.Tensor], trailings: list[torch.Tensor],

@@ -73,6 +73,12 @@ class Scheduler:
         return len(self.waiting)
 
     @property
+    def num_ready(self) -> int:
+        """Queued requests whose prompt is ready to prefill (a streamed text's request is queued from its first piece,
+        before its prompt is: until then no newcomer the running streams make room for)."""
+        return sum(r.prompt_ready for r in self.waiting)
+
+    @property
     def num_running(self) -> int:
         return len(self.running)
 

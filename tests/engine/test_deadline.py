@@ -514,6 +514,18 @@ class FixedTimes(StepTimes):
         pass
 
 
+class RecordedTimes(StepTimes):
+    """StepTimes that keep every step's record (prefill_s, admitted, frame_s, vocode_s, text_s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def record(self, *args) -> None:
+        self.records.append(args)
+        super().record(*args)
+
+
 def _stream_all(deadline: bool, slow_step_s: float = 0.0) -> dict:
     import numpy as np
     import torch
@@ -572,6 +584,59 @@ def test_the_engine_tells_the_policy_its_runner_s_prefill_regimes(monkeypatch):
         eng.add_request(tts.prepare_custom_voice("Two.", "ryan", "English", max_new_tokens=3)[0])
     eng.step()
     assert (p.alone_max, p.alone.samples, p.batched.samples) == (10, 1, 1)
+
+
+def test_the_text_feed_is_a_cost_of_every_step_not_of_the_newcomers(monkeypatch):
+    """A step that hands a running row its streamed text and admits a newcomer: the feed's time (slow here, as a
+    runner's copies can be) is recorded as the step's text time (in step_s: the horizon, the budgets), not as the
+    newcomer's prefill (the wave estimates: one slow feed would hold admission back)."""
+    import time
+
+    from q3tts.engine.engine import Engine
+    from tests.golden import fixtures as fx
+
+    tts = fx.tts("cv06")
+    eng = Engine(tts.ckpt, max_slots=4, max_seq_len=256, deadline=True)
+    feed = eng.runner.append_text
+    monkeypatch.setattr(eng.runner, "append_text", lambda feeds: (time.sleep(0.05 * any(ids for *_, ids in feeds)),
+                                                                   feed(feeds)))
+    eng.policy.times = times = RecordedTimes()
+    streamed = tts.prepare_custom_voice(text=None, speaker="vivian", language="English", non_streaming_mode=False,
+                                        max_new_tokens=20)[0]
+    eng.add_request(streamed)  # offline: no deadline of its own holds the newcomer back
+    streamed.text.append("Hello there, this ")
+    eng.step()  # its prompt laid out, admitted
+    assert eng.scheduler.num_running == 1
+    streamed.text.append("is more text to say, ")
+    eng.add_request(tts.prepare_custom_voice("A newcomer.", "ryan", "English", max_new_tokens=5)[0], StreamOptions(1, 4))
+    eng.step()  # the streamed row's new text (50 ms) and the newcomer's prefill
+    prefill_s, admitted, _, _, text_s = times.records[-1]
+    assert admitted == 1 and text_s >= 0.05 and prefill_s < 0.05
+    assert times.text.value > 0 and times.step_s > times.frame.value + times.vocode.value
+
+
+def test_a_streamed_text_waiting_for_its_first_words_does_not_grow_first_sends():
+    """A request queued before its prompt is ready (a WebSocket utterance from its first piece) is no newcomer the
+    running streams make room for: beside it, a stream's first send is its first chunk, as alone (first sends cover
+    the next wave's prefill only for requests ready to be admitted)."""
+    from q3tts.engine.engine import Engine
+    from tests.golden import fixtures as fx
+
+    tts = fx.tts("cv06")
+    eng = Engine(tts.ckpt, max_slots=4, max_seq_len=256, deadline=True)
+    eng.policy.times = FixedTimes()
+    StepTimes.record(eng.policy.times, 0.2, 1, 0.001, 0.001)  # a prefill of 0.2 s: covering it takes 3 frames
+    quiet = tts.prepare_custom_voice(text=None, speaker="vivian", language="English", non_streaming_mode=False)[0]
+    eng.add_request(quiet, StreamOptions(1, 4))  # its text never comes
+    r = eng.add_request(tts.prepare_custom_voice("Speak now.", "ryan", "English", max_new_tokens=20)[0],
+                        StreamOptions(1, 4))
+    first = []
+    for _ in range(20):
+        first = [c.num_frames for c in eng.step() if c.request_id == r.request_id and c.num_frames]
+        if first:
+            break
+    assert (eng.scheduler.queue_depth, eng.scheduler.num_ready) == (1, 0)
+    assert first == [1]
 
 
 def test_the_deadline_policy_reads_its_knobs_from_the_environment():

@@ -1,10 +1,17 @@
-"""The runner's admission of a wave of newcomers: a constant number of launches and copies, whatever the wave."""
+"""The runner's admission of a wave of newcomers: a constant number of launches and copies, whatever the wave. Its
+feed of a step's streamed text (append_text): every row's tokens in one embed call, one copy and one scatter, writing
+the places and values that feeding each row alone wrote (exactly: the same slots, positions and lengths, untouched
+rows untouched; the values bit for bit where a token's projection does not depend on the call's other tokens, the
+batch-invariant mode on CUDA, else to the projection's rounding)."""
 
 import dataclasses
 
+import pytest
 import torch
 
+from q3tts import invariant
 from q3tts.engine.engine import Engine
+from q3tts.engine.runner import ModelRunner
 from tests.golden import fixtures as fx
 from tests.models.test_talker import _row_by_row, _wave
 
@@ -46,3 +53,75 @@ def test_a_wave_is_one_text_projection_and_one_copy(monkeypatch):
         for f in dataclasses.fields(s.sampling):
             assert getattr(s.sampling, f.name)[row] == torch.tensor(getattr(p.params, f.name),
                                                                     dtype=getattr(s.sampling, f.name).dtype), f.name
+
+
+FEEDS = [(2, 5, [9707, 11, 1879]), (0, 0, [21806]), (3, 9, [13, 220]), (1, 4, [])]  # (slot, start, ids)
+
+
+def per_row(runner: ModelRunner, feeds) -> tuple[torch.Tensor, torch.Tensor]:
+    """(trailing, trailing_len) after feeding each row alone: one embed_text per row, its own writes."""
+    trailing, lens = runner.slots.trailing.clone(), runner.slots.trailing_len.clone()
+    with torch.inference_mode():
+        for slot, start, ids in feeds:
+            if ids:
+                trailing[slot, start:start + len(ids)] = runner.talker.embed_text(torch.tensor(ids)).to(trailing.dtype)
+                lens[slot] = start + len(ids)
+    return trailing, lens
+
+
+def batched(runner: ModelRunner, feeds) -> tuple[torch.Tensor, torch.Tensor]:
+    runner.append_text(feeds)
+    return runner.slots.trailing.clone(), runner.slots.trailing_len.clone()
+
+
+def fresh_runner(tts) -> ModelRunner:
+    """A runner whose trailing text is filled with a value no embedding writes (so every write shows)."""
+    r = ModelRunner(tts.ckpt.talker, tts.ckpt.tts_pad_embed, max_slots=4, max_len=64, use_cuda_graphs=False,
+                    compile=False)
+    r.slots.trailing.fill_(7.0)
+    r.slots.trailing_len.fill_(3)
+    return r
+
+
+def test_batched_feed_writes_the_places_and_values_of_the_per_row_feed():
+    tts = fx.tts("cv06")
+    runner = fresh_runner(tts)
+    want, want_len = per_row(runner, FEEDS)
+    got, got_len = batched(runner, FEEDS)
+    assert torch.equal(got_len, want_len) and got_len.tolist() == [1, 3, 8, 11]
+    assert torch.equal(got == 7.0, want == 7.0)  # the same (slot, position) cells written, nothing else
+    assert (got != 7.0).any(-1).sum() == 6
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # CPU GEMMs round by their number of rows
+    # exactly the rows of one embed_text call over every token, in feed order
+    ids = torch.tensor([i for *_, row in FEEDS for i in row])
+    with torch.inference_mode():
+        one_call = tts.ckpt.talker.embed_text(ids)
+    rows = torch.tensor([s for s, _, row in FEEDS for _ in row])
+    cols = torch.tensor([st + j for _, st, row in FEEDS for j in range(len(row))])
+    assert torch.equal(got[rows, cols], one_call)
+
+
+def test_nothing_to_feed_writes_nothing():
+    runner = fresh_runner(fx.tts("cv06"))
+    before = runner.slots.trailing.clone(), runner.slots.trailing_len.clone()
+    runner.append_text([])
+    runner.append_text([(1, 0, []), (2, 3, [])])
+    assert torch.equal(runner.slots.trailing, before[0]) and torch.equal(runner.slots.trailing_len, before[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_feed_equals_per_row_bit_for_bit_in_batch_invariant_mode(real_checkpoint):
+    """On CUDA in bf16 with batch-invariant kernels (real dimensions: the kernels' tiles; the text embedding table in
+    host memory, as load_checkpoint puts it): the batched feed's values equal the per-row feed's exactly."""
+    from q3tts import TTS
+    tts = TTS.from_pretrained(real_checkpoint("0.6B-CustomVoice"), device="cuda", dtype=torch.bfloat16)
+    invariant.set_enabled(True)
+    try:
+        runner = fresh_runner(tts)
+        assert runner.talker.model.text_embedding.weight.device.type == "cpu"
+        want, want_len = per_row(runner, FEEDS)
+        got, got_len = batched(runner, FEEDS)
+    finally:
+        invariant.set_enabled(False)
+    assert torch.equal(got_len, want_len) and torch.equal(got, want)
