@@ -44,8 +44,8 @@ if triton is not None:
         sn = tl.load(sin_ptr + s * DH + d).to(tl.float32)
         out = _bf(_bf(y * c) + _bf(tl.where(d < DH // 2, -yp, yp) * sn))  # x * cos + rotate_half(x) * sin
         out = out.to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + ((b * H + h) * S + s) * DH + d, out, mask=is_q)
-        tl.store(k_ptr + ((b * HKV + h - H) * S + s) * DH + d, out, mask=real & (h >= H))
+        tl.store(q_ptr + (t * H + h) * DH + d, out, mask=is_q)  # token-major: [B, S, H, DH]
+        tl.store(k_ptr + (t * HKV + h - H) * DH + d, out, mask=real & (h >= H))
 
     @triton.jit
     def _silu_mul(gu_ptr, out_ptr, N, INTER, BLOCK: tl.constexpr):
@@ -66,19 +66,20 @@ def prefill_glue_applies(x: torch.Tensor) -> bool:
 
 def qk_norm_rope(qkv: torch.Tensor, q_norm: torch.nn.Module, k_norm: torch.nn.Module, cos: torch.Tensor,
                  sin: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv [B, S, (H + 2 Hkv) Dh] (rows contiguous) -> q [B, H, S, Dh], k [B, Hkv, S, Dh], contiguous: RMSNorm
-    (q_norm / k_norm: per-head weights [Dh], their eps) then RoPE with cos / sin [S, Dh] (rotate_half convention), as
-    apply_rope(q_norm(q), cos, sin)."""
+    """qkv [B, S, (H + 2 Hkv) Dh] (rows contiguous) -> q [B, H, S, Dh], k [B, Hkv, S, Dh]: RMSNorm (q_norm / k_norm:
+    per-head weights [Dh], their eps) then RoPE with cos / sin [S, Dh] (rotate_half convention), as
+    apply_rope(q_norm(q), cos, sin). Both are laid out token-major ([B, S, heads, Dh] transposed, as v lies in qkv):
+    attention's output comes in q's layout, so merging its heads back into [B, S, H * Dh] is a view, not a copy."""
     B, S, _ = qkv.shape
     H, Hkv = num_heads, num_kv_heads
     Dh = cos.shape[-1]
     assert qkv.stride(-1) == 1 and qkv.stride(0) == S * qkv.stride(1) and cos.is_contiguous() and sin.is_contiguous()
     assert q_norm.eps == k_norm.eps
-    q = qkv.new_empty(B, H, S, Dh)
-    k = qkv.new_empty(B, Hkv, S, Dh)
+    q = qkv.new_empty(B, S, H, Dh)
+    k = qkv.new_empty(B, S, Hkv, Dh)
     _qk_norm_rope[(B * S,)](qkv, q_norm.weight, k_norm.weight, cos, sin, q, k, S, qkv.stride(1), q_norm.eps,
                             H=H, HKV=Hkv, DH=Dh, HP=triton.next_power_of_2(H + Hkv), num_warps=4)
-    return q, k
+    return q.transpose(1, 2), k.transpose(1, 2)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

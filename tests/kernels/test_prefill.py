@@ -57,7 +57,7 @@ def test_qk_norm_rope_is_the_eager_norms_and_rope():
         q, k = qk_norm_rope(qkv, lay.self_attn.q_norm, lay.self_attn.k_norm, *rope(S, torch.bfloat16), H, Hkv)
         qe, ke = modules(lay.self_attn, qkv, *rope(S, torch.bfloat16))
         q64, k64 = modules(exact.self_attn, qkv.double(), *(t.double() for t in rope(S, torch.bfloat16)))
-    assert q.is_contiguous() and k.is_contiguous()
+    assert q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()  # token-major
     assert_as_accurate(q, qe, q64)
     assert_as_accurate(k, ke, k64)
 
