@@ -1,6 +1,7 @@
 """The engine wing's face: what the API and the server use, and all they import from it.
 
-    AsyncEngine (the one loop that steps an Engine; submit / generate / generate_codes / stream), Engine,
+    AsyncEngine (the one loop that steps an Engine; submit / generate / generate_codes / stream; step_stream: its
+    stream where other work shares the GPU), Engine,
     AudioChunk, StreamOptions, QueueFullError, the compile-cache counters and the default slot count.
 
 Exported lazily (module __getattr__): importing a light module of the wing (the scheduler, the request types) or
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {
     "AsyncEngine": "async_engine", "BlockingHandle": "async_engine", "EngineStats": "async_engine",
-    "RequestHandle": "async_engine",
+    "RequestHandle": "async_engine", "step_stream": "async_engine",
     "AudioChunk": "engine", "Engine": "engine", "EngineCounters": "engine",
     "RequestStatus": "request", "StreamOptions": "request",
     "QueueFullError": "scheduler",
@@ -23,10 +24,10 @@ _EXPORTS = {
 }
 __all__ = ["DEFAULT_MAX_SLOTS", "AsyncEngine", "AudioChunk", "BlockingHandle", "Engine", "EngineCounters",
            "EngineStats", "QueueFullError", "RequestHandle", "RequestStatus", "StreamOptions", "compile_counts",
-           "describe_counts"]
+           "describe_counts", "step_stream"]
 
 if TYPE_CHECKING:
-    from .async_engine import AsyncEngine, BlockingHandle, EngineStats, RequestHandle
+    from .async_engine import AsyncEngine, BlockingHandle, EngineStats, RequestHandle, step_stream
     from .compile import compile_counts, describe_counts
     from .engine import AudioChunk, Engine, EngineCounters
     from .memory import DEFAULT_MAX_SLOTS

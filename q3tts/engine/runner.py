@@ -24,7 +24,7 @@ import math
 import torch
 
 from .. import invariant
-from ..hostcopy import Fill, to_device
+from ..hostcopy import to_device
 from ..inputs.request import InputError, PreparedRequest
 from ..kernels import linear
 from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, rope_cos_sin, rope_inv_freq
@@ -158,14 +158,11 @@ class ModelRunner:
         index = torch.tensor([slot for slot, _, row_ids in feeds for _ in row_ids]  # [2M + 2F]: row, position, ...
                              + [start + j for _, start, row_ids in feeds for j in range(len(row_ids))]
                              + [slot for slot, *_ in feeds] + [start + len(row_ids) for _, start, row_ids in feeds])
-        table = self.talker.model.text_embedding.weight
-        on_host = table.device.type == "cpu"  # (load_checkpoint): its rows gathered straight into the staging buffer
-        rows = Fill((M, table.shape[1]), table.dtype, lambda out: torch.index_select(table.detach(), 0, ids, out=out))
-        text, index = to_device([rows if on_host else ids, index], self.device)
+        text, index = to_device([self.talker.staged_text(ids), index], self.device)
         row, col, slot, length = index.split([M, M, F, F])
         # NOTE(invariant): one projection for every row's tokens (as embed_prompts for a wave): in batch-invariant
         # mode a token's bits are those of its own row's call (TextProjection)
-        text = self.talker.text_projection(text if on_host else self.talker.model.text_embedding(text))  # [M, D]
+        text = self.talker.project_staged_text(text)  # [M, D]
         self.slots.trailing[row, col] = text.to(self.dtype)
         self.slots.trailing_len[slot] = length
 

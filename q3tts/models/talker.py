@@ -103,6 +103,22 @@ class Talker(nn.Module):
         x = F.embedding(ids.to(table.device), table)
         return self.text_projection(x.to(self.codec_head.weight.device))
 
+    def staged_text(self, ids: torch.Tensor) -> Fill | torch.Tensor:
+        """Text ids [M] on the host as a section of one staged copy (hostcopy.to_device): where the table lives in
+        host memory (load_checkpoint), its rows themselves, gathered straight into the staging buffer (F.embedding's
+        values, without a tensor of their own); else the ids. project_staged_text makes embed_text's values of it."""
+        table = self.model.text_embedding.weight
+        if table.device.type != "cpu":
+            return ids
+        return Fill((ids.shape[0], table.shape[1]), table.dtype,
+                    lambda out: torch.index_select(table.detach(), 0, ids, out=out))
+
+    def project_staged_text(self, staged: torch.Tensor) -> torch.Tensor:
+        """The device copy of a staged_text section (rows [M, text_hidden] or ids [M]) -> [M, D], as embed_text."""
+        table = self.model.text_embedding.weight
+        x = staged if table.device.type == "cpu" else F.embedding(staged.to(table.device), table)
+        return self.text_projection(x.to(self.codec_head.weight.device))
+
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """A frame of K codes [..., K] -> [..., D]: the sum of its K codec embeddings.
 
@@ -215,14 +231,9 @@ def embed_prompts(talker: Talker, layouts: list, speaker_embeddings: list[torch.
     ids = cat(text_ids + trail_ids)  # the prompts' text, then the trailing text
     host = [cat(dest["text"]), cat(dest["code"]), cat(code_ids), cat(dest["speaker"]), cat(speaker_of),
             cat(dest["ref"])]
-    # what sits on the host rides in the one copy: the text rows themselves where the table lives in host memory
-    # (load_checkpoint), x-vectors and reference frames unless they are already on the device
-    table = talker.model.text_embedding.weight
-    on_host = table.device.type == "cpu"
-    # (the rows gathered straight into the staging buffer: F.embedding's values, without a tensor of their own)
-    rows = Fill((ids.shape[0], table.shape[1]), table.dtype, lambda out: torch.index_select(table.detach(), 0, ids,
-                                                                                             out=out))
-    host.append(rows if on_host else ids)
+    # what sits on the host rides in the one copy: the text (its rows where the table lives in host memory:
+    # staged_text), x-vectors and reference frames unless they are already on the device
+    host.append(talker.staged_text(ids))
     # x-vectors cast on the host: the same rounding as a cast on the device (to nearest even)
     spk_host = bool(speakers) and all(s.device.type == "cpu" for s in speakers)
     ref_host = bool(refs) and all(r.device.type == "cpu" for r in refs)
@@ -236,7 +247,7 @@ def embed_prompts(talker: Talker, layouts: list, speaker_embeddings: list[torch.
     ref = rest.pop(0) if ref_host else (torch.cat([r.to(dev) for r in refs]) if refs else None)
     x = torch.zeros(N * L, D, device=dev, dtype=dt)
     if ids.numel():
-        text = talker.text_projection(text if on_host else F.embedding(text.to(table.device), table).to(dev))
+        text = talker.project_staged_text(text)
     n_text = text_at.shape[0]
     # added in embed_prompt's order (text, codec, speaker, reference); each flat position once per part
     if n_text:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from q3tts.engine import AsyncEngine
-from q3tts.engine.async_engine import step_stream
+from q3tts.engine import AsyncEngine, step_stream
 
 from . import logfilter
 from .metrics import Metrics
