@@ -148,6 +148,20 @@ class Talker(nn.Module):
         return run_layers(self.model.layers, self.model.norm, x, cos, sin, kv, ctx)
 
 
+def _prompt_slots(layout, speaker_embedding, ref_codes) -> tuple[np.ndarray, ...]:
+    """A layout's host arrays and which of its positions take which part -> (text ids, codec ids, text_at, code_at,
+    speaker_at, ref_at); ValueError where the speaker embedding or the reference codes do not match its slots."""
+    text = np.asarray(layout.text_ids, dtype=np.int64)
+    codec = np.asarray(layout.codec_ids, dtype=np.int64)
+    text_at, code_at = np.flatnonzero(text != NONE), np.flatnonzero(codec >= 0)
+    speaker_at, ref_at = np.flatnonzero(codec == SPEAKER), np.flatnonzero(codec == REF)
+    if speaker_at.size and speaker_embedding is None:
+        raise ValueError("this prompt has a speaker slot but no speaker embedding was given")
+    if ref_at.size and (ref_codes is None or ref_codes.shape[0] != ref_at.size):
+        raise ValueError("ICL prompt: reference codes do not match the layout")
+    return text, codec, text_at, code_at, speaker_at, ref_at
+
+
 def embed_prompt(talker: Talker, layout, speaker_embedding: torch.Tensor | None = None,
                  ref_codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn a symbolic layout (text_ids, codec_ids: one per prefill position; trailing_ids) into
@@ -160,15 +174,8 @@ def embed_prompt(talker: Talker, layout, speaker_embedding: torch.Tensor | None 
     """
     dev = talker.codec_head.weight.device
     dt = talker.codec_head.weight.dtype
-    text = np.asarray(layout.text_ids, dtype=np.int64)
-    codec = np.asarray(layout.codec_ids, dtype=np.int64)
+    text, codec, text_at, code_at, speaker_at, ref_at = _prompt_slots(layout, speaker_embedding, ref_codes)
     trail = np.asarray(layout.trailing_ids, dtype=np.int64)
-    text_at, code_at = np.flatnonzero(text != NONE), np.flatnonzero(codec >= 0)
-    speaker_at, ref_at = np.flatnonzero(codec == SPEAKER), np.flatnonzero(codec == REF)
-    if speaker_at.size and speaker_embedding is None:
-        raise ValueError("this prompt has a speaker slot but no speaker embedding was given")
-    if ref_at.size and (ref_codes is None or ref_codes.shape[0] != ref_at.size):
-        raise ValueError("ICL prompt: reference codes do not match the layout")
     parts = [text_at, code_at, codec[code_at], speaker_at, ref_at, text[text_at], trail]
     host = torch.from_numpy(np.concatenate(parts))
     flat = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
@@ -209,14 +216,7 @@ def embed_prompts(talker: Talker, layouts: list, speaker_embeddings: list[torch.
     text_ids, code_ids, trail_ids, speaker_of, speakers, refs = [], [], [], [], [], []
     for i, (lay, spk, ref) in enumerate(zip(layouts, speaker_embeddings, ref_codes)):
         assert len(lay) <= L, "L below a prompt's length"
-        text = np.asarray(lay.text_ids, dtype=np.int64)
-        codec = np.asarray(lay.codec_ids, dtype=np.int64)
-        text_at, code_at = np.flatnonzero(text != NONE), np.flatnonzero(codec >= 0)
-        speaker_at, ref_at = np.flatnonzero(codec == SPEAKER), np.flatnonzero(codec == REF)
-        if speaker_at.size and spk is None:
-            raise ValueError("this prompt has a speaker slot but no speaker embedding was given")
-        if ref_at.size and (ref is None or ref.shape[0] != ref_at.size):
-            raise ValueError("ICL prompt: reference codes do not match the layout")
+        text, codec, text_at, code_at, speaker_at, ref_at = _prompt_slots(lay, spk, ref)
         for k, at in (("text", text_at), ("code", code_at), ("speaker", speaker_at), ("ref", ref_at)):
             dest[k].append(i * L + at)
         text_ids.append(text[text_at])
