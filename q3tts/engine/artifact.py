@@ -3,15 +3,17 @@
 A start on a fresh machine compiles every torch.compile'd function (Inductor: FX graphs, AOTAutograd entries and
 their Triton or C++ kernels) and, on CUDA, the engine's own Triton kernels (q3tts.kernels), which Triton keeps in
 its own cache. `save_artifact` writes both after a warm-up; `load_artifact` puts them into this machine's caches
-before anything compiles, so its start finds them there as a restart finds its compile cache (Dynamo still traces
-every compiled function: torch does not cache that).
+before anything compiles, so its start finds them there as a restart finds its compile cache, Dynamo's entries
+included (q3tts.engine.compile.compile_fn: the traced code and guards of each compiled function, installed by
+torch.compile, so the start traces nothing they cover).
 
 File layout (little-endian):
     MAGIC | u64 header length | header JSON | section bytes, in the header's order
     header: {"format", "fingerprint" (must match), "built" (what it was built with, informational),
              "sections": [[name, size], ...], "triton_root": the builder's Triton cache directory}
     sections: "torch": torch.compiler.save_cache_artifacts()'s bytes (torch's "Mega-Cache": the portable form of
-              the Inductor, AOTAutograd, Triton-of-Inductor and autotuning caches);
+              the Inductor, AOTAutograd, Triton-of-Inductor and autotuning caches, and from format 2 Dynamo's
+              "precompile" entries);
               "triton": a tar.gz of the Triton cache directory the engine's own kernels were compiled into.
 The fingerprint ties the file to what it was built for: q3tts, torch and Triton versions, the device (GPU name and
 compute capability, or the CPU's vector ISA), the model's dimensions, the dtypes and the quantization. A mismatch,
@@ -35,9 +37,10 @@ import time
 import torch
 
 from .. import __version__
+from .compile import precompiling, want_precompile
 
 MAGIC = b"Q3TTS-COMPILE-ARTIFACT\n"
-FORMAT = 1
+FORMAT = 2  # 2: the torch section holds Dynamo's entries too
 MAX_HEADER = 1 << 20  # bytes: a header past this is corrupt, not read
 log = logging.getLogger("q3tts.engine")
 
@@ -107,7 +110,8 @@ def own_triton_cache() -> str | None:
 def save_artifact(path: str | os.PathLike, ckpt, built: dict | None = None) -> dict:
     """Write what this process compiled (torch's cache artifacts; the Triton cache directory when there is one) to
     `path` -> the header written. Call it after the engine is built and warmed up."""
-    saved = torch.compiler.save_cache_artifacts()
+    with precompiling(want_precompile()):  # (so that torch adds the Dynamo entries this process recorded)
+        saved = torch.compiler.save_cache_artifacts()
     sections = {"torch": saved[0] if saved else b""}
     root = triton_cache_dir() if ckpt.device.type == "cuda" else None
     if root and os.path.isdir(root):

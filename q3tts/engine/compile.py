@@ -13,14 +13,22 @@ q3tts points it at a per-user directory that survives, unless the user chose one
 Triton's kernels go under the same directory (torch's triton/<device> subfolder) unless TRITON_CACHE_DIR is set.
 Entries are keyed by hashes that include torch's own source (torch_key) and the compiled code, so versions never
 collide; the default directory still names the torch version, so an old one can simply be deleted.
-Dynamo's tracing is not cached: a warm start still traces every compiled function (seconds, not minutes).
+Dynamo's own output (the traced bytecode and its guards, per compiled function) is cached too, by torch's
+"caching precompile" (torch._dynamo.package: one entry per function under <cache>/dynamo/, and inside
+torch.compiler.save_cache_artifacts(), hence in q3tts's compiled artifact): a warm or artifact start installs those
+entries when it calls torch.compile and traces nothing they cover (BENCHMARKS.md: start-up). `compile_fn` scopes it to
+q3tts's own functions (a function compiled with it on must have guards that can be saved: another library's
+torch.compile'd functions stay as torch makes them); $Q3TTS_PRECOMPILE=0 turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import re
+import types
 
 import torch
 
@@ -29,6 +37,12 @@ from ..models.layers import DecoderLayer
 from ..sampling import sample, sample_topk, talker_logits_rules
 
 ENV = "Q3TTS_COMPILE_CACHE"
+PRECOMPILE_ENV = "Q3TTS_PRECOMPILE"
+# Guards that check an object's identity (a module, function, class, closure or dict version): they cannot be saved
+# (torch.compile raises in its package); a fresh process has other objects anyway, and the code they stand for is
+# checked by the package's source hashes instead (torch._dynamo.package.SourceInfo)
+IDENTITY_GUARDS = frozenset(("DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH", "MODULE_MATCH",
+                             "CLOSURE_MATCH", "WEAKREF_ALIVE"))
 OFF = ("0", "off", "false", "no", "none")
 log = logging.getLogger("q3tts.engine")
 
@@ -64,7 +78,7 @@ def compile_layers(talker: torch.nn.Module) -> None:
     # node wrote while ours let the next kernel start early (bf16 graph and eager codes parted with PDL in part of
     # the graphs); Inductor's static launcher cannot launch PDL kernels (slower warm starts); and the frame time
     # did not change beyond the machines' spread (BENCHMARKS.md).
-    fwd = torch.compile(DecoderLayer.forward, dynamic=True, fullgraph=True)
+    fwd = compile_fn(DecoderLayer.forward, dynamic=True, fullgraph=True)
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
             m.forward = functools.partial(fwd, m)
@@ -77,10 +91,102 @@ def compile_model(talker: torch.nn.Module, on: bool) -> tuple:
     if not on:
         return fns
     compile_layers(talker)
-    compiled = tuple(torch.compile(f, dynamic=True) for f in fns)
+    compiled = tuple(compile_fn(f, dynamic=True) for f in fns)
     # NOTE(invariant): eager torch reduces each row alone (sorts, softmax, cumsum); Inductor compiles 1 row and n rows
     # apart, and may reduce them differently
     return (sample, *compiled[1:]) if invariant.ENABLED else compiled
+
+
+def want_precompile() -> bool:
+    """Dynamo's output cached with the compile cache and the artifact (on unless $Q3TTS_PRECOMPILE is 0/off)."""
+    return os.environ.get(PRECOMPILE_ENV, "1").strip().lower() not in OFF
+
+
+def portable_guards(entries) -> list[bool]:
+    """torch.compile's guard_filter_fn for precompiled functions: keep what describes the inputs (tensor dtypes,
+    devices, sizes and strides, the symbolic shapes' ranges, constants and the global grad/autocast state), drop the
+    identity guards (IDENTITY_GUARDS) and any guard on a Python function (a compiled layer's forward is torch's
+    wrapper function, which torch saves as a placeholder: its type guard would fail in every later process).
+    NOTE(guards): in-process this trusts that q3tts never rebinds a function or module its compiled code inlined."""
+    return [e.guard_type not in IDENTITY_GUARDS and not IDENTITY_GUARDS.intersection(e.derived_guard_types or ())
+            and not (e.has_value and isinstance(e.value, types.FunctionType)) for e in entries]
+
+
+@contextlib.contextmanager
+def precompiling(on: bool = True):
+    """Within: torch.compile of q3tts's functions records Dynamo's output for the caches (torch's caching precompile;
+    its switch is per thread from torch 2.13 on, so the thread that compiles must be inside)."""
+    import torch._dynamo
+    if not on:
+        yield
+        return
+    with torch._dynamo.config.patch(caching_precompile=True):
+        yield
+
+
+def compile_fn(fn, **kw):
+    """torch.compile(fn, **kw), precompiled unless want_precompile() is False: its Dynamo entry is looked up in the
+    compile cache now (a hit installs the traced code and guards: no tracing at the first call), and what it compiles
+    later (inside `precompiling`) is recorded for flush_precompiled and save_cache_artifacts. An entry that does not
+    install here (another q3tts, a changed source) is a warning and a normal compilation."""
+    if not want_precompile():
+        return torch.compile(fn, **kw)
+    from torch._dynamo.utils import counters
+    try:
+        hits = counters["dynamo_cache"]["dynamo_cache_hit"]
+        # NOTE(precompile): an installed entry's guards are built now, and a tensor's dispatch-key guard takes in the
+        # thread's dispatch state of this moment: the engine calls its compiled functions in inference mode (and
+        # traced them so), so they are built in it too (else no inference tensor would ever pass them)
+        with precompiling(), torch.inference_mode():
+            out = torch.compile(fn, options={"guard_filter_fn": portable_guards}, **kw)
+        if counters["dynamo_cache"]["dynamo_cache_hit"] > hits:
+            _skip_installed_ids()
+        return out
+    except Exception as e:  # noqa: BLE001 (torch's package loader raises what it likes; any failure: trace as usual)
+        log.warning("cached Dynamo entry of %s not used, tracing it: %s: %s", getattr(fn, "__qualname__", fn),
+                    type(e).__name__, e)
+    return torch.compile(fn, **kw)
+
+
+_ID_SUFFIX = re.compile(r"_(\d+)$")
+
+
+def _skip_installed_ids() -> None:
+    """NOTE(precompile): a trace names the globals it installs from one process-wide counter
+    (torch._dynamo.bytecode_transformation.unique_id: '__builtins_dict___2'), and an installed entry brings the names
+    of the process that saved it: a later trace here (a variant the cache does not hold) would take one of them and
+    fail ("Name '__builtins_dict___2' already exists in scope"). So the counter moves past every such name present."""
+    import itertools
+    import sys
+
+    from torch._dynamo import bytecode_transformation as bt
+    top = -1
+    for m in list(sys.modules.values()):
+        names = getattr(m, "__dict__", None)
+        if isinstance(names, dict):
+            for k in list(names):
+                if isinstance(k, str) and k.startswith("__") and (hit := _ID_SUFFIX.search(k)):
+                    top = max(top, int(hit.group(1)))
+    nxt = next(bt._unique_id_counter)
+    bt._unique_id_counter = itertools.count(max(nxt, top + 1))
+
+
+def flush_precompiled() -> int:
+    """Write the Dynamo entries this process recorded (compile_fn's functions, compiled inside `precompiling`) into
+    the compile cache's dynamo/ folder, so that a restart installs them -> the number written. (save_cache_artifacts
+    does it too, for the artifact.)"""
+    if not want_precompile():
+        return 0
+    try:
+        from torch._dynamo.precompile_context import PrecompileContext
+        with precompiling():
+            entries, _ = PrecompileContext.create_cache_entries()
+            if entries:
+                PrecompileContext.save_to_dynamo_cache()
+        return len(entries)
+    except Exception as e:  # noqa: BLE001 (a failed write costs the next start its tracing, never this one)
+        log.warning("Dynamo entries not written to the compile cache: %s: %s", type(e).__name__, e)
+        return 0
 
 
 def default_compile_cache() -> str:
@@ -116,16 +222,30 @@ def use_compile_cache(setting: str | os.PathLike | bool | None = None) -> str | 
 
 
 def compile_counts() -> dict[str, int]:
-    """Process totals of the compile caches: FX graphs (Inductor) and AOTAutograd entries, found or compiled."""
+    """Process totals of the compile caches: FX graphs (Inductor) and AOTAutograd entries, found or compiled; Dynamo's
+    graphs traced (`traced`) and its cached entries installed or not found (per compiled function)."""
     from torch._dynamo.utils import counters
-    ind, aot = counters["inductor"], counters["aot_autograd"]
+    ind, aot, dyn = counters["inductor"], counters["aot_autograd"], counters["dynamo_cache"]
     return {"fx_hit": ind["fxgraph_cache_hit"], "fx_miss": ind["fxgraph_cache_miss"],
-            "aot_hit": aot["autograd_cache_hit"], "aot_miss": aot["autograd_cache_miss"]}
+            "aot_hit": aot["autograd_cache_hit"], "aot_miss": aot["autograd_cache_miss"],
+            "traced": counters["stats"]["unique_graphs"], "dynamo_hit": dyn["dynamo_cache_hit"],
+            "dynamo_miss": dyn["dynamo_cache_miss"] + dyn["dynamo_cache_error"]}
+
+
+def dynamo_seconds() -> float:
+    """Seconds this process spent in Dynamo's compilation of frames: tracing and the backend it calls (on a warm start
+    without Dynamo's entries mostly tracing, Inductor's part coming from the cache), or installing cached entries."""
+    from torch._dynamo.utils import compilation_time_metrics
+    return sum(sum(v) for k, v in compilation_time_metrics.items() if k.endswith("compile_inner"))
 
 
 def describe_counts(before: dict[str, int], after: dict[str, int] | None = None) -> str:
-    """The compilations between two compile_counts(), e.g. '12 graphs from the compile cache, 0 compiled (warm)'."""
+    """The compilations between two compile_counts(), e.g. '12 graphs from the compile cache, 0 compiled (warm);
+    Dynamo: 12 graphs traced, 0 functions' entries installed'."""
     after = after or compile_counts()
     hit, miss = after["fx_hit"] - before["fx_hit"], after["fx_miss"] - before["fx_miss"]
-    state = "nothing compiled" if not hit + miss else "warm" if not miss else "cold" if not hit else "partly warm"
-    return f"{hit} graphs from the compile cache, {miss} compiled ({state})"
+    traced, installed = (after.get(k, 0) - before.get(k, 0) for k in ("traced", "dynamo_hit"))
+    found = hit + installed
+    state = "nothing compiled" if not found + miss else "warm" if not miss else "cold" if not found else "partly warm"
+    return (f"{hit} graphs from the compile cache, {miss} compiled ({state}); Dynamo: {traced} graphs traced, "
+            f"{installed} functions' entries installed")

@@ -20,7 +20,8 @@ from .. import invariant
 from ..kernels import gemv_ex, gemv_ex_applies, linear
 from ..models.layers import AttnContext, rope_cos_sin, rope_inv_freq
 from ..models.talker import Talker
-from ..sampling import frame_noise
+from ..sampling import frame_noise, sample, sample_topk
+from .compile import compile_fn
 from .memory import KV_SPARE
 from .slots import SlotSampling
 
@@ -53,8 +54,8 @@ class DepthLoop:
                       for c in (True, False)}
         self.whole = None
         if compiled:
-            fused = torch.compile(self._step, dynamic=False, fullgraph=True)  # static: 2 step shapes x 2 samplers
-            self.whole = {c: functools.partial(fused, capped=c, fused_attention=cuda, write_kv_in_attention=True)
+            fused = compile_fn(fused_step, dynamic=False, fullgraph=True)  # static: 2 step shapes x 2 samplers
+            self.whole = {c: functools.partial(fused, talker.code_predictor, capped=c, fused_attention=cuda)
                           for c in (True, False)}
             # The step compiled whole has a cache of its own: per layer a k and a v tensor that alias nothing, which
             # its attention kernel writes in place (AttnContext.write_kv_in_attention). (The batched steps keep views
@@ -84,8 +85,8 @@ class DepthLoop:
             step = self.whole[capped] if whole else self.steps[capped][min(i, 1)]
             emb = cp.model.codec_embedding[min(i, self.K - 3)].weight  # (the last step's next input is unused)
             inputs = tuple(t[:B] for t in self.step_inputs[i])
-            code, x = step(x, inputs, kv, (cp.lm_head[i].weight, emb), params, noise_all[i],
-                           None if whole else topk_ok)
+            args = (x, inputs, kv, (cp.lm_head[i].weight, emb), params, noise_all[i])
+            code, x = step(*args) if whole else step(*args, topk_ok)
             out.append(code)
         return torch.stack(out, dim=1)
 
@@ -116,16 +117,9 @@ class DepthLoop:
         [B, V] -> (code [B], next input codec_embedding[i](code) [B, 1, D_talker]). fused_attention puts each
         layer's attention in one kernel (kernels.decode_attention), which also writes the caches with
         write_kv_in_attention."""
-        cos, sin, write_pos, mask = inputs
         head_w, emb_w = weights
-        ctx = AttnContext(write_pos, mask, fused_attention=fused_attention, write_kv_in_attention=write_kv_in_attention)
-        cp = self.talker.code_predictor
-        hid = cp(x, cos, sin, kv, ctx, normed=False)[:, -1]  # [B, D_cp] before the final norm
-        if gemv_ex_applies(hid, head_w):  # one row on a GPU: the norm rides in the head's kernel
-            logits = gemv_ex(hid, head_w, norm=cp.model.norm)
-        else:
-            logits = linear(cp.model.norm(hid), head_w)
-        # (logits in the head's dtype: the samplers compute in fp32, the CUDA one as it loads them)
+        logits = step_logits(self.talker.code_predictor, x, inputs, kv, head_w, fused_attention,
+                             write_kv_in_attention)
         if capped:
             code, nxt = self._sample_topk(logits, *params, noise, emb=emb_w)
         else:
@@ -144,3 +138,31 @@ class DepthLoop:
         if not invariant.ENABLED or topk_ok is None:
             return full
         return torch.where(topk_ok, self._sample_topk(logits, *args), full)
+
+
+def step_logits(cp, x, inputs, kv, head_w, fused_attention: bool, write_kv_in_attention: bool) -> torch.Tensor:
+    """A step's code predictor pass: x [B, S, D_talker], inputs (cos, sin, write_pos, mask), kv per layer (k, v), the
+    step's head [V, D_cp] -> logits [B, V] in the head's dtype (the samplers compute in fp32, the CUDA one as it loads
+    them)."""
+    cos, sin, write_pos, mask = inputs
+    ctx = AttnContext(write_pos, mask, fused_attention=fused_attention, write_kv_in_attention=write_kv_in_attention)
+    hid = cp(x, cos, sin, kv, ctx, normed=False)[:, -1]  # [B, D_cp] before the final norm
+    if gemv_ex_applies(hid, head_w):  # one row on a GPU: the norm rides in the head's kernel
+        return gemv_ex(hid, head_w, norm=cp.model.norm)
+    return linear(cp.model.norm(hid), head_w)
+
+
+def fused_step(cp, x, inputs, kv, weights, params, noise, *, capped: bool, fused_attention: bool):
+    """The step compiled whole (DepthLoop.whole: up to FUSED_CP_MAX_BATCH rows, caches of its own written by the
+    attention kernel): DepthLoop._step with the samplers themselves (sample_topk when capped, else sample; compiled
+    inside this graph), as a function of its arguments alone. NOTE(precompile): no object of the engine's among
+    them, so its guards are about tensors and constants, which torch can save with the compile cache and the
+    artifact (q3tts.engine.compile.compile_fn)."""
+    head_w, emb_w = weights
+    logits = step_logits(cp, x, inputs, kv, head_w, fused_attention, True)
+    if capped:
+        code, nxt = sample_topk(logits, *params, noise, emb=emb_w)
+    else:
+        code = sample(logits, *params, noise)
+        nxt = F.embedding(code, emb_w)
+    return code, nxt[:, None]

@@ -41,7 +41,14 @@ from .. import invariant
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
 from .artifact import load_artifact
-from .compile import compile_counts, describe_counts
+from .compile import (
+    compile_counts,
+    describe_counts,
+    flush_precompiled,
+    precompiling,
+    use_compile_cache,
+    want_compile,
+)
 from .deadline import DeadlinePolicy, chunk_cut, full_chunks
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
@@ -98,15 +105,20 @@ class Engine:
         self.ckpt = ckpt
         max_slots, max_seq_len, num_blocks = size_engine(ckpt, max_slots, max_seq_len, gpu_memory_utilization,
                                                          gpu_memory, block_size=kv_block_size)
-        self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
-                                  use_cuda_graphs=use_cuda_graphs, compile=compile, block_size=kv_block_size,
-                                  num_blocks=num_blocks, compile_cache=compile_cache)
         self.artifact = None  # the loaded compiled artifact's header (None: none, or it did not apply)
-        if compile_artifact and self.runner.compiled:  # (nothing has compiled yet: torch.compile is lazy)
+        if compile_artifact and want_compile(ckpt.device, compile):
+            # before the runner's torch.compile calls: they install the Dynamo entries the artifact put in the cache
+            use_compile_cache(compile_cache)
             self.artifact = load_artifact(compile_artifact, ckpt)
         elif compile_artifact:
             log.warning("compiled artifact %s unused: torch.compile is off", compile_artifact)
-        self.runner.capture_graphs()
+        self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
+                                  use_cuda_graphs=use_cuda_graphs, compile=compile, block_size=kv_block_size,
+                                  num_blocks=num_blocks, compile_cache=compile_cache)
+        # a runner that compiles lazily (no CUDA graphs: at the first requests) records its compilations then
+        self._precompile_in_steps = self.runner.compiled and not self.runner.use_graphs
+        with precompiling(self.runner.compiled):
+            self.runner.capture_graphs()
         if deadline is None:
             deadline = os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes")
         self.policy = DeadlinePolicy.from_env(os.environ) if deadline else None
@@ -114,6 +126,8 @@ class Engine:
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)
         self.vocoder.capture_graphs()
+        if self.runner.compiled and self.runner.use_graphs:
+            flush_precompiled()  # every compilation is done: a restart installs their Dynamo entries
         if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)
             log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s", time.perf_counter() - t0,
                      len(self.runner.graphs) + len(self.vocoder.graphs), describe_counts(counts),
@@ -225,7 +239,8 @@ class Engine:
         their slots and vocoder rows freed (failed_ids); queued requests were not touched and go on."""
         self._held = []
         try:
-            return self._step()
+            with precompiling(self._precompile_in_steps):
+                return self._step()
         except Exception as e:
             with self._lock:
                 for req in self._held:

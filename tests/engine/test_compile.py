@@ -63,9 +63,12 @@ def test_serve_flag_and_environment(env, tmp_path):
 
 
 def test_describe_counts():
-    zero = {"fx_hit": 0, "fx_miss": 0, "aot_hit": 0, "aot_miss": 0}
-    assert describe_counts(zero, dict(zero, fx_hit=3)) == "3 graphs from the compile cache, 0 compiled (warm)"
-    assert describe_counts(zero, dict(zero, fx_miss=2)).endswith("(cold)")
+    zero = {"fx_hit": 0, "fx_miss": 0, "aot_hit": 0, "aot_miss": 0, "traced": 0, "dynamo_hit": 0, "dynamo_miss": 0}
+    assert describe_counts(zero, dict(zero, fx_hit=3, traced=3)) == (
+        "3 graphs from the compile cache, 0 compiled (warm); Dynamo: 3 graphs traced, 0 functions' entries installed")
+    assert "2 compiled (cold)" in describe_counts(zero, dict(zero, fx_miss=2, traced=2))
+    assert "(warm); Dynamo: 0 graphs traced, 5 functions' entries installed" in describe_counts(zero,
+                                                                                               dict(zero, dynamo_hit=5))
 
 
 # Two decoder layers (two instances: one compiled function must serve both) through compile_layers, as the talker's.
@@ -74,7 +77,7 @@ import json, torch
 torch.set_num_threads(1)
 from q3tts.config import DecoderLayerConfig
 from q3tts.engine.compile import compile_counts, use_compile_cache
-from q3tts.engine.compile import compile_layers
+from q3tts.engine.compile import compile_layers, flush_precompiled, precompiling
 from q3tts.models.layers import AttnContext, DecoderLayer, rope_cos_sin, rope_inv_freq
 use_compile_cache()  # from Q3TTS_COMPILE_CACHE
 cfg = DecoderLayerConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -87,27 +90,46 @@ kv = torch.zeros(2, 2, 1, 2, n, 16)
 pos = torch.arange(L)[None]
 cos, sin = rope_cos_sin(pos, rope_inv_freq(16, 10000.0), torch.float32)
 ctx = AttnContext(pos, (torch.arange(n)[None] <= pos[0][:, None])[None, None])
-with torch.inference_mode():
+with precompiling(), torch.inference_mode():  # (as the engine compiles: its Dynamo entry is recorded)
     x = torch.randn(1, L, 32)
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, kv[i][0], kv[i][1], ctx)
-print(json.dumps(compile_counts()))
+flush_precompiled()  # (the engine does it once its graphs are captured)
+counts = compile_counts()
+# another variant, traced in a process that may have installed a saved entry (torch names their globals alike)
+y = torch.randn(1, L, 32)  # not an inference tensor: a new variant
+with torch.inference_mode():
+    layers[0](y, cos, sin, kv[0][0], kv[0][1], ctx)
+print(json.dumps({"counts": counts, "out": x.flatten().tolist(), "variant_traced": compile_counts()["traced"]}))
 """
 
 
-@pytest.mark.slow  # a cold Inductor compile on the CPU: ~45 s of the ~70 s on a loaded 2-core box
+@pytest.mark.slow  # a cold Inductor compile on the CPU: ~45 s of the ~90 s on a loaded 2-core box
 def test_second_process_hits_the_cache(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+                                                              "Q3TTS_PRECOMPILE")}
     env.update(Q3TTS_COMPILE_CACHE=str(tmp_path / "cc"), OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
 
-    def run():
-        out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", CHILD], env=dict(env, **extra), capture_output=True, text=True,
+                             timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
-    cold, warm = run(), run()
-    # one graph for both layers, compiled once, found by the second process; no AOTAutograd miss either (a Dynamo
-    # restart, as float attributes once caused, would show one)
-    assert cold == {"fx_hit": 0, "fx_miss": 1, "aot_hit": 0, "aot_miss": 1}, cold
-    assert warm == {"fx_hit": 1, "fx_miss": 0, "aot_hit": 1, "aot_miss": 0}, warm
-    assert any((tmp_path / "cc").iterdir())
+    cold, warm, untraced = run(), run(), run(Q3TTS_PRECOMPILE="0")
+    pick = ("fx_hit", "fx_miss", "aot_hit", "aot_miss", "traced", "dynamo_hit")
+    # one graph for both layers, traced and compiled once, no AOTAutograd miss beyond it (a Dynamo restart, as float
+    # attributes once caused, would show one)
+    assert {k: cold["counts"][k] for k in pick} == {"fx_hit": 0, "fx_miss": 1, "aot_hit": 0, "aot_miss": 1,
+                                                    "traced": 1, "dynamo_hit": 0}, cold
+    # a restart installs Dynamo's entry with its compiled graph: nothing traced, nothing looked up in Inductor's cache
+    assert {k: warm["counts"][k] for k in pick} == {"fx_hit": 0, "fx_miss": 0, "aot_hit": 0, "aot_miss": 0,
+                                                    "traced": 0, "dynamo_hit": 1}, warm
+    assert warm["out"] == cold["out"]
+    assert warm["variant_traced"] == 1  # a variant the entry does not cover is traced as usual, after it
+    # without Dynamo's entries (Q3TTS_PRECOMPILE=0): traced again, its graph from Inductor's cache, the same bits
+    # (AOTAutograd's entry is looked up apart: the precompiling start saved it bundled, keyed otherwise)
+    assert {k: untraced["counts"][k] for k in ("fx_hit", "fx_miss", "traced", "dynamo_hit")} == {
+        "fx_hit": 1, "fx_miss": 0, "traced": 1, "dynamo_hit": 0}, untraced
+    assert untraced["out"] == cold["out"]
+    assert any((tmp_path / "cc" / "dynamo").iterdir())
