@@ -1,6 +1,6 @@
 """The compiled artifact (q3tts.engine.artifact): its file format, what it is tied to (a mismatch, a corrupt or a
 foreign file: a warning and a cold start), the Triton cache's relocation, and a real start in a fresh process with
-an empty compile cache that compiles nothing that the artifact holds and decodes the same codes."""
+an empty compile cache that traces and compiles nothing that the artifact holds and decodes the same codes."""
 
 import io
 import json
@@ -179,8 +179,13 @@ def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
     cold = run("save", "cache-builder")
-    assert cold["counts"]["fx_miss"] > 0 and cold["counts"]["fx_hit"] == 0, cold["counts"]
+    c = cold["counts"]
+    assert c["fx_miss"] > 0 and c["fx_hit"] == 0 and c["traced"] == c["fx_miss"] and c["dynamo_hit"] == 0, c
     warm = run("load", "cache-fresh")  # another, empty compile cache: only the artifact can supply the graphs
     assert warm["loaded"]
-    assert warm["counts"]["fx_miss"] == 0 and warm["counts"]["fx_hit"] == cold["counts"]["fx_miss"], warm["counts"]
+    # every compiled function's Dynamo entry installed from it (the layers, the step compiled whole, the samplers):
+    # nothing traced, nothing compiled
+    w = warm["counts"]
+    assert w["traced"] == 0 and w["fx_miss"] == 0 and w["aot_miss"] == 0, w
+    assert w["dynamo_hit"] == c["dynamo_miss"] == 5, w
     assert warm["codes"] == cold["codes"]

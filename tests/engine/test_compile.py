@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from q3tts.engine.compile import (
+    compile_fn,
     default_compile_cache,
     describe_counts,
+    portable_guards,
     use_compile_cache,
 )
 from q3tts.server.settings import parse_args
@@ -69,6 +71,51 @@ def test_describe_counts():
     assert "2 compiled (cold)" in describe_counts(zero, dict(zero, fx_miss=2, traced=2))
     assert "(warm); Dynamo: 0 graphs traced, 5 functions' entries installed" in describe_counts(zero,
                                                                                                dict(zero, dynamo_hit=5))
+
+
+def _double(x):
+    return x * 2
+
+
+def test_a_corrupt_dynamo_entry_is_traced_as_usual(env, tmp_path):
+    import torch
+    from torch._dynamo.package import CompilePackage
+    from torch._dynamo.utils import counters
+    use_compile_cache(tmp_path / "cc")
+    entry = tmp_path / "cc" / "dynamo" / CompilePackage.source_id_from_fn(_double)
+    entry.mkdir(parents=True)
+    (entry / "entry").write_bytes(b"not a pickle")
+    errors = counters["dynamo_cache"]["dynamo_cache_error"]
+    f = compile_fn(_double, backend="eager")
+    assert counters["dynamo_cache"]["dynamo_cache_error"] == errors + 1
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_an_entry_that_fails_to_install_is_a_warning(env, tmp_path, monkeypatch, caplog):
+    import logging
+
+    import torch
+    from torch._dynamo import package
+
+    def broken(fn):
+        raise AttributeError("'_Missing' object has no attribute '_torchdynamo_inline'")
+    use_compile_cache(tmp_path / "cc")
+    monkeypatch.setattr(package.DynamoCache, "load", broken)
+    with caplog.at_level(logging.WARNING, "q3tts.engine"):
+        f = compile_fn(_double, backend="eager")
+    assert "cached Dynamo entry of _double not used, tracing it: AttributeError" in caplog.text
+    assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_portable_guards_keep_what_describes_the_inputs():
+    from types import SimpleNamespace as E
+    entries = [E(guard_type="TENSOR_MATCH", derived_guard_types=(), has_value=True, value=1),
+               E(guard_type="SHAPE_ENV", derived_guard_types=(), has_value=False, value=None),
+               E(guard_type="MODULE_MATCH", derived_guard_types=(), has_value=True, value=os),
+               E(guard_type="BUILTIN_MATCH", derived_guard_types=("ID_MATCH",), has_value=True, value=len),
+               E(guard_type="TYPE_MATCH", derived_guard_types=(), has_value=True, value=_double),
+               E(guard_type="EQUALS_MATCH", derived_guard_types=(), has_value=True, value=False)]
+    assert portable_guards(entries) == [True, True, False, False, False, True]
 
 
 # Two decoder layers (two instances: one compiled function must serve both) through compile_layers, as the talker's.
