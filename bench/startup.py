@@ -8,7 +8,9 @@ on stderr.
 
 "Ready" is what `q3tts serve` waits for before /ready says true: TTS.from_pretrained(compile=True), the engine
 built with the server's sizes (CUDA: fitted to the memory budget, graphs captured) and the server's warm-up
-request (8 frames, streamed). Each run: a fresh temporary cache directory (cold), then a second process on the
+request (8 frames, streamed). Each start reports the graphs Dynamo traced (`traced`), the functions whose cached
+Dynamo entries it installed (`dynamo_hit`) and its seconds in Dynamo (`dynamo_s`: tracing, or installing entries).
+Each run: a fresh temporary cache directory (cold), then a second process on the
 same directory (warm); with --artifact a third on another fresh directory with the cold start's artifact. Each
 start's Triton cache (the engine's own kernels) is as its compile cache: fresh for cold and artifact, the cold one's
 for warm. The child reports its phases and the compile-cache counters (q3tts.engine.compile).
@@ -33,7 +35,7 @@ def child(a) -> None:
     import torch
 
     from q3tts import TTS
-    from q3tts.engine.compile import compile_counts
+    from q3tts.engine.compile import compile_counts, dynamo_seconds
     t_import = time.time()
     prof = PhaseProfile() if a.profile else None
     quant = None if a.quantization in (None, "none") else a.quantization
@@ -57,7 +59,7 @@ def child(a) -> None:
                       "import_s": t_import - t_start, "load_s": t_load - t_import, "engine_s": t_engine - t_load,
                       "warmup_s": t_ready - t_engine, "ready_s": t_ready - t_start,
                       "graphs": len(tts.engine.runner.graphs) + len(tts.engine.vocoder.graphs),
-                      "engine_counts": counts_engine, "counts": compile_counts(),
+                      "engine_counts": counts_engine, "counts": compile_counts(), "dynamo_s": dynamo_seconds(),
                       "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
                       "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len,
                       **({"profile": prof.report()} if prof else {})}), flush=True)
@@ -156,7 +158,7 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "runs": []}
     print(f"{'quantization':<12} {'run':>3} {'cache':<8} {'ready s':>8} {'import':>7} {'load':>6} {'engine':>7} "
-          f"{'warm-up':>8} {'fx hit/miss':>12}", file=sys.stderr)
+          f"{'warm-up':>8} {'fx hit/miss':>12} {'traced':>6} {'dynamo s':>8}", file=sys.stderr)
     for q in a.quantization.split(","):
         for i in range(a.runs):
             cache = tempfile.mkdtemp(prefix="q3tts-startup-cache-")
@@ -173,7 +175,8 @@ def main() -> None:
                     res["device"] = r["device"]
                     c = r["counts"]
                     print(f"{q:<12} {i:>3} {kind:<8} {r['ready_s']:>8.1f} {r['import_s']:>7.1f} {r['load_s']:>6.1f} "
-                          f"{r['engine_s']:>7.1f} {r['warmup_s']:>8.1f} {c['fx_hit']:>6}/{c['fx_miss']:<5}",
+                          f"{r['engine_s']:>7.1f} {r['warmup_s']:>8.1f} {c['fx_hit']:>6}/{c['fx_miss']:<5} "
+                          f"{c['traced']:>6} {r['dynamo_s']:>8.1f}",
                           file=sys.stderr, flush=True)
             finally:
                 for d in (cache, fresh):

@@ -43,7 +43,8 @@ for x in r["runs"]:
     c = x["counts"]
     print(f"{x['quantization']:<6} {x['cache']:<8} ready {x['ready_s']:6.1f} s (import {x['import_s']:.1f}, load "
           f"{x['load_s']:.1f}, engine {x['engine_s']:.1f}, warm-up {x['warmup_s']:.1f}); graphs from cache "
-          f"{c['fx_hit']}, compiled {c['fx_miss']}" + (f"; artifact {x['artifact_bytes'] / 2**20:.1f} MiB"
+          f"{c['fx_hit']}, compiled {c['fx_miss']}; Dynamo: traced {c.get('traced')}, entries installed "
+          f"{c.get('dynamo_hit')}, {x.get('dynamo_s', 0):.1f} s" + (f"; artifact {x['artifact_bytes'] / 2**20:.1f} MiB"
                                                         if x.get("artifact_bytes") else "")
           + ("" if x.get("artifact_loaded") in (None, True) else "; ARTIFACT NOT USED"))
 PY
