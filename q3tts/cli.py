@@ -355,6 +355,7 @@ def _warmup(settings, save: str | None, t0: float) -> int:
     after = compile_counts()
     out = {"ready_s": round(time.perf_counter() - t0, 2), "engine_built_s": round(t_engine - t0, 2),
            "compiled": after["fx_miss"] - counts["fx_miss"], "from_cache": after["fx_hit"] - counts["fx_hit"],
+           "traced": after["traced"] - counts["traced"], "dynamo_installed": after["dynamo_hit"] - counts["dynamo_hit"],
            "artifact_loaded": engine.artifact is not None if settings.compile_artifact else None,
            "compile_cache": engine.runner.compile_cache}
     if save:
