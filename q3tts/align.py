@@ -26,6 +26,7 @@ import torch
 from .audio import resample, resampled_length, to_mono
 from .config import read_json
 from .engine.graphs import capture_beside, gc_paused, side_stream
+from .hostcopy import ints_to_device, to_device
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times_rows
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
@@ -68,6 +69,9 @@ class _Item:
     prepared: bool = False
     pinned: torch.Tensor | None = None  # wav's samples in page-locked memory (AlignerWorker.submit on CUDA): the
     # padded pass copies them straight to the device
+    label: str = ""  # "item i: " in a batch's errors
+    finite: bool = True  # its samples were checked finite on the host (False: align()'s padded pass checks them on
+    # the device, where they go anyway, and the eager path checks them before it runs)
 
     def ready(self) -> "_Item":
         """Resampled to 16 kHz and brought into [-1, 1]: the CPU part of an item, after its checks (the worker does it
@@ -176,9 +180,10 @@ class _PaddedPass:
         self.capture_s += time.perf_counter() - t0
         return g, out
 
-    def _wavs(self, items: list[_Item]) -> torch.Tensor:
-        """The rows' 16 kHz waveforms in [-1, 1], [B, max num_samples] on the device: resampled there by soxr's own
-        filter when every unprepared row has one rate that has one (Polyphase), else prepared on the CPU (soxr)."""
+    def _wavs(self, items: list[_Item]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows' 16 kHz waveforms in [-1, 1], [B, max num_samples] on the device, and [B] bool: each row's input
+        samples all finite): resampled there by soxr's own filter when every unprepared row has one rate that has
+        one (Polyphase), else prepared on the CPU (soxr)."""
         rates = {it.sample_rate for it in items if not it.prepared}
         f = None
         if self.resample_on_device and len(rates) == 1 and all(not it.prepared for it in items):
@@ -192,11 +197,12 @@ class _PaddedPass:
             items = [it.ready() for it in items]
         n = [it.wav.shape[0] for it in items]
         wav = rows_of(self._upload([it.wav if it.pinned is None else it.pinned for it in items]), n)  # [B, max n]
+        finite = torch.isfinite(wav).all(1)  # [B] (padding past a row's end is its last sample times 0)
         if f is not None:
             wav = f(wav, n)
         # as _Item.ready (and the official): a row whose peak is past 1 is scaled back into [-1, 1], then clipped
         peak = wav.abs().amax(1, keepdim=True)
-        return torch.where(peak > 1.0, wav / peak, wav).clamp(-1.0, 1.0)
+        return torch.where(peak > 1.0, wav / peak, wav).clamp(-1.0, 1.0), finite
 
     def _upload(self, wavs: list[np.ndarray | torch.Tensor]) -> torch.Tensor:
         """The waveforms packed end to end on the device [sum of lengths]. On CUDA rows already in page-locked memory
@@ -232,18 +238,21 @@ class _PaddedPass:
         self.staged.record()
         return out
 
-    def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, list[np.ndarray]] | None:
-        """(classes [B, S] (host), the rows' prompt ids) for the rows of these mel frames (the audio_pad runs as
-        long as tokens_after_cnn(frames)); None: the batch is not for the padded pass (a row under one chunk)."""
+    def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
+        """(classes [B, S] (host), [B] bool: the row's input samples all finite, the rows' prompt ids) for the rows
+        of these mel frames (the audio_pad runs as long as tokens_after_cnn(frames)); None: the batch is not for the
+        padded pass (a row under one chunk). NOTE(aligner): one host sync, the results' copy: every host-to-device
+        copy before it is from page-locked memory and asynchronous (hostcopy), so the host queues the whole pass
+        while the device runs it."""
         ak = self.audio_key(frames)
         if ak is None:
             return None
         a, (Bb, C), B, enc = self.aligner, ak, len(items), self.aligner.cfg.audio
         xa = self.inputs.get(ak) or self._buffers(ak)
         # features: each row's log-mel alone (reflect padding at its own ends, its own floor), zero past its frames
-        mel = log_mel(reflect_rows_device(self._wavs(items), [it.num_samples for it in items]), a._filters, frames,
-                      center=False)
-        past = torch.arange(mel.shape[2], device=a.device)[None, :] >= torch.as_tensor(frames, device=a.device)[:, None]
+        wav, finite = self._wavs(items)
+        mel = log_mel(reflect_rows_device(wav, [it.num_samples for it in items]), a._filters, frames, center=False)
+        past = torch.arange(mel.shape[2], device=a.device)[None, :] >= ints_to_device(frames, a.device)[:, None]
         xa["mel"].zero_()
         xa["mel"][:B, :, :mel.shape[2]] = mel.masked_fill(past[:, None], 0.0)
         t = tokens_after_cnn(2 * enc.n_window)
@@ -254,7 +263,7 @@ class _PaddedPass:
             mask[b].reshape(-1)[:n] = True
         mask = mask.reshape(-1, T)
         mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
-        xa["mask"].copy_(torch.from_numpy(mask))
+        xa["mask"].copy_(to_device([torch.from_numpy(mask)], a.device)[0])
         audio = self._replay(ak, xa, self._encode) if self.capture else None
         # the prompts (the CPU's part) while the encoder runs: right-padded; each audio_pad slot's embedding in the
         # encoder output [B * C * t]
@@ -265,12 +274,14 @@ class _PaddedPass:
         for b, (r, n) in enumerate(zip(rows, tokens)):
             ids[b, :len(r)] = r
             audio_at[b, 1:1 + n] = b * C * t + np.arange(n)  # the prompt's audio_pad run starts at slot 1
-        x["ids"].copy_(torch.from_numpy(ids))
-        x["audio_at"].copy_(torch.from_numpy(audio_at))
+        x["ids"].copy_(to_device([torch.from_numpy(ids)], a.device)[0])
+        x["audio_at"].copy_(to_device([torch.from_numpy(audio_at)], a.device)[0])
         if audio is None:
-            return self._pass(dict(x, **xa))[:B].cpu().numpy(), rows
-        out = self._replay(key, x, lambda x: self._lm(x, audio)) if ak in self.graphs else self._lm(x, audio)
-        return out[:B].cpu().numpy(), rows
+            out = self._pass(dict(x, **xa))
+        else:
+            out = self._replay(key, x, lambda x: self._lm(x, audio)) if ak in self.graphs else self._lm(x, audio)
+        host = torch.cat([out[:B], finite[:, None].to(out.dtype)], 1).cpu().numpy()  # [B, S + 1]: one copy back
+        return host[:, :-1], host[:, -1].astype(bool), rows
 
 
 class ForcedAligner:
@@ -377,10 +388,12 @@ class ForcedAligner:
         return split_words(text, language)
 
     def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True,
-              copy: bool = True) -> _Item:
+              copy: bool = True, finite: bool = True) -> _Item:
         """Checked (ValueError naming the problem) and, with ready, prepared for the pass (_Item.ready). copy False:
         a float32 waveform is kept as the caller's array, not copied (align(), which returns before the caller can
-        change it; a copy of a fresh array costs page faults: about a quarter of the checks' time)."""
+        change it; a copy of a fresh array costs page faults). finite False: its samples are not read here (a pass
+        over every sample, on the host's critical path before the device starts); _forward checks them
+        (_Item.finite)."""
         what = f"item {i}: " if i >= 0 else ""
         words = self.words(text, language, what)
         if isinstance(audio, torch.Tensor):
@@ -396,9 +409,7 @@ class ForcedAligner:
         if not 8000 <= sr <= 192000:
             raise ValueError(f"{what}sample_rate {sr} is outside 8000..192000 Hz")
         wav = to_mono(wav.astype(np.float32, copy=copy))
-        # a finite sum needs every sample finite (NaN and inf carry through it): one pass, no temporary; a sum that
-        # overflows is checked sample by sample
-        if not np.isfinite(wav.sum()) and not np.isfinite(wav).all():
+        if finite and not _finite(wav):
             raise ValueError(f"{what}audio has NaN or infinite samples")
         if wav.shape[0] / sr > self.max_seconds:
             raise ValueError(f"{what}audio of {wav.shape[0] / sr:.1f} s is longer than this aligner's "
@@ -406,7 +417,7 @@ class ForcedAligner:
         if resampled_length(wav.shape[0], sr, SAMPLE_RATE) < 2 * 160:
             # shorter than two mel frames: the reflect-padded STFT is undefined
             raise ValueError(f"{what}audio of {wav.shape[0] / sr * 1000:.0f} ms is too short to align")
-        item = _Item(words, wav, sr)
+        item = _Item(words, wav, sr, label=what, finite=finite)
         return item.ready() if ready else item
 
     # ------------------------------------------------------------------ the pass
@@ -431,7 +442,8 @@ class ForcedAligner:
         """
         batch = isinstance(audio, (list, tuple))
         if not batch:
-            return self._run([self._item(audio, sample_rate, text, language, -1, ready=False, copy=False)])[0]
+            return self._run([self._item(audio, sample_rate, text, language, -1, ready=False, copy=False,
+                                         finite=False)])[0]
         n = len(audio)
         if n == 0:
             raise ValueError("audio is an empty list")
@@ -442,7 +454,8 @@ class ForcedAligner:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
         args = list(zip(audio, per["sample_rate"], per["text"], per["language"]))
         samples = sum(int(np.prod(getattr(a, "shape", ()) or (0,))) for a in audio)  # (arrays, tensors; else 0)
-        items = [it for _, done in self._in_groups(lambda i: self._item(*args[i], i, ready=False, copy=False), n,
+        items = [it for _, done in self._in_groups(lambda i: self._item(*args[i], i, ready=False, copy=False,
+                                                                        finite=False), n,
                                                      samples) for it in done()]
         return self._run(items, rows_alone)
 
@@ -471,12 +484,9 @@ class ForcedAligner:
     def _prompts(self, items: list[_Item], frames: list[int]) -> list[np.ndarray]:
         """Each row's prompt ids: <|audio_start|>, tokens_after_cnn(frames) audio_pad, <|audio_end|>, the words with
         their <timestamp> pairs."""
-        rows = []
-        for it, f in zip(items, frames):
-            words_ids = self.tokenizer.encode(prompt_text(it.words).split("<|audio_end|>", 1)[1])
-            rows.append(np.array([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
-                                 + [self._ids["<|audio_end|>"]] + words_ids, np.int64))
-        return rows
+        words_ids = self.tokenizer.encode_batch([prompt_text(it.words).split("<|audio_end|>", 1)[1] for it in items])
+        return [np.array([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
+                         + [self._ids["<|audio_end|>"]] + w, np.int64) for f, w in zip(frames, words_ids)]
 
     def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
         """One forward for the batch, one host sync (the classes): the padded pass (graphs=True) when every row is
@@ -484,9 +494,12 @@ class ForcedAligner:
         ts = self.cfg.timestamp_token_id
         if self._padded is not None and (rows_alone or len(items) == 1):
             frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
-            out = self._padded(items, frames)  # ([B, S], prompts) or None
+            out = self._padded(items, frames)  # ([B, S], [B] finite, prompts) or None
             if out is not None:
-                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(*out)])
+                classes, finite, rows = out
+                _raise_unless_finite(items, finite)
+                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
+        _raise_unless_finite(items, [it.finite or _finite(it.wav) for it in items])
         items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
@@ -503,8 +516,19 @@ class ForcedAligner:
         """Each row's words timed from the classes at its <timestamp> slots."""
         seg = np.float32(self.cfg.timestamp_segment_time)
         # ms as the official computes them: int class x float32 segment time
-        return word_times_rows([it.words for it in items],
-                               [[float(np.float32(c) * seg) for c in cls] for cls in classes])
+        return word_times_rows([it.words for it in items], [(c.astype(np.float32) * seg).tolist() for c in classes])
+
+
+def _finite(wav: np.ndarray) -> bool:
+    """Every sample finite: a finite sum needs every sample finite (NaN and inf carry through it): one pass, no
+    temporary; a sum that overflows is checked sample by sample."""
+    return bool(np.isfinite(wav.sum()) or np.isfinite(wav).all())
+
+
+def _raise_unless_finite(items: list[_Item], finite) -> None:
+    for it, ok in zip(items, finite):
+        if not ok:
+            raise ValueError(f"{it.label}audio has NaN or infinite samples")
 
 
 class AlignerWorker:

@@ -30,7 +30,7 @@ def padded_calls(monkeypatch):
 
     def spy(self, items, frames):
         out = orig(self, items, frames)
-        calls.append(self.key(frames, [len(r) for r in out[1]]) if out is not None else None)
+        calls.append(self.key(frames, [len(r) for r in out[2]]) if out is not None else None)
         return out
     monkeypatch.setattr(align_mod._PaddedPass, "__call__", spy)
     return calls
@@ -383,3 +383,15 @@ def test_the_worker_gives_the_words_of_align(device):
         assert [f.result(timeout=120) for f in futs] == want
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_audio_is_refused_by_the_padded_pass(bad, padded_calls):
+    """align() leaves the samples' finiteness to the padded pass, which checks it on the device beside the pass:
+    the same clear error as the host's check."""
+    wav, sr = audio("a")
+    wav = wav.copy()
+    wav[wav.shape[0] // 2] = bad
+    with pytest.raises(ValueError, match="^audio has NaN or infinite samples"):
+        fast().align(wav, sr, "hello there", "English")
+    assert padded_calls and padded_calls[-1] is not None

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hostcopy import ints_to_device
+
 SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
 
@@ -109,7 +111,7 @@ def log_mel(wavs: torch.Tensor, filters: torch.Tensor, num_frames: list[int] | N
     if num_frames is None:
         top = log_spec.amax(dim=(1, 2), keepdim=True)
     else:
-        n = torch.as_tensor(num_frames, device=wavs.device)
+        n = ints_to_device(num_frames, wavs.device)
         past = torch.arange(log_spec.shape[2], device=wavs.device)[None, :] >= n[:, None]  # [B, F]
         top = log_spec.masked_fill(past[:, None], float("-inf")).amax(dim=(1, 2), keepdim=True)
     return (torch.maximum(log_spec, top - 8.0) + 4.0) / 4.0
@@ -129,8 +131,7 @@ def reflect_rows(wavs: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
 def rows_of(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """flat [sum of lengths] (waveforms packed end to end) -> [B, max_len], each row zero-padded (one gather)."""
     dev = flat.device
-    n = torch.as_tensor(lengths, device=dev)[:, None]  # [B, 1]
-    start = torch.as_tensor(np.cumsum([0] + lengths[:-1]), device=dev)[:, None]
+    n, start = ints_to_device(np.stack([lengths, np.cumsum([0] + lengths[:-1])]), dev)[:, :, None]  # each [B, 1]
     j = torch.arange(max(lengths), device=dev)[None, :]
     return flat[start + torch.minimum(j, n - 1)] * (j < n)
 
@@ -139,7 +140,7 @@ def reflect_rows_device(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """reflect_rows on the device: rows [B, L] (row b's first lengths[b] samples) -> [B, max_len + 400], each row
     reflect-padded by N_FFT // 2 at both of its own ends, then zeros (one gather: the same values)."""
     pad, dev = N_FFT // 2, rows.device
-    n = torch.as_tensor(lengths, device=dev)[:, None]  # [B, 1]
+    n = ints_to_device(lengths, dev)[:, None]  # [B, 1]
     j = torch.arange(max(lengths) + 2 * pad, device=dev)[None, :] - pad  # [1, L'] sample index in the row
     src = j.abs()  # the start: sample -k is sample k (pad < every row's length, see ForcedAligner._item)
     src = torch.where(src >= n, 2 * (n - 1) - src, src).clamp(min=0)  # the end: sample n - 1 + k is n - 1 - k

@@ -9,7 +9,7 @@ applies to them), read every q-th sample.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import gcd
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..audio import resample, resampled_length
+from ..hostcopy import ints_to_device
 
 MAX_PERIOD = 8  # q: input samples per filter period (24k -> 16k: 3; 44.1k -> 16k: 441, left to the CPU)
 
@@ -29,6 +30,9 @@ class Polyphase:
     q: int  # input samples per period
     left: int  # K_r[j] for j in [-left, taps - left)
     weight: np.ndarray  # [p, taps] float64: output p * Q + r = sum_i weight[r, i] * x[q * Q + i - left]
+    # (device, FFT length) -> the weights' conjugate spectrum [p, n // 2 + 1] complex128, made once: no copy of the
+    # weights and no FFT of them per call
+    spectra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, orig_sr: int, target_sr: int) -> "Polyphase | None":
@@ -82,9 +86,13 @@ class Polyphase:
         span = max(L + self.left, self.q * (periods - 1) + taps)  # the padded rows' samples the outputs read
         n = 1 << (span + taps).bit_length()  # no wrap-around: t + i < n for every read
         x = F.pad(rows.double(), (self.left, 0))
-        w = torch.from_numpy(self.weight).to(rows.device, non_blocking=True)  # [p, taps] float64
-        z = torch.fft.irfft(torch.fft.rfft(x, n)[:, None] * torch.fft.rfft(w, n).conj(), n)  # [B, p, n]
+        key = (rows.device, n)
+        if key not in self.spectra:
+            if len(self.spectra) >= 4:  # (a few lengths at a time: long inputs' spectra are large)
+                del self.spectra[next(iter(self.spectra))]
+            self.spectra[key] = torch.fft.rfft(torch.from_numpy(self.weight).to(rows.device), n).conj()
+        z = torch.fft.irfft(torch.fft.rfft(x, n)[:, None] * self.spectra[key], n)  # [B, p, n]
         y = z[..., :self.q * periods:self.q]  # [B, p, periods]
         y = y.transpose(1, 2).reshape(B, -1)[:, :n_out].float()
-        ends = torch.as_tensor([round(n * self.p / self.q) for n in lengths], device=rows.device)
+        ends = ints_to_device([round(n * self.p / self.q) for n in lengths], rows.device)
         return y * (torch.arange(n_out, device=rows.device)[None, :] < ends[:, None])
