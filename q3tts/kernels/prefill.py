@@ -58,30 +58,6 @@ if triton is not None:
         u = tl.load(gu_ptr + row * 2 * INTER + INTER + col, mask=keep, other=0.0).to(tl.float32)
         tl.store(out_ptr + i, _bf(_bf(g / (1.0 + tl.exp(-g))) * u).to(out_ptr.dtype.element_ty), mask=keep)
 
-    @triton.jit
-    def _conv1_gelu(x_ptr, w_ptr, b_ptr, out_ptr, M, W, M1, T1, C,
-                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        # chunk n = program 0, output pixels (i, j) of a BLOCK_P block = program 1, channels of a BLOCK_C block =
-        # program 2; a pixel's 3x3 taps of the zero-padded input, in the conv's (row, column) order, fp32
-        n = tl.program_id(0).to(tl.int64)
-        p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)  # [P] pixel i * T1 + j
-        c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
-        i = p // T1
-        j = p - i * T1
-        keep_p, keep_c = p < M1 * T1, c < C
-        acc = tl.zeros((BLOCK_P, BLOCK_C), tl.float32)
-        for k in tl.static_range(9):
-            r = 2 * i + k // 3 - 1  # the input row and column of tap k (padding 1)
-            s = 2 * j + k % 3 - 1
-            xv = tl.load(x_ptr + n * M * W + r * W + s, mask=keep_p & (r >= 0) & (r < M) & (s >= 0) & (s < W),
-                         other=0.0).to(tl.float32)
-            wv = tl.load(w_ptr + c * 9 + k, mask=keep_c, other=0.0).to(tl.float32)
-            acc += xv[:, None] * wv[None, :]
-        h = _bf(acc + tl.load(b_ptr + c, mask=keep_c, other=0.0).to(tl.float32)[None, :])  # the conv's bf16 output
-        g = h * 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))  # exact GELU, as F.gelu, in fp32
-        dst = out_ptr + (n * M1 * T1 + p[:, None]) * C + c[None, :]  # channels-last: [N, M1, T1, C]
-        tl.store(dst, g.to(out_ptr.dtype.element_ty), mask=keep_p[:, None] & keep_c[None, :])
-
 
 def prefill_glue_applies(x: torch.Tensor) -> bool:
     """Whether qk_norm_rope and silu_mul serve a layer whose activations are x: Triton there, x on CUDA in bf16."""
@@ -114,19 +90,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     BLOCK = 1024
     _silu_mul[(triton.cdiv(N, BLOCK),)](gate_up.contiguous(), out, N, inter, BLOCK=BLOCK, num_warps=4)
     return out
-
-
-def conv1_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """F.gelu(F.conv2d(x[:, None], weight, bias, stride=2, padding=1)) for one input channel: x [N, M, W] (contiguous)
-    -> [N, C, M1, T1] in channels-last memory ([N, M1, T1, C]), the conv's bf16 output rounded as the module stores
-    it before the GELU. One kernel: the 3x3 taps from the input, the activation written once (eagerly the conv's
-    output, the largest activation of the encoder, is written, read and written again by the GELU)."""
-    N, M, W = x.shape
-    C = weight.shape[0]
-    M1, T1 = (M - 1) // 2 + 1, (W - 1) // 2 + 1
-    out = x.new_empty(N, M1, T1, C)
-    BLOCK_P, BLOCK_C = 64, 128
-    _conv1_gelu[(N, triton.cdiv(M1 * T1, BLOCK_P), triton.cdiv(C, BLOCK_C))](
-        x.contiguous(), weight.reshape(C, 9).contiguous(), bias, out, M, W, M1, T1, C, BLOCK_P=BLOCK_P,
-        BLOCK_C=BLOCK_C, num_warps=4)
-    return out.permute(0, 3, 1, 2)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..hostcopy import ints_to_device
-from ..kernels.prefill import conv1_gelu, prefill_glue_applies
 
 SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
@@ -287,13 +286,10 @@ class AudioEncoder(nn.Module):
     def _convs_channels_last(self, x: torch.Tensor) -> torch.Tensor:
         """The 3 stride-2 convs + GELU of _conv on chunks [C, mel, w] -> [C, c, mel', t], each activation held
         channels-last (cuDNN's NHWC kernels read and write the large first activations as they lie: no layout
-        transposes). The first conv (one input channel): on CUDA in bf16 one kernel with its GELU
-        (kernels.prefill.conv1_gelu), else a GEMM over the 3x3 patches, its bias in the GEMM's epilogue, its output
-        channels-last as it comes. The same sums as the convs, rounded by other kernels."""
+        transposes). The first conv (one input channel) is a GEMM over the 3x3 patches, its bias in the GEMM's
+        epilogue, its output channels-last as it comes. The same sums as the convs, rounded by other kernels."""
         C, M, w = x.shape
         conv = self.conv2d1
-        if prefill_glue_applies(x):  # CUDA bf16: the first conv and its GELU in one kernel, written once
-            return F.gelu(self.conv2d3(F.gelu(self.conv2d2(conv1_gelu(x, conv.weight, conv.bias)))))
         c = conv.out_channels
         m1, t1 = _conv_len_once(M), _conv_len_once(w)
         # the 3x3 patches as one strided view of the zero-padded input, gathered by one copy (F.unfold launches an

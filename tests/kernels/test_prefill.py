@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from q3tts import kernels
-from q3tts.kernels.prefill import conv1_gelu, qk_norm_rope, silu_mul
+from q3tts.kernels.prefill import qk_norm_rope, silu_mul
 
 from .layer import bf16_layer
 
@@ -84,19 +84,3 @@ def test_padded_lm_layer_with_the_glue_is_the_eager_layer(monkeypatch):
         eager = aligner.lm_layer_padded(lay, x, cos, sin)
     e_glue, e_eager = (glue.double() - want).abs(), (eager.double() - want).abs()
     assert e_glue.max() <= 1.25 * e_eager.max() and e_glue.mean() <= 1.1 * e_eager.mean()
-
-
-def test_conv1_gelu_is_the_first_conv_and_its_gelu():
-    """The aligner encoder's first conv (1 -> 480 channels, 3x3, stride 2, padding 1) and its GELU in one kernel:
-    chunks of 100 mel frames, and an odd size (the padding's edges), against cuDNN's conv then F.gelu in bf16."""
-    torch.manual_seed(0)
-    for N, M, W, C in ((6, 128, 100, 480), (3, 17, 9, 130)):
-        x = torch.randn(N, M, W, device="cuda").to(torch.bfloat16)
-        w = (torch.randn(C, 1, 3, 3, device="cuda") / 3).to(torch.bfloat16)
-        b = (torch.randn(C, device="cuda") / 10).to(torch.bfloat16)
-        with torch.inference_mode():
-            got = conv1_gelu(x, w, b)
-            eager = F.gelu(F.conv2d(x[:, None], w, b, stride=2, padding=1))
-            exact = F.gelu(F.conv2d(x[:, None].double(), w.double(), b.double(), stride=2, padding=1))
-        assert got.is_contiguous(memory_format=torch.channels_last)
-        assert_as_accurate(got, eager, exact)
