@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --streams: rounds of streams alone, beside the aligner, and beside it without the "
                          "engine's stream priority")
+    ap.add_argument("--compare-batch", type=int, default=0,
+                    help="with --streams: also rounds beside a served worker of this many rows a pass (the served "
+                         "worker has q3tts.align.WORKER_MAX_BATCH)")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     a = ap.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -287,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
             served = AlignerWorker(aligners[last], busy=lambda: not tts.engine.settled)
             plain = AlignerWorker(aligners[last])
             workers = {"alone": None, "beside": served, "beside_undeferred": plain, "beside_default_priority": plain}
+            if a.compare_batch:
+                workers[f"beside_batch{a.compare_batch}"] = AlignerWorker(
+                    aligners[last], max_batch=a.compare_batch, busy=lambda: not tts.engine.settled)
             rounds = {name: [] for name in workers}
             try:
                 streams_beside(tts, None, texts, wavs, sr, a.streams, frames)  # warm-up (first streams of the TTS)
@@ -296,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                         rounds[name].append(streams_beside(tts, worker, texts, wavs, sr, a.streams, frames))
             finally:
                 driver.step_stream = None
-                served.close()
-                plain.close()
+                for w in {id(w): w for w in workers.values() if w is not None}.values():
+                    w.close()
             for name, rs in rounds.items():
                 result[f"streams_{name}"] = dict(
                     rounds=rs, **{f"median_{k}": statistics.median(r[k] for r in rs)

@@ -26,6 +26,7 @@ import torch
 from .audio import resample, resampled_length, to_mono
 from .config import read_json
 from .engine.graphs import capture_beside, gc_paused, side_stream
+from .hostcopy import to_device
 from .inputs.align_text import WordTime, prompt_text, split_words, word_times_rows
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
@@ -38,7 +39,6 @@ from .models.audio_encoder import (
     mel_filters,
     reflect_rows,
     reflect_rows_device,
-    rows_of,
     tokens_after_cnn,
     valid_frames,
 )
@@ -50,10 +50,10 @@ __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
 PREP_THREADS = 8  # CPU threads of a large batch's preparation (ForcedAligner._in_groups)
 PREP_MIN_SAMPLES = 1 << 20  # audio samples from which a batch's preparation is spread over them
 PREP_MIN_ROWS = 8  # rows of a group at least
-# the most rows of one AlignerWorker pass: a pass of many rows costs less per row (the padded pass's GEMMs fill the
-# GPU), and with the engine's steps on a stream of higher priority (the server's: async_engine.step_stream) a long
-# pass does not hold them back
-WORKER_MAX_BATCH = 64
+# the most rows of one AlignerWorker pass: passes of 16 rows still fill the GPU's GEMMs (rows x tokens), finish a burst
+# of utterances no later than passes of 64 (BENCHMARKS.md: the worker's figures), and keep a pass short, so that
+# newcomers' first chunks, which the engine's steps queue meanwhile (async_engine.step_stream), wait behind less
+WORKER_MAX_BATCH = 16
 # a worker's pass that can wait (its audio is out already) waits while the engine admits newcomers and makes their
 # first chunks (AlignerWorker's busy), at most this long from its oldest utterance's submission
 WORKER_MAX_DEFER_S = 0.25
@@ -68,6 +68,9 @@ class _Item:
     prepared: bool = False
     pinned: torch.Tensor | None = None  # wav's samples in page-locked memory (AlignerWorker.submit on CUDA): the
     # padded pass copies them straight to the device
+    label: str = ""  # "item i: " in a batch's errors
+    finite: bool = True  # its samples were checked finite on the host (False: align()'s padded pass checks them on
+    # the device, where they go anyway, and the eager path checks them before it runs)
 
     def ready(self) -> "_Item":
         """Resampled to 16 kHz and brought into [-1, 1]: the CPU part of an item, after its checks (the worker does it
@@ -90,10 +93,11 @@ class _Item:
 
 class _PaddedPass:
     """The aligner's fast pass (ForcedAligner(graphs=True)): the batch right-padded to a bucket of (rows, audio
-    chunks, prompt tokens) and run as Thinker.forward_padded, whose shapes depend on the bucket only. On CUDA the
-    pass is two CUDA graphs, captured once per bucket and replayed: the audio encoder's (rows, chunks) and the LM's
-    (rows, chunks, tokens), about a thousand kernels in two launches instead of a Python call per kernel. The
-    encoder's graph needs no prompt: it runs on the GPU while the CPU tokenizes the prompts. The graphs share one
+    chunks, input rate, prompt tokens) and run as the features (_features: resampling, log-mel) and
+    Thinker.forward_padded, whose shapes depend on the bucket only. On CUDA the pass is two CUDA graphs, captured
+    once per bucket and replayed: the features' and audio encoder's (rows, chunks, rate) and the LM's (rows, chunks,
+    rate, tokens), about a thousand kernels in two launches instead of a Python call per kernel. The encoder's
+    graph needs no prompt: it runs on the GPU while the CPU tokenizes the prompts. The graphs share one
     memory pool and are captured lazily, at most max_graphs of them (later buckets run the same pass uncaptured).
 
     NOTE(aligner): a row's words equal the eager pass's with rows_alone: padding rows, padding chunks (zeroed
@@ -108,16 +112,18 @@ class _PaddedPass:
         self.capture = aligner.device.type == "cuda"
         self.resample_on_device = resample_on_device
         self.resamplers: dict[int, Polyphase | None] = {}  # by input rate: soxr's filter on the device
-        # (rows, chunks) -> the encoder's graph and output; (rows, chunks, tokens) -> the LM's graph and classes
+        # (rows, chunks, rate) -> the features' and encoder's graph and output; (rows, chunks, rate, tokens) -> the
+        # LM's graph and classes
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.inputs: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}  # the graphs' static inputs, same keys
         self.pool = None
         self.capture_s = 0.0  # time spent capturing, all buckets
-        self.staging: torch.Tensor | None = None  # [samples] float32, pinned: the rows' waveforms on their way in
+        self.staging: torch.Tensor | None = None  # [rows x samples] float32, pinned: the rows' waveforms on their way
         self.staged: torch.cuda.Event | None = None  # the last copy out of staging
 
-    def audio_key(self, frames: list[int]) -> tuple[int, int] | None:
-        """(rows, chunks) of the encoder's bucket for rows of these mel frames; None: not padded."""
+    def audio_key(self, frames: list[int], rate: int = SAMPLE_RATE) -> tuple[int, int, int] | None:
+        """(rows, chunks, input rate) of the features' and encoder's bucket for rows of these mel frames whose samples
+        come at rate (resampled on the device unless it is 16 kHz); None: not padded."""
         enc = self.aligner.cfg.audio
         chunk = 2 * enc.n_window
         if min(frames) < chunk:
@@ -125,30 +131,66 @@ class _PaddedPass:
         per = enc.n_window_infer // chunk  # chunks in an attention window
         C = max(-(-f // chunk) for f in frames)
         C = C if C <= per else -(-C // per) * per
-        return 1 << (len(frames) - 1).bit_length(), C
+        return 1 << (len(frames) - 1).bit_length(), C, rate
 
-    def key(self, frames: list[int], lengths: list[int]) -> tuple[int, int, int] | None:
-        """(rows, chunks, tokens) of the bucket for rows of these mel frames and prompt lengths; None: not padded."""
-        ak = self.audio_key(frames)
+    def key(self, frames: list[int], lengths: list[int], rate: int = SAMPLE_RATE) -> tuple[int, int, int, int] | None:
+        """(rows, chunks, input rate, tokens) of the LM's bucket for rows of these mel frames and prompt lengths;
+        None: not padded."""
+        ak = self.audio_key(frames, rate)
         return None if ak is None else (*ak, -(-max(lengths) // self.TOKEN_STEP) * self.TOKEN_STEP)
 
+    def samples(self, key: tuple[int, ...]) -> int:
+        """Input samples a row of the bucket holds at most: rows of at most C chunks of frames, at key's rate."""
+        _, C, rate = key[:3]
+        most = C * 2 * self.aligner.cfg.audio.n_window * HOP + HOP - 1  # 16 kHz samples of C * chunk frames
+        return -(-most * rate // SAMPLE_RATE)
+
     def _buffers(self, key: tuple[int, ...]) -> dict[str, torch.Tensor]:
-        """The static inputs of a bucket: (rows, chunks) the encoder's, (rows, chunks, tokens) the LM's."""
-        a, enc, dev = self.aligner, self.aligner.thinker.audio_tower, self.aligner.device
+        """The static inputs of a bucket. (rows, chunks, rate), the features' and encoder's: wav [B, L] each row's
+        input samples (anything past its own), ints [4, B] each row's input samples, resampled end (Polyphase.ends),
+        16 kHz samples and mel frames (0: a padding row), mask [W, T] the windows' keys, finite [B] (an output);
+        with a device resampler its spectrum. (rows, chunks, rate, tokens), the LM's: ids, audio_at [B, S]."""
+        enc, dev = self.aligner.thinker.audio_tower, self.aligner.device
         B, C = key[:2]
-        if len(key) == 2:
-            T = enc.window_tokens(C)
-            return dict(mel=torch.zeros(B, a.cfg.audio.num_mel_bins, C * 2 * a.cfg.audio.n_window, dtype=a.dtype,
-                                        device=dev),  # [B, mel, C * chunk]
-                        mask=torch.ones(B * C * enc.window_tokens(1) // T, T, dtype=torch.bool, device=dev))  # [W, T]
-        return dict(ids=torch.zeros(B, key[2], dtype=torch.int64, device=dev),  # [B, S] prompts, right-padded
-                    audio_at=torch.zeros(B, key[2], dtype=torch.int64, device=dev))  # [B, S]
+        if len(key) == 4:
+            return dict(ids=torch.zeros(B, key[3], dtype=torch.int64, device=dev),  # [B, S] prompts, right-padded
+                        audio_at=torch.zeros(B, key[3], dtype=torch.int64, device=dev))  # [B, S]
+        T, L = enc.window_tokens(C), self.samples(key)
+        x = dict(wav=torch.zeros(B, L, device=dev), ints=torch.zeros(4, B, dtype=torch.int64, device=dev),
+                 mask=torch.ones(B * C * enc.window_tokens(1) // T, T, dtype=torch.bool, device=dev),
+                 finite=torch.ones(B, dtype=torch.bool, device=dev))
+        f = self.resamplers.get(key[2])
+        if f is not None:
+            x["spectrum"] = f.spectrum(L, f.out_len(L), dev)
+        return x
+
+    def _features(self, key: tuple[int, ...], x: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The bucket's log-mel [B, mel, C * chunk] in the model dtype from its static inputs, with shapes of the
+        bucket only (captured with the encoder): each row's samples, resampled to 16 kHz on the device (its rate's
+        Polyphase), scaled back into [-1, 1] when its peak is past 1 and clipped (as _Item.ready and the official),
+        reflect-padded at its own ends, floored over its own frames, zero past them. Writes x["finite"]: each row's
+        input samples all finite (a non-finite row stays in its row: every step here is per row)."""
+        a = self.aligner
+        n, ends, num_samples, frames = x["ints"]
+        wav = x["wav"]
+        L = wav.shape[1]
+        wav = torch.where(torch.arange(L, device=wav.device)[None, :] < n[:, None], wav, 0.0)  # [B, L]
+        x["finite"].copy_(torch.isfinite(wav).all(1))
+        f = self.resamplers.get(key[2])
+        if f is not None:
+            wav = f.padded(wav, f.out_len(L), ends, x["spectrum"])  # [B, L16]
+        peak = wav.abs().amax(1, keepdim=True)
+        wav = torch.where(peak > 1.0, wav / peak, wav).clamp(-1.0, 1.0)
+        mel = log_mel(reflect_rows_device(wav, num_samples), a._filters, frames, center=False)  # [B, mel, L16 // 160]
+        past = torch.arange(mel.shape[2], device=mel.device)[None, :] >= frames[:, None]
+        width = key[1] * 2 * a.cfg.audio.n_window  # C * chunk <= L16 // 160 (samples())
+        return mel.masked_fill(past[:, None], 0.0)[..., :width].to(a.dtype)
 
     def _pass(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.aligner.thinker.forward_padded(x["ids"], x["mel"], x["mask"], x["audio_at"]).argmax(-1)  # [B, S]
 
-    def _encode(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.aligner.thinker.audio_tower.forward_padded(x["mel"], x["mask"])  # [B, A, D]
+    def _encode(self, key: tuple[int, ...], x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.aligner.thinker.audio_tower.forward_padded(self._features(key, x), x["mask"])  # [B, A, D]
 
     def _lm(self, x: dict[str, torch.Tensor], audio: torch.Tensor) -> torch.Tensor:
         return self.aligner.thinker.lm_padded(x["ids"], audio, x["audio_at"]).argmax(-1)  # [B, S]
@@ -176,101 +218,102 @@ class _PaddedPass:
         self.capture_s += time.perf_counter() - t0
         return g, out
 
-    def _wavs(self, items: list[_Item]) -> torch.Tensor:
-        """The rows' 16 kHz waveforms in [-1, 1], [B, max num_samples] on the device: resampled there by soxr's own
-        filter when every unprepared row has one rate that has one (Polyphase), else prepared on the CPU (soxr)."""
-        rates = {it.sample_rate for it in items if not it.prepared}
-        f = None
-        if self.resample_on_device and len(rates) == 1 and all(not it.prepared for it in items):
+    def _rate(self, items: list[_Item]) -> tuple[int, list[_Item]]:
+        """(the rate the rows' samples go to the device at, the items): their one input rate when every row is
+        unprepared and that rate is 16 kHz or has a device resampler (Polyphase: soxr's own filter); else 16 kHz,
+        the rows prepared on the CPU (soxr)."""
+        rates = {it.sample_rate for it in items}
+        if self.resample_on_device and len(rates) == 1 and not any(it.prepared for it in items):
             sr = rates.pop()
-            if sr not in self.resamplers:
-                self.resamplers[sr] = Polyphase.of(sr, SAMPLE_RATE) if sr != SAMPLE_RATE else None
-            f = self.resamplers[sr]
-            if f is None and sr != SAMPLE_RATE:
-                items = [it.ready() for it in items]
-        else:
-            items = [it.ready() for it in items]
-        n = [it.wav.shape[0] for it in items]
-        wav = rows_of(self._upload([it.wav if it.pinned is None else it.pinned for it in items]), n)  # [B, max n]
-        if f is not None:
-            wav = f(wav, n)
-        # as _Item.ready (and the official): a row whose peak is past 1 is scaled back into [-1, 1], then clipped
-        peak = wav.abs().amax(1, keepdim=True)
-        return torch.where(peak > 1.0, wav / peak, wav).clamp(-1.0, 1.0)
+            if sr != SAMPLE_RATE and sr not in self.resamplers:
+                self.resamplers[sr] = Polyphase.of(sr, SAMPLE_RATE)
+            if sr == SAMPLE_RATE or self.resamplers[sr] is not None:
+                return sr, items
+        _raise_unless_finite(items, [it.finite or _finite(it.wav) for it in items])  # (soxr reads them first)
+        return SAMPLE_RATE, [it.ready() for it in items]
 
-    def _upload(self, wavs: list[np.ndarray | torch.Tensor]) -> torch.Tensor:
-        """The waveforms packed end to end on the device [sum of lengths]. On CUDA rows already in page-locked memory
-        (torch tensors: staged at submission) are copied straight; otherwise through one pinned buffer, reused
-        (grown when short): no fresh host pages to fault in. A large batch's rows are written into it by the prep
-        threads, a group of rows each, and each group's part is copied on asynchronously as soon as it is written.
-        The next upload waits for the last copy (its event) before it writes the buffer again (passes end with a
-        host sync anyway)."""
-        lens = [w.shape[0] for w in wavs]
-        total = sum(lens)
+    def _upload(self, wavs: list[np.ndarray | torch.Tensor], out: torch.Tensor) -> None:
+        """Each row's samples into the front of its row of out [B', L] on the device (B' >= rows; what lies past a
+        row's samples is left as it was). On CUDA rows already in page-locked memory (torch tensors: staged at
+        submission) are copied straight; otherwise through one pinned buffer laid out as out, reused (grown when
+        short): no fresh host pages to fault in. A large batch's rows are written into it by the prep threads, a
+        group of rows each, and each group's rows are copied on asynchronously as soon as they are written. The
+        next upload waits for the last copy (its event) before it writes the buffer again."""
+        L = out.shape[1]
         if self.aligner.device.type != "cuda":
-            return torch.from_numpy(np.concatenate([np.asarray(w) for w in wavs]))
+            host = out.numpy()
+            for b, w in enumerate(wavs):
+                host[b, :w.shape[0]] = np.asarray(w)
+            return
         if all(isinstance(w, torch.Tensor) for w in wavs):
-            out = torch.empty(total, dtype=torch.float32, device=self.aligner.device)
-            for w, lo, hi in zip(wavs, np.cumsum([0] + lens), np.cumsum(lens)):
-                out[lo:hi].copy_(w, non_blocking=True)  # (the host allocator keeps w's pages until the copy is done)
-            return out
+            for b, w in enumerate(wavs):
+                out[b, :w.shape[0]].copy_(w, non_blocking=True)  # (the host allocator keeps w's pages until done)
+            return
         wavs = [w.numpy() if isinstance(w, torch.Tensor) else w for w in wavs]
         if self.staged is not None:
             self.staged.synchronize()
-        if self.staging is None or self.staging.shape[0] < total:
-            self.staging = torch.empty(max(total, 2 * (0 if self.staging is None else self.staging.shape[0])),
+        need = len(wavs) * L
+        if self.staging is None or self.staging.shape[0] < need:
+            self.staging = torch.empty(max(need, 2 * (0 if self.staging is None else self.staging.shape[0])),
                                        dtype=torch.float32, pin_memory=True)
-        out = torch.empty(total, dtype=torch.float32, device=self.aligner.device)
-        host, at = self.staging.numpy(), np.cumsum([0] + lens)
+        host = self.staging[:need].view(len(wavs), L)
+        rows = host.numpy()
 
         def write(i: int) -> None:
-            host[at[i]:at[i + 1]] = wavs[i]
-        for (lo, hi), done in self.aligner._in_groups(write, len(wavs), total):
+            rows[i, :wavs[i].shape[0]] = wavs[i]
+        for (lo, hi), done in self.aligner._in_groups(write, len(wavs), sum(w.shape[0] for w in wavs)):
             done()  # this group's rows are in the buffer
-            out[at[lo]:at[hi]].copy_(self.staging[at[lo]:at[hi]], non_blocking=True)
+            out[lo:hi].copy_(host[lo:hi], non_blocking=True)
         self.staged = torch.cuda.Event()
         self.staged.record()
-        return out
 
-    def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, list[np.ndarray]] | None:
-        """(classes [B, S] (host), the rows' prompt ids) for the rows of these mel frames (the audio_pad runs as
-        long as tokens_after_cnn(frames)); None: the batch is not for the padded pass (a row under one chunk)."""
-        ak = self.audio_key(frames)
-        if ak is None:
+    def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
+        """(classes [B, S] (host), [B] bool: the row's input samples all finite, the rows' prompt ids) for the rows
+        of these mel frames (the audio_pad runs as long as tokens_after_cnn(frames)); None: the batch is not for the
+        padded pass (a row under one chunk). NOTE(aligner): one host sync, the results' copy: the host's part is
+        the rows' samples and a few index rows, copied from page-locked memory asynchronously (hostcopy), and
+        three launches (the features and encoder's graph, the LM's), so the host's work overlaps the device's."""
+        if self.audio_key(frames) is None:
             return None
-        a, (Bb, C), B, enc = self.aligner, ak, len(items), self.aligner.cfg.audio
+        rate, items = self._rate(items)
+        ak = self.audio_key(frames, rate)
+        a, (Bb, C, _), B, enc = self.aligner, ak, len(items), self.aligner.cfg.audio
         xa = self.inputs.get(ak) or self._buffers(ak)
-        # features: each row's log-mel alone (reflect padding at its own ends, its own floor), zero past its frames
-        mel = log_mel(reflect_rows_device(self._wavs(items), [it.num_samples for it in items]), a._filters, frames,
-                      center=False)
-        past = torch.arange(mel.shape[2], device=a.device)[None, :] >= torch.as_tensor(frames, device=a.device)[:, None]
-        xa["mel"].zero_()
-        xa["mel"][:B, :, :mel.shape[2]] = mel.masked_fill(past[:, None], 0.0)
+        f = self.resamplers.get(rate)
+        n = [it.wav.shape[0] for it in items]
+        ints = np.zeros((4, Bb), np.int64)  # as _buffers' ints; padding rows: 0
+        ints[:, :B] = [n, f.ends(n) if f is not None else n, [it.num_samples for it in items], frames]
         t = tokens_after_cnn(2 * enc.n_window)
         T = a.thinker.audio_tower.window_tokens(C)
         tokens = [tokens_after_cnn(f) for f in frames]  # a row's audio tokens (its audio_pad run)
         mask = np.zeros((Bb, C * t // T, T), bool)  # [B, windows a row, T]
-        for b, n in enumerate(tokens):
-            mask[b].reshape(-1)[:n] = True
+        for b, k in enumerate(tokens):
+            mask[b].reshape(-1)[:k] = True
         mask = mask.reshape(-1, T)
         mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
-        xa["mask"].copy_(torch.from_numpy(mask))
-        audio = self._replay(ak, xa, self._encode) if self.capture else None
+        ints_d, mask_d = to_device([torch.from_numpy(ints), torch.from_numpy(mask)], a.device)
+        xa["ints"].copy_(ints_d)
+        xa["mask"].copy_(mask_d)
+        self._upload([it.wav if it.pinned is None else it.pinned for it in items], xa["wav"])
+        audio = self._replay(ak, xa, lambda x: self._encode(ak, x)) if self.capture else None
         # the prompts (the CPU's part) while the encoder runs: right-padded; each audio_pad slot's embedding in the
         # encoder output [B * C * t]
         rows = a._prompts(items, frames)
-        key = (Bb, C, -(-max(map(len, rows)) // self.TOKEN_STEP) * self.TOKEN_STEP)
+        key = (*ak, -(-max(map(len, rows)) // self.TOKEN_STEP) * self.TOKEN_STEP)
         x = self.inputs.get(key) or self._buffers(key)
-        ids, audio_at = np.zeros((2, Bb, key[2]), np.int64)
-        for b, (r, n) in enumerate(zip(rows, tokens)):
+        ids, audio_at = np.zeros((2, Bb, key[3]), np.int64)
+        for b, (r, k) in enumerate(zip(rows, tokens)):
             ids[b, :len(r)] = r
-            audio_at[b, 1:1 + n] = b * C * t + np.arange(n)  # the prompt's audio_pad run starts at slot 1
-        x["ids"].copy_(torch.from_numpy(ids))
-        x["audio_at"].copy_(torch.from_numpy(audio_at))
+            audio_at[b, 1:1 + k] = b * C * t + np.arange(k)  # the prompt's audio_pad run starts at slot 1
+        ids_d, audio_at_d = to_device([torch.from_numpy(ids), torch.from_numpy(audio_at)], a.device)
+        x["ids"].copy_(ids_d)
+        x["audio_at"].copy_(audio_at_d)
         if audio is None:
-            return self._pass(dict(x, **xa))[:B].cpu().numpy(), rows
-        out = self._replay(key, x, lambda x: self._lm(x, audio)) if ak in self.graphs else self._lm(x, audio)
-        return out[:B].cpu().numpy(), rows
+            out = self._pass(dict(x, **xa, mel=self._features(ak, xa)))
+        else:
+            out = self._replay(key, x, lambda x: self._lm(x, audio)) if ak in self.graphs else self._lm(x, audio)
+        host = torch.cat([out[:B], xa["finite"][:B, None].to(out.dtype)], 1).cpu().numpy()  # [B, S + 1]: one copy
+        return host[:, :-1], host[:, -1].astype(bool), rows
 
 
 class ForcedAligner:
@@ -377,10 +420,12 @@ class ForcedAligner:
         return split_words(text, language)
 
     def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True,
-              copy: bool = True) -> _Item:
+              copy: bool = True, finite: bool = True) -> _Item:
         """Checked (ValueError naming the problem) and, with ready, prepared for the pass (_Item.ready). copy False:
         a float32 waveform is kept as the caller's array, not copied (align(), which returns before the caller can
-        change it; a copy of a fresh array costs page faults: about a quarter of the checks' time)."""
+        change it; a copy of a fresh array costs page faults). finite False: its samples are not read here (a pass
+        over every sample, on the host's critical path before the device starts); _forward checks them
+        (_Item.finite)."""
         what = f"item {i}: " if i >= 0 else ""
         words = self.words(text, language, what)
         if isinstance(audio, torch.Tensor):
@@ -396,9 +441,7 @@ class ForcedAligner:
         if not 8000 <= sr <= 192000:
             raise ValueError(f"{what}sample_rate {sr} is outside 8000..192000 Hz")
         wav = to_mono(wav.astype(np.float32, copy=copy))
-        # a finite sum needs every sample finite (NaN and inf carry through it): one pass, no temporary; a sum that
-        # overflows is checked sample by sample
-        if not np.isfinite(wav.sum()) and not np.isfinite(wav).all():
+        if finite and not _finite(wav):
             raise ValueError(f"{what}audio has NaN or infinite samples")
         if wav.shape[0] / sr > self.max_seconds:
             raise ValueError(f"{what}audio of {wav.shape[0] / sr:.1f} s is longer than this aligner's "
@@ -406,7 +449,7 @@ class ForcedAligner:
         if resampled_length(wav.shape[0], sr, SAMPLE_RATE) < 2 * 160:
             # shorter than two mel frames: the reflect-padded STFT is undefined
             raise ValueError(f"{what}audio of {wav.shape[0] / sr * 1000:.0f} ms is too short to align")
-        item = _Item(words, wav, sr)
+        item = _Item(words, wav, sr, label=what, finite=finite)
         return item.ready() if ready else item
 
     # ------------------------------------------------------------------ the pass
@@ -431,7 +474,8 @@ class ForcedAligner:
         """
         batch = isinstance(audio, (list, tuple))
         if not batch:
-            return self._run([self._item(audio, sample_rate, text, language, -1, ready=False, copy=False)])[0]
+            return self._run([self._item(audio, sample_rate, text, language, -1, ready=False, copy=False,
+                                         finite=False)])[0]
         n = len(audio)
         if n == 0:
             raise ValueError("audio is an empty list")
@@ -442,7 +486,8 @@ class ForcedAligner:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
         args = list(zip(audio, per["sample_rate"], per["text"], per["language"]))
         samples = sum(int(np.prod(getattr(a, "shape", ()) or (0,))) for a in audio)  # (arrays, tensors; else 0)
-        items = [it for _, done in self._in_groups(lambda i: self._item(*args[i], i, ready=False, copy=False), n,
+        items = [it for _, done in self._in_groups(lambda i: self._item(*args[i], i, ready=False, copy=False,
+                                                                        finite=False), n,
                                                      samples) for it in done()]
         return self._run(items, rows_alone)
 
@@ -471,12 +516,9 @@ class ForcedAligner:
     def _prompts(self, items: list[_Item], frames: list[int]) -> list[np.ndarray]:
         """Each row's prompt ids: <|audio_start|>, tokens_after_cnn(frames) audio_pad, <|audio_end|>, the words with
         their <timestamp> pairs."""
-        rows = []
-        for it, f in zip(items, frames):
-            words_ids = self.tokenizer.encode(prompt_text(it.words).split("<|audio_end|>", 1)[1])
-            rows.append(np.array([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
-                                 + [self._ids["<|audio_end|>"]] + words_ids, np.int64))
-        return rows
+        words_ids = self.tokenizer.encode_batch([prompt_text(it.words).split("<|audio_end|>", 1)[1] for it in items])
+        return [np.array([self._ids["<|audio_start|>"]] + [self.cfg.audio_token_id] * tokens_after_cnn(f)
+                         + [self._ids["<|audio_end|>"]] + w, np.int64) for f, w in zip(frames, words_ids)]
 
     def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
         """One forward for the batch, one host sync (the classes): the padded pass (graphs=True) when every row is
@@ -484,9 +526,12 @@ class ForcedAligner:
         ts = self.cfg.timestamp_token_id
         if self._padded is not None and (rows_alone or len(items) == 1):
             frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
-            out = self._padded(items, frames)  # ([B, S], prompts) or None
+            out = self._padded(items, frames)  # ([B, S], [B] finite, prompts) or None
             if out is not None:
-                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(*out)])
+                classes, finite, rows = out
+                _raise_unless_finite(items, finite)
+                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
+        _raise_unless_finite(items, [it.finite or _finite(it.wav) for it in items])
         items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
@@ -503,8 +548,19 @@ class ForcedAligner:
         """Each row's words timed from the classes at its <timestamp> slots."""
         seg = np.float32(self.cfg.timestamp_segment_time)
         # ms as the official computes them: int class x float32 segment time
-        return word_times_rows([it.words for it in items],
-                               [[float(np.float32(c) * seg) for c in cls] for cls in classes])
+        return word_times_rows([it.words for it in items], [(c.astype(np.float32) * seg).tolist() for c in classes])
+
+
+def _finite(wav: np.ndarray) -> bool:
+    """Every sample finite: a finite sum needs every sample finite (NaN and inf carry through it): one pass, no
+    temporary; a sum that overflows is checked sample by sample."""
+    return bool(np.isfinite(wav.sum()) or np.isfinite(wav).all())
+
+
+def _raise_unless_finite(items: list[_Item], finite) -> None:
+    for it, ok in zip(items, finite):
+        if not ok:
+            raise ValueError(f"{it.label}audio has NaN or infinite samples")
 
 
 class AlignerWorker:

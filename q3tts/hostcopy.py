@@ -54,6 +54,12 @@ def to_device(tensors: list[torch.Tensor | Fill], device: torch.device, pack: bo
     return [dev[o:o + size].view(t.dtype).view(t.shape) for t, o, size in zip(tensors, offsets, sizes)]
 
 
+def ints_to_device(values, device: torch.device) -> torch.Tensor:
+    """A list (or array) of ints -> int64 [len] on device, through to_device: no host sync on CUDA (torch.as_tensor
+    of a list on CUDA copies from pageable memory and waits for the device to drain)."""
+    return to_device([torch.as_tensor(values, dtype=torch.int64)], device)[0]
+
+
 def _filled(f: Fill, out: torch.Tensor) -> torch.Tensor:
     f.fill(out)
     return out

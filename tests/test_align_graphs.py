@@ -13,8 +13,16 @@ import torch
 
 import q3tts.align as align_mod
 from q3tts.align import AlignerWorker, ForcedAligner
-from q3tts.models.audio_encoder import Ragged, reflect_rows, reflect_rows_device, rows_of, tokens_after_cnn
+from q3tts.models.audio_encoder import Ragged, reflect_rows, reflect_rows_device, tokens_after_cnn
 from tests.test_align import CASES, aligner, audio, checkpoint, expected, run_case_with
+
+
+def zero_padded(wavs: list[np.ndarray]) -> torch.Tensor:
+    """Waveforms as rows [B, max_len], zeros past each."""
+    out = np.zeros((len(wavs), max(w.shape[0] for w in wavs)), np.float32)
+    for b, w in enumerate(wavs):
+        out[b, :w.shape[0]] = w
+    return torch.from_numpy(out)
 
 
 @lru_cache(maxsize=1)
@@ -30,7 +38,7 @@ def padded_calls(monkeypatch):
 
     def spy(self, items, frames):
         out = orig(self, items, frames)
-        calls.append(self.key(frames, [len(r) for r in out[1]]) if out is not None else None)
+        calls.append(self.key(frames, [len(r) for r in out[2]]) if out is not None else None)
         return out
     monkeypatch.setattr(align_mod._PaddedPass, "__call__", spy)
     return calls
@@ -127,7 +135,7 @@ def test_reflect_rows_on_the_device_equal_the_host():
     wavs = [rng.standard_normal(n).astype(np.float32) for n in (321, 1000, 4567)]
     host, _ = reflect_rows(wavs)
     lengths = [w.shape[0] for w in wavs]
-    dev = reflect_rows_device(rows_of(torch.from_numpy(np.concatenate(wavs)), lengths), lengths)
+    dev = reflect_rows_device(zero_padded(wavs), lengths)
     assert torch.equal(dev, torch.from_numpy(host))
 
 
@@ -142,8 +150,10 @@ def test_rows_under_one_chunk_run_eagerly(padded_calls):
 def test_buckets():
     p = fast()._padded
     per = fast().cfg.audio.n_window_infer // (2 * fast().cfg.audio.n_window)
-    assert p.key([500] * 3, [100, 117, 90]) == (4, 5, 128)  # rows to a power of two, tokens to a multiple of 16
-    assert p.key([100], [33]) == (1, 1, 48)
+    assert p.key([500] * 3, [100, 117, 90]) == (4, 5, 16000, 128)  # rows to a power of two, tokens to 16s
+    assert p.key([100], [33], 24000) == (1, 1, 24000, 48)
+    # a bucket's rows hold every waveform of its frames: at most C chunks of frames, at 16 kHz or the input rate
+    assert p.samples((1, 1, 16000)) == 100 * 160 + 159 and p.samples((1, 1, 24000)) == -(-(100 * 160 + 159) * 3 // 2)
     assert p.key([930, 500], [10, 10])[1] == 2 * per  # past one window: whole windows of chunks
     assert p.key([99, 500], [10, 10]) is None
 
@@ -212,7 +222,7 @@ def test_encoder_and_lm_graphs_emulated_on_cpu(monkeypatch):
     want = _rows_alone(fast(), names, texts)
     assert _rows_alone(a, names, texts) == want
     keys = set(p.graphs)
-    assert sorted(map(len, keys)) == [2, 3]
+    assert sorted(map(len, keys)) == [3, 4]
     assert _rows_alone(a, names[::-1], texts[::-1]) == want[::-1] and set(p.graphs) == keys
 
 
@@ -226,7 +236,7 @@ def test_cuda_graphs_equal_the_padded_pass_uncaptured():
     names, texts = ["c", "b", "d"], [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0]]
     graphed = _rows_alone(a, names, texts)
     new = set(a._padded.graphs) - warm
-    assert sorted(map(len, new)) == [2, 3]  # the bucket's encoder (rows, chunks) and LM (rows, chunks, tokens)
+    assert sorted(map(len, new)) == [3, 4]  # the bucket's encoder (rows, chunks, rate) and LM (+ tokens)
     assert _rows_alone(a, names[::-1], texts[::-1]) == graphed[::-1] and set(a._padded.graphs) == warm | new
     # the pass entered directly, outside align()'s inference mode, writes the same captured inputs
     items = [a._item(*audio(n), t, "English", i, ready=False) for i, (n, t) in enumerate(zip(names, texts))]
@@ -250,7 +260,7 @@ def test_device_resampler_is_soxrs_filter():
         if sr == 24000:
             wavs.append(audio("d")[0])
         lengths = [w.shape[0] for w in wavs]
-        got = f(rows_of(torch.from_numpy(np.concatenate(wavs)), lengths), lengths)
+        got = f(zero_padded(wavs), lengths)
         for w, g in zip(wavs, got):
             want = resample(w, sr, 16000)
             assert f.out_len(w.shape[0]) == want.shape[0]
@@ -383,3 +393,18 @@ def test_the_worker_gives_the_words_of_align(device):
         assert [f.result(timeout=120) for f in futs] == want
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_audio_is_refused_by_the_padded_pass(bad, padded_calls):
+    """align() leaves the samples' finiteness to the padded pass, which checks it on the device beside the pass
+    (the samples go there as they are: resampled there): the same clear error as the host's check."""
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", graphs=True, resample_on_device=True)
+    for name in ("a", "d"):  # 16 and 24 kHz
+        wav, sr = audio(name)
+        wav = wav.copy()
+        wav[wav.shape[0] // 2] = bad
+        with pytest.raises(ValueError, match="^audio has NaN or infinite samples"):
+            a.align(wav, sr, "hello there", "English")
+        assert padded_calls and padded_calls[-1] is not None
+        padded_calls.clear()

@@ -14,7 +14,7 @@ As qwen-asr 0.0.6's `Qwen3ForceAlignProcessor`:
 from __future__ import annotations
 
 import unicodedata
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,9 +23,10 @@ from .request import InputError
 EXTRA = "q3tts[aligner-ja-ko]"
 
 
-@dataclass(frozen=True, slots=True)
-class WordTime:
-    """One aligned word (a CJK character for Chinese), its start and end in seconds from the audio's start."""
+class WordTime(NamedTuple):
+    """One aligned word (a CJK character for Chinese), its start and end in seconds from the audio's start. (A named
+    tuple: immutable, and a batch's thousands are made at a tuple's cost, where a frozen dataclass's __init__ costs
+    several times that on the aligner's critical path.)"""
 
     word: str
     start_s: float
@@ -129,40 +130,71 @@ def _longest_run_kept(data: list[float]) -> list[bool]:
     return kept
 
 
-BATCH_DP_MAX = 256  # slots: rows up to this long share one vectorized scan (_kept_rows)
+BATCH_DP_MAX = 256  # slots: rows up to this long share one vectorized scan and fix-up (_fix_short_rows)
+
+
+def _short_rows(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of 1..BATCH_DP_MAX slots -> (data [R, n] float64, inf past each row's end; lengths [R]; kept [R, n]: the
+    official's longest non-decreasing subsequence of each row, False past its end). The official's scan over j
+    vectorized across rows and j: n numpy steps for the batch, not n^2 / 2 Python steps a row (the Fenwick tree's
+    n log n beats the batch's n^2 past BATCH_DP_MAX)."""
+    lens = np.array([len(r) for r in rows])
+    R, n = len(rows), int(lens.max())
+    data = np.full((R, n), np.inf)  # padding slots are never a j of a real slot (j < i < len)
+    for k, r in enumerate(rows):
+        data[k, :lens[k]] = r
+    dp = np.ones((R, n), np.int64)
+    parent = np.full((R, n), -1, np.int64)
+    for i in range(1, n):
+        # the official: j < i with data[j] <= data[i] and the largest dp[j], the first such j
+        cand = np.where(data[:, :i] <= data[:, i:i + 1], dp[:, :i], 0)  # [R, i]
+        best = cand.max(1)
+        dp[:, i] = best + 1
+        parent[:, i] = np.where(best > 0, (cand == best[:, None]).argmax(1), -1)
+    valid = np.arange(n)[None, :] < lens[:, None]
+    at = np.where(valid, dp, 0).argmax(1)  # each row's first slot of the largest dp; its chain back, all rows at once
+    kept = np.zeros((R, n), bool)
+    live = np.arange(R)
+    while live.size:
+        kept[live, at[live]] = True
+        at[live] = parent[live, at[live]]
+        live = live[at[live] >= 0]
+    return data, lens, kept
 
 
 def _kept_rows(rows: list[list[float]]) -> list[list[bool]]:
-    """_longest_run_kept of every row, the rows of up to BATCH_DP_MAX slots at once: the official's scan over j
-    vectorized across rows and j (n numpy steps for the batch, not n^2 / 2 Python steps a row); longer rows by the
-    Fenwick tree (whose n log n beats the batch's n^2 there)."""
-    out: list[list[bool] | None] = [None] * len(rows)
+    """_longest_run_kept of every row (the short ones by _short_rows' batch scan)."""
+    out: list[list[bool]] = [_longest_run_kept(r) if len(r) > BATCH_DP_MAX else [] for r in rows]
     short = [b for b, r in enumerate(rows) if 0 < len(r) <= BATCH_DP_MAX]
-    for b, r in enumerate(rows):
-        if len(r) > BATCH_DP_MAX:
-            out[b] = _longest_run_kept(r)
     if short:
-        n = max(len(rows[b]) for b in short)
-        lens = np.array([len(rows[b]) for b in short])
-        data = np.full((len(short), n), np.inf)  # padding slots are never a j of a real slot (j < i < len)
+        _, lens, kept = _short_rows([rows[b] for b in short])
         for k, b in enumerate(short):
-            data[k, :lens[k]] = rows[b]
-        dp = np.ones((len(short), n), np.int64)
-        parent = np.full((len(short), n), -1, np.int64)
-        for i in range(1, n):
-            # the official: j < i with data[j] <= data[i] and the largest dp[j], the first such j
-            cand = np.where(data[:, :i] <= data[:, i:i + 1], dp[:, :i], 0)  # [rows, i]
-            best = cand.max(1)
-            dp[:, i] = best + 1
-            parent[:, i] = np.where(best > 0, (cand == best[:, None]).argmax(1), -1)
-        for k, b in enumerate(short):
-            kept = [False] * int(lens[k])
-            idx = int(dp[k, :lens[k]].argmax())  # the first of the largest dp
-            while idx != -1:
-                kept[idx] = True
-                idx = int(parent[k, idx])
-            out[b] = kept
-    return [k if k is not None else [] for k in out]
+            out[b] = kept[k, :lens[k]].tolist()
+    return out
+
+
+def _fix_short_rows(rows: list[list[float]]) -> list[list[int]]:
+    """_fix of rows of 1..BATCH_DP_MAX slots with their kept subsequences, all slots of the batch at once: a slot
+    outside it lies in the run between the kept slots left and right of it (either may be missing: the row's ends),
+    and takes the value _fix gives it there, by the same float operations in the same order."""
+    data, lens, kept = _short_rows(rows)
+    R, n = data.shape
+    pos = np.broadcast_to(np.arange(n), (R, n))
+    left = np.maximum.accumulate(np.where(kept, pos, -1), axis=1)  # the last kept slot at or before, -1: none
+    right = np.minimum.accumulate(np.where(kept, pos, n)[:, ::-1], axis=1)[:, ::-1]  # the first at or after, n: none
+    has_l, has_r = left >= 0, right < lens[:, None]
+    rows_ix = np.arange(R)[:, None]
+    lv = data[rows_ix, np.maximum(left, 0)]
+    rv = data[rows_ix, np.minimum(right, lens[:, None] - 1)]
+    i = left + 1  # the run i..j-1 between them, as _fix names it
+    j = np.where(has_r, right, lens[:, None])
+    near = np.where(~has_l, rv, np.where(~has_r, lv, np.where(pos - left <= j - pos, lv, rv)))  # runs of 1 or 2
+    with np.errstate(invalid="ignore", divide="ignore"):  # (slots where the interpolation is not the one taken)
+        step = (rv - lv) / (j - i + 1)
+        between = lv + step * (pos - i + 1)
+    far = np.where(has_l & has_r, between, np.where(has_l, lv, rv))
+    fixed = np.where(kept, data, np.where(j - i <= 2, near, far))
+    return [r[:m].tolist() for r, m in zip(fixed.astype(np.int64), lens)]
 
 
 def fix_timestamps(data: list[float]) -> list[int]:
@@ -171,10 +203,14 @@ def fix_timestamps(data: list[float]) -> list[int]:
 
 
 def fix_timestamps_rows(rows: list[list[float]]) -> list[list[int]]:
-    """fix_timestamps of every row (one vectorized scan for the batch's subsequences)."""
-    monotonic = [all(x <= y for x, y in zip(r, r[1:])) for r in rows]  # whole sequence kept: nothing to fix
-    kept = iter(_kept_rows([r for r, m in zip(rows, monotonic) if not m]))
-    return [[int(v) for v in r] if m else _fix(r, next(kept)) for r, m in zip(rows, monotonic)]
+    """fix_timestamps of every row: the rows of up to BATCH_DP_MAX slots at once (_fix_short_rows), longer ones by
+    the Fenwick tree and _fix."""
+    out: list[list[int]] = [_fix(r, _longest_run_kept(r)) if len(r) > BATCH_DP_MAX else [] for r in rows]
+    short = [b for b, r in enumerate(rows) if 0 < len(r) <= BATCH_DP_MAX]
+    if short:
+        for b, fixed in zip(short, _fix_short_rows([rows[b] for b in short])):
+            out[b] = fixed
+    return out
 
 
 def _fix(data: list[float], normal: list[bool]) -> list[int]:
@@ -219,5 +255,5 @@ def word_times(words: list[str], slot_ms: list[float]) -> list[WordTime]:
 def word_times_rows(words: list[list[str]], slot_ms: list[list[float]]) -> list[list[WordTime]]:
     """word_times of every row of a batch. (The official rounds the seconds to 3 decimals; a whole number of ms over
     1000.0 is the double nearest to a 3-decimal number, which that rounding returns unchanged.)"""
-    return [[WordTime(w, f[2 * i] / 1000.0, f[2 * i + 1] / 1000.0) for i, w in enumerate(ws)]
+    return [[WordTime(w, s / 1000.0, e / 1000.0) for w, s, e in zip(ws, f[0::2], f[1::2])]
             for ws, f in zip(words, fix_timestamps_rows(slot_ms))]

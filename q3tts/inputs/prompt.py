@@ -73,6 +73,10 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode of each text (the tokenizers library spreads a batch over its threads)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """ids and each id's (start, end) character span in text (NFC text: spans are not moved by normalizing)."""
         enc = self._tok.encode(text, add_special_tokens=False)

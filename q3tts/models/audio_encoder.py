@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hostcopy import ints_to_device
+
 SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
 
@@ -92,15 +94,15 @@ def mel_filters(num_mel_bins: int = 128, sample_rate: int = SAMPLE_RATE, n_fft: 
     return fb * np.expand_dims(enorm, 0)
 
 
-def log_mel(wavs: torch.Tensor, filters: torch.Tensor, num_frames: list[int] | None = None,
+def log_mel(wavs: torch.Tensor, filters: torch.Tensor, num_frames: list[int] | torch.Tensor | None = None,
             center: bool = True) -> torch.Tensor:
     """wavs [B, L] float32 (rows zero-padded to one length L) -> log-mel [B, num_mel_bins, L // 160].
 
     As the official feature extractor: |STFT|^2 (Hann 400, hop 160, centred, reflect) without its last frame,
     log10 clamped at 1e-10, floored 8 below the row's maximum over all L // 160 frames (padding included), (x+4)/4.
     num_frames given: the floor is taken over each row's first num_frames[b] frames only (frames past them are
-    returned but meaningless). center False: the rows come already padded by 200 samples on each side (L + 400
-    samples; see reflect_rows).
+    returned but meaningless; a [B] int64 tensor on wavs' device, or a list). center False: the rows come already
+    padded by 200 samples on each side (L + 400 samples; see reflect_rows).
     """
     window = torch.hann_window(N_FFT, device=wavs.device)
     stft = torch.stft(wavs, N_FFT, HOP, window=window, center=center, return_complex=True)
@@ -109,7 +111,7 @@ def log_mel(wavs: torch.Tensor, filters: torch.Tensor, num_frames: list[int] | N
     if num_frames is None:
         top = log_spec.amax(dim=(1, 2), keepdim=True)
     else:
-        n = torch.as_tensor(num_frames, device=wavs.device)
+        n = num_frames if isinstance(num_frames, torch.Tensor) else ints_to_device(num_frames, wavs.device)
         past = torch.arange(log_spec.shape[2], device=wavs.device)[None, :] >= n[:, None]  # [B, F]
         top = log_spec.masked_fill(past[:, None], float("-inf")).amax(dim=(1, 2), keepdim=True)
     return (torch.maximum(log_spec, top - 8.0) + 4.0) / 4.0
@@ -126,21 +128,17 @@ def reflect_rows(wavs: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     return out, [w.shape[0] // HOP for w in wavs]
 
 
-def rows_of(flat: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """flat [sum of lengths] (waveforms packed end to end) -> [B, max_len], each row zero-padded (one gather)."""
-    dev = flat.device
-    n = torch.as_tensor(lengths, device=dev)[:, None]  # [B, 1]
-    start = torch.as_tensor(np.cumsum([0] + lengths[:-1]), device=dev)[:, None]
-    j = torch.arange(max(lengths), device=dev)[None, :]
-    return flat[start + torch.minimum(j, n - 1)] * (j < n)
-
-
-def reflect_rows_device(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """reflect_rows on the device: rows [B, L] (row b's first lengths[b] samples) -> [B, max_len + 400], each row
-    reflect-padded by N_FFT // 2 at both of its own ends, then zeros (one gather: the same values)."""
+def reflect_rows_device(rows: torch.Tensor, lengths: list[int] | torch.Tensor) -> torch.Tensor:
+    """reflect_rows on the device: rows [B, L] (row b's first lengths[b] samples) -> [B, W + 400], each row
+    reflect-padded by N_FFT // 2 at both of its own ends, then zeros (one gather: the same values). lengths: a list
+    (W = its largest), or a [B] int64 tensor on rows' device (W = L: shapes that do not depend on the lengths, for
+    a CUDA graph; a row of length 0 is all zeros)."""
     pad, dev = N_FFT // 2, rows.device
-    n = torch.as_tensor(lengths, device=dev)[:, None]  # [B, 1]
-    j = torch.arange(max(lengths) + 2 * pad, device=dev)[None, :] - pad  # [1, L'] sample index in the row
+    if isinstance(lengths, torch.Tensor):
+        n, W = lengths[:, None], rows.shape[1]
+    else:
+        n, W = ints_to_device(lengths, dev)[:, None], max(lengths)  # [B, 1]
+    j = torch.arange(W + 2 * pad, device=dev)[None, :] - pad  # [1, W + 400] sample index in the row
     src = j.abs()  # the start: sample -k is sample k (pad < every row's length, see ForcedAligner._item)
     src = torch.where(src >= n, 2 * (n - 1) - src, src).clamp(min=0)  # the end: sample n - 1 + k is n - 1 - k
     return rows.gather(1, src.expand(rows.shape[0], -1)) * (j < n + pad)  # [B, L']

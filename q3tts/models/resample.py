@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..audio import resample, resampled_length
+from ..hostcopy import ints_to_device
 
 MAX_PERIOD = 8  # q: input samples per filter period (24k -> 16k: 3; 44.1k -> 16k: 441, left to the CPU)
 
@@ -74,17 +75,34 @@ class Polyphase:
         """rows [B, L] float32 (row b's first lengths[b] samples, zeros after) -> [B, max out_len] float32, zeros past
         each row's out_len. NOTE(resample): as soxr, a row's samples before 0 and past its end count as zeros; its
         own output stops at round(n * p / q) samples and resample() pads the rest of the ceil length with zeros."""
-        B, L = rows.shape
         n_out = max(self.out_len(n) for n in lengths)
+        return self.padded(rows, n_out, ints_to_device(self.ends(lengths), rows.device),
+                           self.spectrum(rows.shape[1], n_out, rows.device))
+
+    def ends(self, lengths: list[int]) -> list[int]:
+        """Where each row's own output stops: round(n * p / q) (resample() zero-pads the ceil length past it)."""
+        return [round(n * self.p / self.q) for n in lengths]
+
+    def fft_len(self, L: int, n_out: int) -> int:
+        """The correlation's FFT length for rows of L samples and n_out outputs: no wrap-around (t + i < n for every
+        read)."""
+        span = max(L + self.left, self.q * (-(-n_out // self.p) - 1) + self.weight.shape[1])  # the samples read
+        return 1 << (span + self.weight.shape[1]).bit_length()
+
+    def spectrum(self, L: int, n_out: int, device: torch.device) -> torch.Tensor:
+        """The weights' conjugate spectrum [p, n // 2 + 1] complex128 that padded() multiplies rows of L samples by
+        (n = fft_len): made once per shape by a caller that runs many (a graph's static input)."""
+        return torch.fft.rfft(torch.from_numpy(self.weight).to(device), self.fft_len(L, n_out)).conj()
+
+    def padded(self, rows: torch.Tensor, n_out: int, ends: torch.Tensor, spectrum: torch.Tensor) -> torch.Tensor:
+        """__call__ with shapes that depend on rows' and n_out only (a CUDA graph's): ends [B] int64 on rows' device
+        (ends(lengths)), n_out >= every row's out_len, spectrum(L, n_out) -> [B, n_out]."""
+        B, L = rows.shape
         periods = -(-n_out // self.p)
-        taps = self.weight.shape[1]
         # z_r[t] = sum_i weight[r, i] * x[t + i - left], read at t = q * Q: a correlation, through one FFT of the rows
-        span = max(L + self.left, self.q * (periods - 1) + taps)  # the padded rows' samples the outputs read
-        n = 1 << (span + taps).bit_length()  # no wrap-around: t + i < n for every read
+        n = self.fft_len(L, n_out)
         x = F.pad(rows.double(), (self.left, 0))
-        w = torch.from_numpy(self.weight).to(rows.device, non_blocking=True)  # [p, taps] float64
-        z = torch.fft.irfft(torch.fft.rfft(x, n)[:, None] * torch.fft.rfft(w, n).conj(), n)  # [B, p, n]
+        z = torch.fft.irfft(torch.fft.rfft(x, n)[:, None] * spectrum, n)  # [B, p, n]
         y = z[..., :self.q * periods:self.q]  # [B, p, periods]
         y = y.transpose(1, 2).reshape(B, -1)[:, :n_out].float()
-        ends = torch.as_tensor([round(n * self.p / self.q) for n in lengths], device=rows.device)
         return y * (torch.arange(n_out, device=rows.device)[None, :] < ends[:, None])

@@ -106,14 +106,17 @@ def test_fix_timestamps_keeps_the_official_subsequence_on_long_inputs(n, levels)
 
 
 def test_fix_timestamps_of_a_batch_is_each_rows():
-    """A batch of rows of every length (empty, monotonic, ties, past BATCH_DP_MAX: the Fenwick tree's) fixed at once
-    equals each row fixed alone, and each row's kept slots are the official's."""
-    from q3tts.inputs.align_text import BATCH_DP_MAX, _kept_rows, fix_timestamps_rows
+    """A batch of rows of every length (empty, monotonic, ties, runs of outliers at both ends and inside, past
+    BATCH_DP_MAX: the Fenwick tree's) fixed at once equals each row fixed alone, each row's kept slots are the
+    official's, and the batch's vectorized fix-up equals the per-row one (_fix) on the official's kept slots."""
+    from q3tts.inputs.align_text import BATCH_DP_MAX, _fix, _kept_rows, fix_timestamps_rows
     rng = random.Random(1)
-    rows = [[], [80.0], [0.0, 80.0, 80.0, 160.0]]
+    rows = [[], [80.0], [0.0, 80.0, 80.0, 160.0], [800.0, 720.0, 0.0, 80.0], [0.0, 80.0, 900.0, 880.0, 860.0]]
     rows += [[80.0 * rng.randrange(12) for _ in range(rng.randrange(2, 70))] for _ in range(30)]
+    rows += [[80.0 * rng.randrange(5000) for _ in range(30)] for _ in range(64)]  # a random head's batch
     rows += [[80.0 * rng.randrange(300) for _ in range(BATCH_DP_MAX + 9)]]
     assert _kept_rows(rows) == [official_fixup_kept(r) if r else [] for r in rows]
+    assert fix_timestamps_rows(rows) == [_fix(r, official_fixup_kept(r)) if r else [] for r in rows]
     assert fix_timestamps_rows(rows) == [fix_timestamps(r) for r in rows]
     fixups = json.loads(FIXTURE.read_text())["fixups"]
     assert fix_timestamps_rows([d for d, _ in fixups]) == [f for _, f in fixups]
