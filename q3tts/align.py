@@ -58,6 +58,7 @@ WORKER_MAX_BATCH = 16
 # first chunks (AlignerWorker's busy), at most this long from its oldest utterance's submission
 WORKER_MAX_DEFER_S = 0.25
 WORKER_POLL_S = 0.002
+WARMUP_RATE = 24000  # Hz: Qwen3-TTS's audio, what the server's worker aligns (ForcedAligner.warmup)
 
 
 @dataclass(slots=True)
@@ -271,8 +272,8 @@ class _PaddedPass:
         """(classes [B, S] (host), [B] bool: the row's input samples all finite, the rows' prompt ids) for the rows
         of these mel frames (the audio_pad runs as long as tokens_after_cnn(frames)); None: the batch is not for the
         padded pass (a row under one chunk). NOTE(aligner): one host sync, the results' copy: the host's part is
-        the rows' samples and a few index rows, copied from page-locked memory asynchronously (hostcopy), and
-        three launches (the features and encoder's graph, the LM's), so the host's work overlaps the device's."""
+        the rows' samples and a few index rows, copied from page-locked memory asynchronously (hostcopy), and two
+        launches (the features' and encoder's graph, the LM's), so the host's work overlaps the device's."""
         if self.audio_key(frames) is None:
             return None
         rate, items = self._rate(items)
@@ -378,12 +379,13 @@ class ForcedAligner:
         """Compile, load the kernels and capture the first graphs now, not in a caller's first pass (compiling holds
         the interpreter for seconds: a server's streams would stall behind it). A batch of one and a batch of two
         rows, one longer than an attention window: the shapes that torch.compile specializes (sizes 1 and more);
-        other sizes reuse these compilations (graphs: each bucket is captured on first use)."""
+        other sizes reuse these compilations (graphs: each bucket is captured on first use). At WARMUP_RATE, the rate
+        a synthesis's audio comes at (graphs: buckets are per input rate; its resampler is made here too)."""
         rng = np.random.default_rng(0)
         window_s = self.cfg.audio.n_window_infer * 160 / SAMPLE_RATE
-        wav = lambda s: (0.1 * rng.standard_normal(int(s * SAMPLE_RATE))).astype(np.float32)  # noqa: E731
-        self.align(wav(1.5), SAMPLE_RATE, "one two", "English")
-        self.align([wav(1.5), wav(min(window_s + 3, self.max_seconds))], SAMPLE_RATE, ["one two", "three four"],
+        wav = lambda s: (0.1 * rng.standard_normal(int(s * WARMUP_RATE))).astype(np.float32)  # noqa: E731
+        self.align(wav(1.5), WARMUP_RATE, "one two", "English")
+        self.align([wav(1.5), wav(min(window_s + 3, self.max_seconds))], WARMUP_RATE, ["one two", "three four"],
                    "English", rows_alone=True)
 
     def _in_groups(self, fn, n: int, samples: int) -> list[tuple[tuple[int, int], Any]]:

@@ -194,6 +194,7 @@ def _fix_short_rows(rows: list[list[float]]) -> list[list[int]]:
         between = lv + step * (pos - i + 1)
     far = np.where(has_l & has_r, between, np.where(has_l, lv, rv))
     fixed = np.where(kept, data, np.where(j - i <= 2, near, far))
+    fixed = np.where(pos < lens[:, None], fixed, 0.0)  # (padding slots: not cast from inf)
     return [r[:m].tolist() for r, m in zip(fixed.astype(np.int64), lens)]
 
 
