@@ -110,6 +110,7 @@ def start(a, quantization: str, cache: str, artifact: tuple[str, str] | None = N
     """One child start on compile cache `cache` (its Triton cache: cache/triton-eager); artifact: ("save" | "load",
     file)."""
     env = dict(os.environ, Q3TTS_STARTUP_T0=repr(time.time()), TRITON_CACHE_DIR=os.path.join(cache, "triton-eager"))
+    env.setdefault("Q3TTS_PRECOMPILE", "1")  # as `q3tts serve` starts (engine.compile.serve_precompile)
     for k in ("TORCHINDUCTOR_CACHE_DIR", "Q3TTS_COMPILE_CACHE"):
         env.pop(k, None)  # the child's only caches are the ones given (--compile-cache, TRITON_CACHE_DIR)
     cmd = [sys.executable, "-m", "bench.startup", "--child", "--ckpt", a.ckpt, "--quantization", quantization,

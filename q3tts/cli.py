@@ -263,6 +263,8 @@ def cmd_serve(argv: list[str]) -> int:
                          f"(missing: {e.name})") from None
     _check_device(settings.device)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .engine.compile import serve_precompile
+    serve_precompile()
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("q3tts.server").warning("serving on %s without an API key (--api-key)", settings.host)
     if settings.replicas or settings.max_replicas or settings.ray_address:
@@ -321,6 +323,8 @@ def cmd_warmup(argv: list[str]) -> int:
     settings = parse_args(rest + (["--load-artifact", own.load] if own.load else []))
     _check_device(settings.device)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .engine.compile import serve_precompile
+    serve_precompile()
     from .engine.artifact import own_triton_cache
     triton_tmp = own_triton_cache() if own.save else None
     try:

@@ -18,7 +18,10 @@ Dynamo's own output (the traced bytecode and its guards, per compiled function) 
 torch.compiler.save_cache_artifacts(), hence in q3tts's compiled artifact): a warm or artifact start installs those
 entries when it calls torch.compile and traces nothing they cover (BENCHMARKS.md: start-up). `compile_fn` scopes it to
 q3tts's own functions (a function compiled with it on must have guards that can be saved: another library's
-torch.compile'd functions stay as torch makes them); $Q3TTS_PRECOMPILE=0 turns it off.
+torch.compile'd functions stay as torch makes them). On with $Q3TTS_PRECOMPILE=1, which `q3tts serve` and
+`q3tts warmup` set unless the user did: one engine a process. Off by default elsewhere: a library process may build
+engines one after another, and the GPU suite, which does so in processes sharing one cache, failed with it on
+(BENCHMARKS.md: start-up).
 """
 
 from __future__ import annotations
@@ -98,8 +101,15 @@ def compile_model(talker: torch.nn.Module, on: bool) -> tuple:
 
 
 def want_precompile() -> bool:
-    """Dynamo's output cached with the compile cache and the artifact (on unless $Q3TTS_PRECOMPILE is 0/off)."""
-    return os.environ.get(PRECOMPILE_ENV, "1").strip().lower() not in OFF
+    """Dynamo's output cached with the compile cache and the artifact: $Q3TTS_PRECOMPILE set and not 0/off (the
+    CLI's serve and warmup set it: serve_precompile)."""
+    return os.environ.get(PRECOMPILE_ENV, "0").strip().lower() not in OFF
+
+
+def serve_precompile() -> None:
+    """A process that builds one engine (`q3tts serve`, `q3tts warmup`, bench.startup's starts): Dynamo's entries on
+    unless $Q3TTS_PRECOMPILE says otherwise."""
+    os.environ.setdefault(PRECOMPILE_ENV, "1")
 
 
 def portable_guards(entries) -> list[bool]:

@@ -169,7 +169,7 @@ def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
     make_tiny(tmp_path / "tiny")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
                                                               "Q3TTS_COMPILE_CACHE")}
-    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", Q3TTS_PRECOMPILE="1",  # (as serve / warmup)
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     art = tmp_path / "engine.q3c"
 

@@ -27,6 +27,7 @@ def env(monkeypatch, tmp_path):
     for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "Q3TTS_COMPILE_CACHE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("Q3TTS_PRECOMPILE", "1")  # (compile_fn's tests: Dynamo's entries asked for)
     return monkeypatch
 
 
@@ -62,6 +63,19 @@ def test_serve_flag_and_environment(env, tmp_path):
     assert parse_args([], environ={}).compile_cache is None
     assert parse_args(["--compile-cache", "/c"], environ={}).compile_cache == "/c"
     assert parse_args([], environ={"Q3TTS_COMPILE_CACHE": "off"}).compile_cache == "off"
+
+
+def test_dynamo_entries_are_for_one_engine_processes(monkeypatch):
+    """Off unless asked for (a library process may build engines one after another); `q3tts serve` and `q3tts warmup`
+    turn them on (serve_precompile) unless the user set Q3TTS_PRECOMPILE."""
+    from q3tts.engine.compile import serve_precompile, want_precompile
+    monkeypatch.delenv("Q3TTS_PRECOMPILE", raising=False)
+    assert not want_precompile()
+    serve_precompile()
+    assert want_precompile()
+    monkeypatch.setenv("Q3TTS_PRECOMPILE", "0")
+    serve_precompile()
+    assert not want_precompile()
 
 
 def test_describe_counts():
@@ -163,7 +177,8 @@ def test_second_process_hits_the_cache(tmp_path):
                              timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
-    cold, warm, untraced = run(), run(), run(Q3TTS_PRECOMPILE="0")
+    cold, warm = run(Q3TTS_PRECOMPILE="1"), run(Q3TTS_PRECOMPILE="1")
+    untraced = run()  # (off unless asked for: a library process)
     pick = ("fx_hit", "fx_miss", "aot_hit", "aot_miss", "traced", "dynamo_hit")
     # one graph for both layers, traced and compiled once, no AOTAutograd miss beyond it (a Dynamo restart, as float
     # attributes once caused, would show one)
