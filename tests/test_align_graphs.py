@@ -135,7 +135,7 @@ def test_reflect_rows_on_the_device_equal_the_host():
     wavs = [rng.standard_normal(n).astype(np.float32) for n in (321, 1000, 4567)]
     host, _ = reflect_rows(wavs)
     lengths = [w.shape[0] for w in wavs]
-    dev = reflect_rows_device(zero_padded(wavs), lengths)
+    dev = reflect_rows_device(zero_padded(wavs), torch.tensor(lengths))
     assert torch.equal(dev, torch.from_numpy(host))
 
 

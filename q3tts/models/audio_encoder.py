@@ -128,17 +128,13 @@ def reflect_rows(wavs: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
     return out, [w.shape[0] // HOP for w in wavs]
 
 
-def reflect_rows_device(rows: torch.Tensor, lengths: list[int] | torch.Tensor) -> torch.Tensor:
-    """reflect_rows on the device: rows [B, L] (row b's first lengths[b] samples) -> [B, W + 400], each row
-    reflect-padded by N_FFT // 2 at both of its own ends, then zeros (one gather: the same values). lengths: a list
-    (W = its largest), or a [B] int64 tensor on rows' device (W = L: shapes that do not depend on the lengths, for
-    a CUDA graph; a row of length 0 is all zeros)."""
+def reflect_rows_device(rows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """reflect_rows on the device: rows [B, L] (row b's first lengths[b] samples; lengths [B] int64 on rows' device)
+    -> [B, L + 400], each row reflect-padded by N_FFT // 2 at both of its own ends, then zeros (one gather: the same
+    values). Shapes that do not depend on the lengths (a CUDA graph's); a row of length 0 is all zeros."""
     pad, dev = N_FFT // 2, rows.device
-    if isinstance(lengths, torch.Tensor):
-        n, W = lengths[:, None], rows.shape[1]
-    else:
-        n, W = ints_to_device(lengths, dev)[:, None], max(lengths)  # [B, 1]
-    j = torch.arange(W + 2 * pad, device=dev)[None, :] - pad  # [1, W + 400] sample index in the row
+    n = lengths[:, None]  # [B, 1]
+    j = torch.arange(rows.shape[1] + 2 * pad, device=dev)[None, :] - pad  # [1, L + 400] sample index in the row
     src = j.abs()  # the start: sample -k is sample k (pad < every row's length, see ForcedAligner._item)
     src = torch.where(src >= n, 2 * (n - 1) - src, src).clamp(min=0)  # the end: sample n - 1 + k is n - 1 - k
     return rows.gather(1, src.expand(rows.shape[0], -1)) * (j < n + pad)  # [B, L']
