@@ -162,17 +162,6 @@ def _short_rows(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray, np.nda
     return data, lens, kept
 
 
-def _kept_rows(rows: list[list[float]]) -> list[list[bool]]:
-    """_longest_run_kept of every row (the short ones by _short_rows' batch scan)."""
-    out: list[list[bool]] = [_longest_run_kept(r) if len(r) > BATCH_DP_MAX else [] for r in rows]
-    short = [b for b, r in enumerate(rows) if 0 < len(r) <= BATCH_DP_MAX]
-    if short:
-        _, lens, kept = _short_rows([rows[b] for b in short])
-        for k, b in enumerate(short):
-            out[b] = kept[k, :lens[k]].tolist()
-    return out
-
-
 def _fix_short_rows(rows: list[list[float]]) -> list[list[int]]:
     """_fix of rows of 1..BATCH_DP_MAX slots with their kept subsequences, all slots of the batch at once: a slot
     outside it lies in the run between the kept slots left and right of it (either may be missing: the row's ends),

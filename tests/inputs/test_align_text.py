@@ -76,6 +76,19 @@ def test_fix_timestamps_equals_the_official():
         assert fix_timestamps(data) == fixed, data
 
 
+def _kept_rows(rows: list[list[float]]) -> list[list[bool]]:
+    """The package's kept slots of every row: fix_timestamps_rows' batch scan (_short_rows) for rows of up to
+    BATCH_DP_MAX slots, the Fenwick tree past them."""
+    from q3tts.inputs.align_text import BATCH_DP_MAX, _longest_run_kept, _short_rows
+    out = [_longest_run_kept(r) if len(r) > BATCH_DP_MAX else [] for r in rows]
+    short = [b for b, r in enumerate(rows) if 0 < len(r) <= BATCH_DP_MAX]
+    if short:
+        _, lens, kept = _short_rows([rows[b] for b in short])
+        for k, b in enumerate(short):
+            out[b] = kept[k, :lens[k]].tolist()
+    return out
+
+
 def official_fixup_kept(data: list[float]) -> list[bool]:
     """The official's O(n^2) longest non-decreasing subsequence (qwen-asr's fix_timestamp): the first j on ties."""
     n = len(data)
@@ -94,7 +107,7 @@ def official_fixup_kept(data: list[float]) -> list[bool]:
 def test_fix_timestamps_keeps_the_official_subsequence_on_long_inputs(n, levels):
     """The Fenwick-tree scan keeps exactly the slots of the official's quadratic scan (ties included: few levels)
     on sequences far longer than the fixture's, and the fix-up of a long sequence is monotonic."""
-    from q3tts.inputs.align_text import _kept_rows, _longest_run_kept
+    from q3tts.inputs.align_text import _longest_run_kept
     rng = random.Random(n * levels)
     rows = [[80.0 * rng.randrange(levels) for _ in range(n)] for _ in range(20)]
     want = [official_fixup_kept(data) for data in rows]
@@ -109,7 +122,7 @@ def test_fix_timestamps_of_a_batch_is_each_rows():
     """A batch of rows of every length (empty, monotonic, ties, runs of outliers at both ends and inside, past
     BATCH_DP_MAX: the Fenwick tree's) fixed at once equals each row fixed alone, each row's kept slots are the
     official's, and the batch's vectorized fix-up equals the per-row one (_fix) on the official's kept slots."""
-    from q3tts.inputs.align_text import BATCH_DP_MAX, _fix, _kept_rows, fix_timestamps_rows
+    from q3tts.inputs.align_text import BATCH_DP_MAX, _fix, fix_timestamps_rows
     rng = random.Random(1)
     rows = [[], [80.0], [0.0, 80.0, 80.0, 160.0], [800.0, 720.0, 0.0, 80.0], [0.0, 80.0, 900.0, 880.0, 860.0]]
     rows += [[80.0 * rng.randrange(12) for _ in range(rng.randrange(2, 70))] for _ in range(30)]
