@@ -71,12 +71,15 @@ class _Item:
     # padded pass copies them straight to the device
     label: str = ""  # "item i: " in a batch's errors
     finite: bool = True  # its samples were checked finite on the host (False: align()'s padded pass checks them on
-    # the device, where they go anyway, and the eager path checks them before it runs)
+    # the device, where they go anyway; ready() before it resamples them on the CPU)
 
     def ready(self) -> "_Item":
         """Resampled to 16 kHz and brought into [-1, 1]: the CPU part of an item, after its checks (the worker does it
-        on its own thread, not on the submitting caller's)."""
+        on its own thread, not on the submitting caller's); samples not yet checked finite (finite False) are checked
+        here first, where the CPU reads them anyway."""
         if not self.prepared:
+            if not self.finite and not _finite(self.wav):
+                raise ValueError(f"{self.label}audio has NaN or infinite samples")
             wav = resample(self.wav, self.sample_rate, SAMPLE_RATE)
             peak = float(np.max(np.abs(wav))) if wav.size else 0.0
             if peak > 1.0:  # as the official: int-scaled or clipping input is brought back into [-1, 1]
@@ -230,7 +233,6 @@ class _PaddedPass:
                 self.resamplers[sr] = Polyphase.of(sr, SAMPLE_RATE)
             if sr == SAMPLE_RATE or self.resamplers[sr] is not None:
                 return sr, items
-        _raise_unless_finite(items, [it.finite or _finite(it.wav) for it in items])  # (soxr reads them first)
         return SAMPLE_RATE, [it.ready() for it in items]
 
     def _upload(self, wavs: list[np.ndarray | torch.Tensor], out: torch.Tensor) -> None:
@@ -533,7 +535,6 @@ class ForcedAligner:
                 classes, finite, rows = out
                 _raise_unless_finite(items, finite)
                 return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
-        _raise_unless_finite(items, [it.finite or _finite(it.wav) for it in items])
         items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
