@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextvars
 import os
 import queue
 import threading
@@ -74,7 +75,10 @@ class AsyncEngine:
         # the stream the loop steps on (None: the thread's current one); `step_stream(device)` where other work shares
         # the GPU
         self.step_stream: torch.cuda.Stream | None = None
-        self._thread = threading.Thread(target=self._loop, name="q3tts-engine", daemon=True)
+        # NOTE(compile): in the creator's context: torch keeps Dynamo's and Inductor's settings per context from 2.13
+        # on, so a bare thread would trace its compilations under torch's defaults, not compile_layers' settings
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,), name="q3tts-engine",
+                                        daemon=True)
         self._thread.start()
         _RUNNING.add(self)
 

@@ -125,9 +125,11 @@ def portable_guards(entries) -> list[bool]:
 @contextlib.contextmanager
 def precompiling(on: bool = True):
     """Within: torch.compile of q3tts's functions records Dynamo's output for the caches (torch's caching precompile;
-    its switch is per thread from torch 2.13 on, so the thread that compiles must be inside)."""
+    its switch is per thread from torch 2.13 on, so the thread that compiles must be inside). Nothing where
+    want_precompile() is False: under that switch Dynamo also drops the identity guards (ID_MATCH, DICT_VERSION) of
+    whatever it traces, which only a saved entry needs (portable_guards chooses them there)."""
     import torch._dynamo
-    if not on:
+    if not on or not want_precompile():
         yield
         return
     with torch._dynamo.config.patch(caching_precompile=True):

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .. import invariant
-from ..hostcopy import to_device
+from ..hostcopy import ints_to_device, to_device
 from ..models.codec import Code2Wav, Code2WavState
 from .graphs import capture, gc_paused, side_stream
 
@@ -77,7 +77,7 @@ class StreamingVocoder:
             return []
         rows = [self.free_rows.pop() for _ in ref_codes]
         dev, dt = self.device, self.dtype
-        idx = to_device([torch.tensor(rows)], dev)[0]  # an asynchronous copy (a pageable one waits for the device)
+        idx = ints_to_device(rows, dev)  # an asynchronous copy (a pageable one waits for the device)
         self.pool.assign_rows_(idx, self.code2wav.init_state(len(rows), dev, dt))
         for j, ref in enumerate(ref_codes):
             if ref is not None and ref.shape[0] > 0:

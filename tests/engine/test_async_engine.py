@@ -94,3 +94,30 @@ def test_on_cuda_the_loop_steps_on_a_stream_above_the_default_and_the_codes_do_n
     driver.step_stream = None
     default = codes()
     assert all(torch.equal(a, b) for a, b in zip(high, default)) and len(high) == 2
+
+
+def test_the_loop_thread_compiles_under_the_settings_of_the_thread_that_built_it():
+    """torch keeps Dynamo's settings per context from 2.13 on: the loop thread starts in its creator's, so what
+    compile_layers set (room for the layer's variants, no float symbols...) holds where the engine compiles."""
+    import torch._dynamo
+
+    seen = []
+
+    class Engine:  # the one call the loop makes while idle
+        wake = threading.Event()
+
+        def wait_for_work(self):
+            seen.append(torch._dynamo.config.cache_size_limit)
+            time.sleep(0.01)
+            return False
+
+    limit = torch._dynamo.config.cache_size_limit + 17  # (no default has it)
+    with torch._dynamo.config.patch(cache_size_limit=limit):
+        driver = AsyncEngine(Engine())
+    try:
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen and seen[0] == limit
+    finally:
+        driver.shutdown()

@@ -78,6 +78,22 @@ def test_dynamo_entries_are_for_one_engine_processes(monkeypatch):
     assert not want_precompile()
 
 
+def test_precompiling_is_off_where_the_entries_are(monkeypatch):
+    """Where no Dynamo entry is saved, the engine's precompiling window leaves torch's switch alone: under it Dynamo
+    drops the identity guards of whatever it traces."""
+    import torch._dynamo
+
+    from q3tts.engine.compile import precompiling
+    monkeypatch.delenv("Q3TTS_PRECOMPILE", raising=False)
+    with precompiling(True):
+        assert not torch._dynamo.config.caching_precompile
+    monkeypatch.setenv("Q3TTS_PRECOMPILE", "1")
+    with precompiling(True):
+        assert torch._dynamo.config.caching_precompile
+    with precompiling(False):
+        assert not torch._dynamo.config.caching_precompile
+
+
 def test_describe_counts():
     zero = {"fx_hit": 0, "fx_miss": 0, "aot_hit": 0, "aot_miss": 0, "traced": 0, "dynamo_hit": 0, "dynamo_miss": 0}
     assert describe_counts(zero, dict(zero, fx_hit=3, traced=3)) == (
