@@ -134,3 +134,39 @@ def test_add_layer_norm_is_the_add_then_layer_norm(D):
     assert torch.equal(s, want_s) and s_alone is want_s
     assert torch.equal(y, want_y)
     assert_as_accurate(y, eager, exact)
+
+
+def test_padded_encoder_layer_with_the_glue_is_the_eager_layer(monkeypatch):
+    """models.audio_encoder.encoder_layer_padded on CUDA bf16 (its LayerNorms in kernels.add_layer_norm, each fused
+    with the residual add before it) and the same layer with the modules (glue off): both against the float64
+    layer, at the aligner encoder's width."""
+    import copy
+
+    from q3tts.models import audio_encoder as ae
+    torch.manual_seed(5)
+    lay = ae.AudioEncoderLayer(ae.AudioEncoderConfig(d_model=1024, encoder_attention_heads=16, encoder_ffn_dim=4096))
+    with torch.no_grad():
+        for p in lay.parameters():
+            p.normal_(0, 0.05)
+        for m in (lay.self_attn_layer_norm, lay.final_layer_norm):
+            m.weight.normal_(1, 0.3)
+    lay = lay.to("cuda", torch.bfloat16)
+    exact = copy.deepcopy(lay).double()
+    x = torch.randn(4, 65, 1024, device="cuda").to(torch.bfloat16)
+    mask = torch.ones(4, 65, dtype=torch.bool, device="cuda")
+    mask[3, 40:] = False
+
+    def layer(lay, x):  # the layer's output and the next norm of it (its own first norm standing in)
+        a = lay.self_attn
+        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        h = ae._layer_norm(lay.self_attn_layer_norm, x)
+        return ae.encoder_layer_padded(lay, w, b, x, h, mask, lay.self_attn_layer_norm)
+    with torch.inference_mode():
+        glue = layer(lay, x)
+        want = layer(exact, x.double())
+        monkeypatch.setattr(ae, "prefill_glue_applies", lambda t: False)
+        eager = layer(lay, x)
+    for g, w, e in zip(glue, want, eager):
+        e_glue, e_eager = (g.double() - w).abs(), (e.double() - w).abs()
+        assert e_glue.max() <= 1.25 * e_eager.max() and e_glue.mean() <= 1.1 * e_eager.mean()
