@@ -12,14 +12,14 @@ between batch sizes.
 F.linear everywhere else (CPU, fp32, prefill, big batches). Q3TTS_SKINNY_GEMM=0 turns every kernel here off.
 
 The kernels live by consumer: gemm (linears, one-row layer GEMVs), attention (decode attention), sampling (noise,
-top-k), vocoder (SnakeBeta joins), prefill (the forced aligner's padded pass: Q/K norm + RoPE, SiLU * up); common holds
-what they share.
+top-k), vocoder (SnakeBeta joins), prefill (the forced aligner's padded pass: Q/K norm + RoPE, SiLU * up, residual
+add + norm); common holds what they share.
 """
 
 from .attention import ATTN_FUSED_MAX_SPAN, decode_attention, decode_attention_applies
 from .common import ENABLED, MAX_ROWS, pdl, triton
 from .gemm import GEMV_EX_LAUNCH, gemv_ex, gemv_ex_applies, linear, quant_linear
-from .prefill import prefill_glue_applies, qk_norm_rope, silu_mul
+from .prefill import add_layer_norm, add_rms_norm, prefill_glue_applies, qk_norm_rope, silu_mul
 from .sampling import (
                        TOP_KERNEL_MAX_ROWS,
                        TOP_RANK_COLS,
@@ -31,6 +31,6 @@ from .sampling import (
 from .vocoder import snake_beta, snake_join
 
 __all__ = ["ATTN_FUSED_MAX_SPAN", "ENABLED", "GEMV_EX_LAUNCH", "MAX_ROWS", "TOP_KERNEL_MAX_ROWS", "TOP_RANK_COLS",
-           "TOP_RANK_ROWS", "decode_attention", "decode_attention_applies", "frame_noise_cuda", "gemv_ex",
-           "gemv_ex_applies", "linear", "pdl", "prefill_glue_applies", "qk_norm_rope", "quant_linear", "sample_top",
-           "sample_top_applies", "silu_mul", "snake_beta", "snake_join", "triton"]
+           "TOP_RANK_ROWS", "add_layer_norm", "add_rms_norm", "decode_attention", "decode_attention_applies",
+           "frame_noise_cuda", "gemv_ex", "gemv_ex_applies", "linear", "pdl", "prefill_glue_applies", "qk_norm_rope",
+           "quant_linear", "sample_top", "sample_top_applies", "silu_mul", "snake_beta", "snake_join", "triton"]

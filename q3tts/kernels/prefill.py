@@ -1,7 +1,8 @@
 """The elementwise glue of a padded prefill (the forced aligner's bucketed pass, q3tts.models.aligner): the Q/K
 RMSNorms and RoPE from the fused q|k|v projection straight into attention's [B, H, S, Dh] layout, and the MLP's
 SiLU(gate) * up. Eagerly these are a dozen kernels a layer, half of them strided or in fp32 (BENCHMARKS.md: the
-aligner's profile); here two.
+aligner's profile); here two. Each residual add with the norm after it (the LM's RMSNorm, the audio encoder's
+LayerNorm: both stacks are pre-norm) is one kernel too: add_rms_norm, add_layer_norm.
 
 Each result is rounded to bf16 where the eager modules store one (models.layers.RMSNorm, apply_rope, F.silu then the
 product), so the values are the eager ones up to the last bit of the fp32 statistics (the sum of squares is reduced
@@ -58,6 +59,42 @@ if triton is not None:
         u = tl.load(gu_ptr + row * 2 * INTER + INTER + col, mask=keep, other=0.0).to(tl.float32)
         tl.store(out_ptr + i, _bf(_bf(g / (1.0 + tl.exp(-g))) * u).to(out_ptr.dtype.element_ty), mask=keep)
 
+    @triton.jit
+    def _add_rms(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, D, eps, BD: tl.constexpr):
+        # one row per program: s = x + delta rounded to the dtype (as the eager add stores it), then invariant._rms
+        # of s line for line (the same block, warps and reduction: the same bits as rms_norm of the stored s)
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BD)
+        a = tl.load(x_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+        b = tl.load(d_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+        s = (a + b).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * D + d, s, mask=d < D)
+        x = s.to(tl.float32)
+        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+        xn = (x * r).to(y_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * D + d, (w * xn).to(y_ptr.dtype.element_ty), mask=d < D)
+
+    @triton.jit
+    def _add_ln(x_ptr, d_ptr, w_ptr, b_ptr, s_ptr, y_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr):
+        # one row per program: (ADD) s = x + delta rounded to the dtype and stored, else s = x; then LayerNorm of s in
+        # fp32 (mean, then the variance of the centred row: two sums over the block), rounded once, as F.layer_norm
+        # of a bf16 input stores it. Both variants reduce the same fp32 row in the same block: add then norm gives
+        # the fused kernel's bits.
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BD)
+        x = tl.load(x_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+        if ADD:
+            s = (x + tl.load(d_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * D + d, s, mask=d < D)
+            x = s.to(tl.float32)
+        mean = tl.sum(x, axis=0) / D
+        xc = tl.where(d < D, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=0) / D + eps)
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * D + d, (xc * rstd * w + bias).to(y_ptr.dtype.element_ty), mask=d < D)
+
 
 def prefill_glue_applies(x: torch.Tensor) -> bool:
     """Whether qk_norm_rope and silu_mul serve a layer whose activations are x: Triton there, x on CUDA in bf16."""
@@ -90,3 +127,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     BLOCK = 1024
     _silu_mul[(triton.cdiv(N, BLOCK),)](gate_up.contiguous(), out, N, inter, BLOCK=BLOCK, num_warps=4)
     return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm after it in one pass: x, delta [..., D] (contiguous, x's dtype), weight [D]
+    -> (s = x + delta, invariant.rms_norm(s, weight, eps)), both bit for bit the two eager steps' (s rounded to the
+    dtype first, the norm from the rounded s in _rms's order). Reads x and delta, writes s and y: four passes over
+    [..., D] where the add then the norm make five, in one launch instead of two."""
+    D = x.shape[-1]
+    assert x.shape == delta.shape and x.is_contiguous() and delta.is_contiguous() and weight.dtype == x.dtype
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    R = x.numel() // D
+    if R:
+        _add_rms[(R,)](x, delta, weight, s, y, D, eps, BD=triton.next_power_of_2(D), num_warps=4)
+    return s, y
+
+
+def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the LayerNorm after it in one pass: x, delta [..., D] (contiguous, x's dtype), weight /
+    bias [D] -> (s = x + delta rounded to the dtype, LayerNorm of s: fp32 statistics, one rounding at the end, as
+    F.layer_norm of a bf16 input; the statistics summed in another order than torch's, so a value can sit a bf16
+    step away from F.layer_norm's). delta None: the norm of x alone (s is x), whose bits the fused form gives for
+    the same s: add then norm with this function equals the fused call bit for bit."""
+    D = x.shape[-1]
+    assert x.is_contiguous() and weight.dtype == bias.dtype == x.dtype
+    assert delta is None or (delta.shape == x.shape and delta.is_contiguous())
+    s = x if delta is None else torch.empty_like(x)
+    y = torch.empty_like(x)
+    R = x.numel() // D
+    if R:
+        _add_ln[(R,)](x, x if delta is None else delta, weight, bias, s, y, D, eps, ADD=delta is not None,
+                      BD=triton.next_power_of_2(D), num_warps=4)
+    return s, y

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import invariant
 from ..config import DecoderLayerConfig
-from ..kernels.prefill import prefill_glue_applies, qk_norm_rope, silu_mul
+from ..kernels.prefill import add_rms_norm, prefill_glue_applies, qk_norm_rope, silu_mul
 from ..weights import check_prefixes, load_module, read_tensors, safetensors_files
 from .audio_encoder import AudioEncoder, AudioEncoderConfig, Ragged, parse_audio_encoder_config, sinusoids
 from .layers import DecoderLayer, RMSNorm, apply_rope, fuse_projections, rope_cos_sin, rope_inv_freq
@@ -96,14 +96,27 @@ def _norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return invariant.rms_norm(x, norm.weight, norm.eps) if prefill_glue_applies(x) else norm(x)
 
 
-def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """lm_layer on rows right-padded to one length: x [B, S, D], cos / sin [S, Dh] -> [B, S, D]. NOTE(aligner): as in
-    lm_layer, right padding + is_causal keeps every real token's output that of its row alone."""
+def _add_norm(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor, fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm module after it -> (x + delta, norm(x + delta)): one kernel (add_rms_norm, the
+    same bits as the add then _norm) where fuse and the prefill glue applies, else the two steps."""
+    if fuse and prefill_glue_applies(x):
+        return add_rms_norm(x, delta, norm.weight, norm.eps)
+    x = x + delta
+    return x, _norm(norm, x)
+
+
+def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    next_norm: nn.Module, fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """lm_layer on rows right-padded to one length: x [B, S, D] the residual stream and h = its input_layernorm,
+    cos / sin [S, Dh] -> (x' [B, S, D], next_norm(x')): the layer's output and its norm for what reads it next (the
+    next layer's input_layernorm or the final norm), so each residual add is fused with the norm that follows it
+    (_add_norm; fuse False: separate kernels, the same bits). NOTE(aligner): as in lm_layer, right padding +
+    is_causal keeps every real token's output that of its row alone."""
     a, m = layer.self_attn, layer.mlp
     H, Hkv, Dh = a.num_heads, a.num_kv_heads, a.head_dim
     B, S, _ = x.shape
     glue = prefill_glue_applies(x)  # CUDA bf16: norms, RoPE, SiLU * up fused (kernels.prefill), rounded as the modules
-    qkv = F.linear(_norm(layer.input_layernorm, x), a.qkv_weight)  # [B, S, (H + 2 Hkv) Dh]
+    qkv = F.linear(h, a.qkv_weight)  # [B, S, (H + 2 Hkv) Dh]
     v = qkv[..., (H + Hkv) * Dh:].view(B, S, Hkv, Dh).transpose(1, 2)  # [B, Hkv, S, Dh]
     if glue:
         q, k = qk_norm_rope(qkv, a.q_norm, a.k_norm, cos, sin, H, Hkv)
@@ -112,12 +125,15 @@ def lm_layer_padded(layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin
         q = apply_rope(a.q_norm(q.view(B, S, H, Dh)), cos, sin).transpose(1, 2)  # [B, H, S, Dh]
         k = apply_rope(a.k_norm(k.view(B, S, Hkv, Dh)), cos, sin).transpose(1, 2)  # [B, Hkv, S, Dh]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # [B, H, S, Dh]
-    x = x + F.linear(out.transpose(1, 2).reshape(B, S, H * Dh), a.o_proj.weight)
-    gate_up = F.linear(_norm(layer.post_attention_layernorm, x), m.gate_up_weight)  # [B, S, 2I]
+    x, h = _add_norm(layer.post_attention_layernorm, x, F.linear(out.transpose(1, 2).reshape(B, S, H * Dh),
+                                                                 a.o_proj.weight), fuse)
+    gate_up = F.linear(h, m.gate_up_weight)  # [B, S, 2I]
     if glue:
-        return x + F.linear(silu_mul(gate_up), m.down_proj.weight)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, m.down_proj.weight)
+        act = silu_mul(gate_up)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up  # [B, S, I]
+    return _add_norm(next_norm, x, F.linear(act, m.down_proj.weight), fuse)
 
 
 class Thinker(nn.Module):
@@ -131,6 +147,7 @@ class Thinker(nn.Module):
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.classify_num, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.text.head_dim, cfg.text.rope_theta), persistent=False)
         self.layer_fn = lm_layer  # the owner may put a compiled lm_layer here (q3tts.align)
+        self.fuse_add_norm = True  # lm_padded: each residual add fused with its norm (False: apart, the same bits)
 
     def init_buffers(self) -> None:
         """(Re)compute the non-persistent tables on the module's device (after a meta build): the sinusoids in the
@@ -175,9 +192,11 @@ class Thinker(nn.Module):
         audio = audio.reshape(-1, x.shape[-1]).index_select(0, audio_at.view(-1)).view(B, S, -1)
         x = torch.where((input_ids == self.cfg.audio_token_id)[..., None], audio.to(x.dtype), x)
         cos, sin = rope_cos_sin(torch.arange(S, device=x.device)[None], self.inv_freq, x.dtype)  # [1, S, Dh]
-        for layer in self.model.layers:
-            x = lm_layer_padded(layer, x, cos[0], sin[0])
-        return self.lm_head(_norm(self.model.norm, x))
+        norms = [layer.input_layernorm for layer in self.model.layers] + [self.model.norm]
+        h = _norm(norms[0], x)
+        for layer, next_norm in zip(self.model.layers, norms[1:]):
+            x, h = lm_layer_padded(layer, x, h, cos[0], sin[0], next_norm, self.fuse_add_norm)
+        return self.lm_head(h)
 
 
 ALIGNER_FILES = ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json")

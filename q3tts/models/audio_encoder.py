@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..hostcopy import ints_to_device
+from ..kernels.prefill import add_layer_norm, prefill_glue_applies
 
 SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
@@ -216,18 +217,38 @@ def encoder_layer(layer: AudioEncoderLayer, qkv_w: torch.Tensor, qkv_b: torch.Te
     return x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
 
 
+def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """A LayerNorm module on x: kernels.add_layer_norm without the add (one launch, rounded as F.layer_norm, whose
+    bits the fused add + norm gives) where the prefill glue applies, else the module."""
+    return add_layer_norm(x, None, norm.weight, norm.bias, norm.eps)[1] if prefill_glue_applies(x) else norm(x)
+
+
+def _add_layer_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor,
+                    fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the LayerNorm module after it -> (x + delta, norm(x + delta)): one kernel where fuse and
+    the prefill glue applies (the same bits as the add then _layer_norm), else the two steps."""
+    if fuse and prefill_glue_applies(x):
+        return add_layer_norm(x, delta, norm.weight, norm.bias, norm.eps)
+    x = x + delta
+    return x, _layer_norm(norm, x)
+
+
 def encoder_layer_padded(layer: AudioEncoderLayer, qkv_w: torch.Tensor, qkv_b: torch.Tensor, x: torch.Tensor,
-                         mask: torch.Tensor) -> torch.Tensor:
-    """encoder_layer on windows already padded to one length: x [W, T, D] -> [W, T, D]; mask [W, T] bool, the keys a
-    window's queries see (its real tokens; all T for a window with none, so no softmax row is empty). Every op is
-    per token or per window: a padding token never changes a real one."""
+                         h: torch.Tensor, mask: torch.Tensor, next_norm: nn.LayerNorm,
+                         fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """encoder_layer on windows already padded to one length: x [W, T, D] the residual stream and h = its
+    self_attn_layer_norm -> (x' [W, T, D], next_norm(x')): the output and its norm for what reads it next (the next
+    layer's self_attn_layer_norm or ln_post), each residual add fused with the norm after it (_add_layer_norm; fuse
+    False: apart, the same bits); mask [W, T] bool, the keys a window's queries see (its real tokens; all T for a
+    window with none, so no softmax row is empty). Every op is per token or per window: a padding token never
+    changes a real one."""
     a = layer.self_attn
     W, T, D = x.shape
     H = a.num_heads
-    q, k, v = F.linear(layer.self_attn_layer_norm(x), qkv_w, qkv_b).view(W, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+    q, k, v = F.linear(h, qkv_w, qkv_b).view(W, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])  # [W, H, T, Dh]
-    x = x + a.out_proj(out.transpose(1, 2).reshape(W, T, D))
-    return x + layer.fc2(F.gelu(layer.fc1(layer.final_layer_norm(x))))
+    x, h = _add_layer_norm(layer.final_layer_norm, x, a.out_proj(out.transpose(1, 2).reshape(W, T, D)), fuse)
+    return _add_layer_norm(next_norm, x, layer.fc2(F.gelu(layer.fc1(h))), fuse)
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -256,6 +277,7 @@ class AudioEncoder(nn.Module):
         self.register_buffer("positional_embedding", sinusoids(cfg.max_source_positions, cfg.d_model), persistent=False)
         self.qkv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (q|k|v weight, bias): fuse_qkv()
         self.layer_fn = encoder_layer  # the owner may put a compiled encoder_layer here (q3tts.align)
+        self.fuse_add_norm = True  # forward_padded: each residual add fused with its norm (False: apart, the same bits)
 
     def fuse_qkv(self) -> None:
         """Concatenate each layer's q/k/v weights and biases once after loading (one GEMM instead of three). The
@@ -364,9 +386,11 @@ class AudioEncoder(nn.Module):
                        channels_last=mel.is_cuda)  # [B * C, t, D]
         T = mask.shape[1]
         x = x.reshape(-1, T, x.shape[-1])  # [W, T, D]: a row's chunks in order, cut into its attention windows
-        for layer, (w, b) in zip(self.layers, self.qkv):
-            x = encoder_layer_padded(layer, w, b, x, mask)
-        return self.proj2(F.gelu(self.proj1(self.ln_post(x)))).reshape(B, -1, self.cfg.output_dim)
+        norms = [layer.self_attn_layer_norm for layer in self.layers] + [self.ln_post]
+        h = _layer_norm(norms[0], x)
+        for layer, (w, b), next_norm in zip(self.layers, self.qkv, norms[1:]):
+            x, h = encoder_layer_padded(layer, w, b, x, h, mask, next_norm, self.fuse_add_norm)
+        return self.proj2(F.gelu(self.proj1(h))).reshape(B, -1, self.cfg.output_dim)
 
     def window_tokens(self, num_chunks: int) -> int:
         """T of forward_padded's windows for rows padded to num_chunks chunks (C <= a window's chunks: C * t)."""

@@ -77,10 +77,96 @@ def test_padded_lm_layer_with_the_glue_is_the_eager_layer(monkeypatch):
     lay, exact = random_layer(2)
     x = torch.randn(4, 48, 1024, device="cuda").to(torch.bfloat16)
     cos, sin = rope(48, torch.bfloat16)
+
+    def layer(lay, x, cos, sin):  # the layer's output (its input_layernorm stands in for the next norm)
+        return aligner.lm_layer_padded(lay, x, aligner._norm(lay.input_layernorm, x), cos, sin, lay.input_layernorm)[0]
     with torch.inference_mode():
-        glue = aligner.lm_layer_padded(lay, x, cos, sin)
-        want = aligner.lm_layer_padded(exact, x.double(), cos.double(), sin.double())
+        glue = layer(lay, x, cos, sin)
+        want = layer(exact, x.double(), cos.double(), sin.double())
         monkeypatch.setattr(aligner, "prefill_glue_applies", lambda t: False)
-        eager = aligner.lm_layer_padded(lay, x, cos, sin)
+        eager = layer(lay, x, cos, sin)
     e_glue, e_eager = (glue.double() - want).abs(), (eager.double() - want).abs()
     assert e_glue.max() <= 1.25 * e_eager.max() and e_glue.mean() <= 1.1 * e_eager.mean()
+
+
+def residual_rows(D: int, seed: int):
+    """x and delta [12, 3, D] in bf16, each row at its own magnitude from 1e-5 to 1e5 (delta's in the reverse order:
+    rows where the add cancels into the smaller term, others where it rounds it away), norm weight and bias [D]."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scale = 10.0 ** torch.linspace(-5, 5, 12, device="cuda")[:, None, None]
+    x = (torch.randn(12, 3, D, device="cuda", generator=g) * scale).to(torch.bfloat16)
+    delta = (torch.randn(12, 3, D, device="cuda", generator=g) * scale.flip(0)).to(torch.bfloat16)
+    delta[0, 0] = -x[0, 0]  # a row that adds to zeros
+    w = (1 + 0.3 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
+    b = (0.2 * torch.randn(D, device="cuda", generator=g)).to(torch.bfloat16)
+    return x, delta, w, b
+
+
+@pytest.mark.parametrize("D", [1024, 1000])
+def test_add_rms_norm_is_the_add_then_rms_norm_bit_for_bit(D):
+    """kernels.add_rms_norm: the sum the eager bf16 add stores, and invariant.rms_norm of it (the unfused path of the
+    aligner's LM), bit for bit."""
+    from q3tts import invariant
+    from q3tts.kernels.prefill import add_rms_norm
+    x, delta, w, _ = residual_rows(D, 3)
+    with torch.inference_mode():
+        s, y = add_rms_norm(x, delta, w, 1e-6)
+        want_s = x + delta
+        want_y = invariant.rms_norm(want_s, w, 1e-6)
+    assert torch.equal(s, want_s)
+    assert torch.equal(y, want_y)
+    assert y.isfinite().all() and y[1:].abs().amax(-1).min() > 0  # row 0, 0: zeros
+
+
+@pytest.mark.parametrize("D", [1024, 1000])
+def test_add_layer_norm_is_the_add_then_layer_norm(D):
+    """kernels.add_layer_norm: the sum the eager bf16 add stores, and the norm of it bit for bit what the kernel
+    without the add gives (the unfused path of the audio encoder); that norm as accurate as F.layer_norm of the same
+    bf16 rows against float64 (fp32 statistics summed in another order than torch's: a value can move a bf16 step)."""
+    from q3tts.kernels.prefill import add_layer_norm
+    x, delta, w, b = residual_rows(D, 4)
+    with torch.inference_mode():
+        s, y = add_layer_norm(x, delta, w, b, 1e-5)
+        want_s = x + delta
+        s_alone, want_y = add_layer_norm(want_s, None, w, b, 1e-5)
+        eager = F.layer_norm(want_s, (D,), w, b, 1e-5)
+        exact = F.layer_norm(want_s.double(), (D,), w.double(), b.double(), 1e-5)
+    assert torch.equal(s, want_s) and s_alone is want_s
+    assert torch.equal(y, want_y)
+    assert_as_accurate(y, eager, exact)
+
+
+def test_padded_encoder_layer_with_the_glue_is_the_eager_layer(monkeypatch):
+    """models.audio_encoder.encoder_layer_padded on CUDA bf16 (its LayerNorms in kernels.add_layer_norm, each fused
+    with the residual add before it) and the same layer with the modules (glue off): both against the float64
+    layer, at the aligner encoder's width."""
+    import copy
+
+    from q3tts.models import audio_encoder as ae
+    torch.manual_seed(5)
+    lay = ae.AudioEncoderLayer(ae.AudioEncoderConfig(d_model=1024, encoder_attention_heads=16, encoder_ffn_dim=4096))
+    with torch.no_grad():
+        for p in lay.parameters():
+            p.normal_(0, 0.05)
+        for m in (lay.self_attn_layer_norm, lay.final_layer_norm):
+            m.weight.normal_(1, 0.3)
+    lay = lay.to("cuda", torch.bfloat16)
+    exact = copy.deepcopy(lay).double()
+    x = torch.randn(4, 65, 1024, device="cuda").to(torch.bfloat16)
+    mask = torch.ones(4, 65, dtype=torch.bool, device="cuda")
+    mask[3, 40:] = False
+
+    def layer(lay, x):  # the layer's output and the next norm of it (its own first norm standing in)
+        a = lay.self_attn
+        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        h = ae._layer_norm(lay.self_attn_layer_norm, x)
+        return ae.encoder_layer_padded(lay, w, b, x, h, mask, lay.self_attn_layer_norm)
+    with torch.inference_mode():
+        glue = layer(lay, x)
+        want = layer(exact, x.double())
+        monkeypatch.setattr(ae, "prefill_glue_applies", lambda t: False)
+        eager = layer(lay, x)
+    for g, w, e in zip(glue, want, eager):
+        e_glue, e_eager = (g.double() - w).abs(), (e.double() - w).abs()
+        assert e_glue.max() <= 1.25 * e_eager.max() and e_glue.mean() <= 1.1 * e_eager.mean()

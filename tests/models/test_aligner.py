@@ -124,3 +124,65 @@ def test_channels_last_convs_on_cuda_are_as_accurate_as_cudnns():
     e_fast, e_eager = (fast - want).abs(), (eager - want).abs()
     assert e_fast.max() <= 1.25 * e_eager.max(), (e_fast.max().item(), e_eager.max().item())
     assert e_fast.mean() <= 1.1 * e_eager.mean(), (e_fast.mean().item(), e_eager.mean().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_padded_pass_with_fused_residual_norms_has_the_bits_of_the_pass_without(monkeypatch):
+    """Thinker.forward_padded in bf16 on CUDA at Qwen3-ForcedAligner-0.6B's dimensions (random weights): with each
+    residual add fused with its norm (kernels.prefill add_rms_norm: 2 a LM layer, add_layer_norm: 2 an encoder
+    layer) the logits are those of the same pass with the adds and norms apart (fuse_add_norm False), bit for bit,
+    so the classes too."""
+    from bench.aligner import real_config
+    from q3tts.kernels import triton
+    from q3tts.models import aligner as al
+    from q3tts.models import audio_encoder as ae
+    if triton is None:
+        pytest.skip("needs Triton")
+    cfg = al.parse_aligner_config(real_config())
+    with torch.device("meta"):
+        th = al.Thinker(cfg).to(torch.bfloat16)
+    th = th.to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in th.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, device="cuda", generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn(p.shape, device="cuda", generator=g))
+            else:  # embeddings ~1, a linear or conv keeps its input's scale
+                fan_in = p[0].numel() if p.dim() > 1 and "embed" not in name else 1
+                p.copy_(torch.randn(p.shape, device="cuda", generator=g) / fan_in ** 0.5)
+    th.init_buffers()
+    th.eval()
+    a = cfg.audio
+    B, C, chunk = 4, 5, 2 * a.n_window  # 4 rows of 5 s
+    t = ae._conv_len(chunk)
+    A, T = C * t, th.audio_tower.window_tokens(C)
+    mel = torch.randn(B, a.num_mel_bins, C * chunk, device="cuda", generator=g).to(torch.bfloat16)
+    mel[3, :, 4 * chunk + 30:] = 0  # the last row 4.3 s: its tail zeroed and masked, as the pass pads it
+    mask = torch.ones(B * A // T, T, dtype=torch.bool, device="cuda")
+    mask[3, ae.tokens_after_cnn(4 * chunk + 30):] = False
+    S = 160
+    ids = torch.randint(0, 151000, (B, S), device="cuda", generator=g)
+    ids[:, 1:A + 1] = cfg.audio_token_id
+    ids[:, A + 2::3] = cfg.timestamp_token_id
+    audio_at = torch.arange(B, device="cuda")[:, None] * A + (torch.arange(S, device="cuda")[None] - 1).clamp(0, A - 1)
+    calls = {"rms": 0, "ln": 0}
+
+    def counted(fn, key):
+        def run(*args):
+            calls[key] += 1
+            return fn(*args)
+        return run
+    monkeypatch.setattr(al, "add_rms_norm", counted(al.add_rms_norm, "rms"))
+    monkeypatch.setattr(ae, "add_layer_norm", counted(ae.add_layer_norm, "ln"))
+    with torch.inference_mode():
+        fused = th.forward_padded(ids, mel, mask, audio_at)
+        assert calls == {"rms": 2 * cfg.text.num_hidden_layers, "ln": 1 + 2 * a.encoder_layers}  # + the first norm
+        th.fuse_add_norm = th.audio_tower.fuse_add_norm = False
+        apart = th.forward_padded(ids, mel, mask, audio_at)
+    assert fused.shape == (B, S, cfg.classify_num) and fused.dtype == torch.bfloat16
+    assert fused.isfinite().all() and fused.float().std() > 0
+    assert torch.equal(fused, apart)
+    assert torch.equal(fused.argmax(-1), apart.argmax(-1))
