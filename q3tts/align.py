@@ -27,7 +27,7 @@ from .audio import resample, resampled_length, to_mono
 from .config import read_json
 from .engine.graphs import capture_beside, gc_paused, side_stream
 from .hostcopy import to_device
-from .inputs.align_text import WordTime, prompt_text, split_words, word_times_rows
+from .inputs.align_text import WordTime, prompt_text, split_words, word_times_padded
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
 from .models.audio_encoder import (
@@ -271,7 +271,8 @@ class _PaddedPass:
         self.staged.record()
 
     def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
-        """(classes [B, S] (host), [B] bool: the row's input samples all finite, the rows' prompt ids) for the rows
+        """(classes [B, n] (host) at each row's <timestamp> slots in order (its first 2 x words), [B] bool: the row's
+        input samples all finite, the rows' prompt ids) for the rows
         of these mel frames (the audio_pad runs as long as tokens_after_cnn(frames)); None: the batch is not for the
         padded pass (a row under one chunk). NOTE(aligner): one host sync, the results' copy: the host's part is
         the rows' samples and a few index rows, copied from page-locked memory asynchronously (hostcopy), and two
@@ -309,6 +310,9 @@ class _PaddedPass:
             ids[b, :len(r)] = r
             audio_at[b, 1:1 + k] = b * C * t + np.arange(k)  # the prompt's audio_pad run starts at slot 1
         ids_d, audio_at_d = to_device([torch.from_numpy(ids), torch.from_numpy(audio_at)], a.device)
+        # while the device runs: where each row's <timestamp> slots lie, in order (2 a word; past them, other slots)
+        slot_at = np.argsort(ids[:B] != a.cfg.timestamp_token_id, axis=1, kind="stable")[
+            :, :max(2 * len(it.words) for it in items)]  # [B, n]
         x["ids"].copy_(ids_d)
         x["audio_at"].copy_(audio_at_d)
         if audio is None:
@@ -316,7 +320,7 @@ class _PaddedPass:
         else:
             out = self._replay(key, x, lambda x: self._lm(x, audio)) if ak in self.graphs else self._lm(x, audio)
         host = torch.cat([out[:B], xa["finite"][:B, None].to(out.dtype)], 1).cpu().numpy()  # [B, S + 1]: one copy
-        return host[:, :-1], host[:, -1].astype(bool), rows
+        return host[np.arange(B)[:, None], slot_at], host[:, -1].astype(bool), rows
 
 
 class ForcedAligner:
@@ -532,9 +536,9 @@ class ForcedAligner:
             frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
             out = self._padded(items, frames)  # ([B, S], [B] finite, prompts) or None
             if out is not None:
-                classes, finite, rows = out
+                classes, finite, _ = out
                 _raise_unless_finite(items, finite)
-                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
+                return self._times(items, classes)
         items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
@@ -543,15 +547,17 @@ class ForcedAligner:
         select = np.flatnonzero(ids == ts)  # the timestamp slots, row after row
         logits = self.thinker(torch.from_numpy(ids).to(self.device), Ragged.of([len(r) for r in rows], self.device),
                               audio, torch.from_numpy(select).to(self.device))  # [M, classify_num]
-        classes = logits.argmax(-1).cpu().numpy()
-        starts = np.cumsum([len(r) for r in rows])[:-1]  # where rows 1.. begin in ids
-        return self._times(items, np.split(classes, np.searchsorted(select, starts)))
+        classes = logits.argmax(-1).cpu().numpy()  # [M]: the slots row after row, 2 a word
+        lens = np.array([2 * len(it.words) for it in items])
+        at = np.zeros((len(items), max(int(lens.max()), 1)), classes.dtype)  # [B, n]: each row's from its start
+        at[np.arange(at.shape[1])[None, :] < lens[:, None]] = classes
+        return self._times(items, at)
 
-    def _times(self, items: list[_Item], classes: list[np.ndarray]) -> list[list[WordTime]]:
-        """Each row's words timed from the classes at its <timestamp> slots."""
+    def _times(self, items: list[_Item], classes: np.ndarray) -> list[list[WordTime]]:
+        """Each row's words timed from the classes [B, >= n] at its <timestamp> slots (its first 2 x words)."""
         seg = np.float32(self.cfg.timestamp_segment_time)
         # ms as the official computes them: int class x float32 segment time
-        return word_times_rows([it.words for it in items], [(c.astype(np.float32) * seg).tolist() for c in classes])
+        return word_times_padded([it.words for it in items], classes.astype(np.float32) * seg)
 
 
 def _finite(wav: np.ndarray) -> bool:
@@ -560,10 +566,10 @@ def _finite(wav: np.ndarray) -> bool:
     return bool(np.isfinite(wav.sum()) or np.isfinite(wav).all())
 
 
-def _raise_unless_finite(items: list[_Item], finite) -> None:
-    for it, ok in zip(items, finite):
-        if not ok:
-            raise ValueError(f"{it.label}audio has NaN or infinite samples")
+def _raise_unless_finite(items: list[_Item], finite: np.ndarray) -> None:
+    """finite [B] bool, a row's samples all finite: the first row's error that is not."""
+    if not finite.all():
+        raise ValueError(f"{items[int(finite.argmin())].label}audio has NaN or infinite samples")
 
 
 class AlignerWorker:
