@@ -10,6 +10,7 @@ one utterance or a batch (lists in, lists out). fp32 on a CPU, bf16 on CUDA.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 import time
@@ -235,86 +236,106 @@ class _PaddedPass:
                 return sr, items
         return SAMPLE_RATE, [it.ready() for it in items]
 
-    def _upload(self, wavs: list[np.ndarray | torch.Tensor], out: torch.Tensor) -> None:
-        """Each row's samples into the front of its row of out [B', L] on the device (B' >= rows; what lies past a
-        row's samples is left as it was). On CUDA rows already in page-locked memory (torch tensors: staged at
-        submission) are copied straight; otherwise through one pinned buffer laid out as out, reused (grown when
-        short): no fresh host pages to fault in. A large batch's rows are written into it by the prep threads, a
-        group of rows each, and each group's rows are copied on asynchronously as soon as they are written. The
-        next upload waits for the last copy (its event) before it writes the buffer again."""
-        L = out.shape[1]
-        if self.aligner.device.type != "cuda":
-            host = out.numpy()
-            for b, w in enumerate(wavs):
-                host[b, :w.shape[0]] = np.asarray(w)
-            return
-        if all(isinstance(w, torch.Tensor) for w in wavs):
+    def _upload(self, wavs: list[np.ndarray | torch.Tensor], out: torch.Tensor) -> Callable[[], None]:
+        """Starts writing each row's samples into the front of its row of out [B', L] on the device (B' >= rows; what
+        lies past a row's samples is left as it was) and returns the call that finishes it (waits for the rows'
+        writes, issues the last copies): the caller's host work in between overlaps the writes. On CUDA rows already
+        in page-locked memory (torch tensors: staged at submission) are copied straight; otherwise through one pinned
+        buffer laid out as out, reused (grown when short): no fresh host pages to fault in. A large batch's rows are
+        written (into it, or on the CPU into out itself) by the prep threads, a group of rows each, and on CUDA each
+        group's rows are copied on asynchronously as soon as they are written. The next upload waits for the last
+        copy (its event) before it writes the buffer again."""
+        L, cuda = out.shape[1], self.aligner.device.type == "cuda"
+        if cuda and all(isinstance(w, torch.Tensor) for w in wavs):
             for b, w in enumerate(wavs):
                 out[b, :w.shape[0]].copy_(w, non_blocking=True)  # (the host allocator keeps w's pages until done)
-            return
+            return lambda: None
         wavs = [w.numpy() if isinstance(w, torch.Tensor) else w for w in wavs]
-        if self.staged is not None:
-            self.staged.synchronize()
-        need = len(wavs) * L
-        if self.staging is None or self.staging.shape[0] < need:
-            self.staging = torch.empty(max(need, 2 * (0 if self.staging is None else self.staging.shape[0])),
-                                       dtype=torch.float32, pin_memory=True)
-        host = self.staging[:need].view(len(wavs), L)
+        if not cuda:
+            host = out
+        else:
+            if self.staged is not None:
+                self.staged.synchronize()
+            need = len(wavs) * L
+            if self.staging is None or self.staging.shape[0] < need:
+                self.staging = torch.empty(max(need, 2 * (0 if self.staging is None else self.staging.shape[0])),
+                                           dtype=torch.float32, pin_memory=True)
+            host = self.staging[:need].view(len(wavs), L)
         rows = host.numpy()
 
         def write(i: int) -> None:
             rows[i, :wavs[i].shape[0]] = wavs[i]
-        for (lo, hi), done in self.aligner._in_groups(write, len(wavs), sum(w.shape[0] for w in wavs)):
-            done()  # this group's rows are in the buffer
-            out[lo:hi].copy_(host[lo:hi], non_blocking=True)
-        self.staged = torch.cuda.Event()
-        self.staged.record()
+        groups = self.aligner._in_groups(write, len(wavs), sum(w.shape[0] for w in wavs))
+
+        def finish() -> None:
+            error = None
+            for (lo, hi), done in groups:  # every group waited for, even after an error: none writes on after it
+                try:
+                    done()  # this group's rows are in the buffer
+                except BaseException as e:  # noqa: BLE001 - raised below, once no thread writes any more
+                    error = error or e
+                    continue
+                if cuda:
+                    out[lo:hi].copy_(host[lo:hi], non_blocking=True)
+            if cuda:
+                self.staged = torch.cuda.Event()
+                self.staged.record()
+            if error is not None:
+                raise error
+        return finish
 
     def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
         """(classes [B, n] (host) at each row's <timestamp> slots in order (its first 2 x words), [B] bool: the row's
-        input samples all finite, the rows' prompt ids) for the rows
-        of these mel frames (the audio_pad runs as long as tokens_after_cnn(frames)); None: the batch is not for the
-        padded pass (a row under one chunk). NOTE(aligner): one host sync, the results' copy: the host's part is
-        the rows' samples and a few index rows, copied from page-locked memory asynchronously (hostcopy), and two
-        launches (the features' and encoder's graph, the LM's), so the host's work overlaps the device's."""
+        input samples all finite, the rows' prompt ids) for the rows of these mel frames (the audio_pad runs as long
+        as tokens_after_cnn(frames)); None: the batch is not for the padded pass (a row under one chunk).
+        NOTE(aligner): one host sync, the results' copy: the host's part is the rows' samples and a few index rows,
+        copied from page-locked memory asynchronously (hostcopy), and two launches (the features' and encoder's
+        graph, the LM's), so the host's work overlaps the device's. The samples' writes start first (the encoder's
+        launch waits for them); the index rows and masks are made meanwhile; the prompts, the LM's inputs and where
+        the results lie are made while the encoder runs."""
         if self.audio_key(frames) is None:
             return None
         rate, items = self._rate(items)
         ak = self.audio_key(frames, rate)
         a, (Bb, C, _), B, enc = self.aligner, ak, len(items), self.aligner.cfg.audio
         xa = self.inputs.get(ak) or self._buffers(ak)
-        f = self.resamplers.get(rate)
-        n = [it.wav.shape[0] for it in items]
-        ints = np.zeros((4, Bb), np.int64)  # as _buffers' ints; padding rows: 0
-        ints[:, :B] = [n, f.ends(n) if f is not None else n, [it.num_samples for it in items], frames]
-        t = tokens_after_cnn(2 * enc.n_window)
-        T = a.thinker.audio_tower.window_tokens(C)
-        tokens = [tokens_after_cnn(f) for f in frames]  # a row's audio tokens (its audio_pad run)
-        mask = np.zeros((Bb, C * t // T, T), bool)  # [B, windows a row, T]
-        for b, k in enumerate(tokens):
-            mask[b].reshape(-1)[:k] = True
-        mask = mask.reshape(-1, T)
-        mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
-        ints_d, mask_d = to_device([torch.from_numpy(ints), torch.from_numpy(mask)], a.device)
-        xa["ints"].copy_(ints_d)
-        xa["mask"].copy_(mask_d)
-        self._upload([it.wav if it.pinned is None else it.pinned for it in items], xa["wav"])
+        uploaded = self._upload([it.wav if it.pinned is None else it.pinned for it in items], xa["wav"])
+        try:
+            f = self.resamplers.get(rate)
+            n = [it.wav.shape[0] for it in items]
+            ints = np.zeros((4, Bb), np.int64)  # as _buffers' ints; padding rows: 0
+            ints[:, :B] = [n, f.ends(n) if f is not None else n, [it.num_samples for it in items], frames]
+            t = tokens_after_cnn(2 * enc.n_window)
+            T = a.thinker.audio_tower.window_tokens(C)
+            tokens = tokens_after_cnn(np.array(frames))  # [B] a row's audio tokens (its audio_pad run)
+            mask = np.zeros((Bb, C * t), bool)  # [B, windows a row x T]: a row's first tokens
+            mask[:B] = np.arange(C * t)[None, :] < tokens[:, None]
+            mask = mask.reshape(-1, T)
+            mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
+            ints_d, mask_d = to_device([torch.from_numpy(ints), torch.from_numpy(mask)], a.device)
+            xa["ints"].copy_(ints_d)
+            xa["mask"].copy_(mask_d)
+        finally:
+            uploaded()
         audio = self._replay(ak, xa, lambda x: self._encode(ak, x)) if self.capture else None
         # the prompts (the CPU's part) while the encoder runs: right-padded; each audio_pad slot's embedding in the
         # encoder output [B * C * t]
         rows = a._prompts(items, frames)
-        key = (*ak, -(-max(map(len, rows)) // self.TOKEN_STEP) * self.TOKEN_STEP)
+        lengths = np.array([len(r) for r in rows])
+        key = (*ak, -(-int(lengths.max()) // self.TOKEN_STEP) * self.TOKEN_STEP)
         x = self.inputs.get(key) or self._buffers(key)
-        ids, audio_at = np.zeros((2, Bb, key[3]), np.int64)
-        for b, (r, k) in enumerate(zip(rows, tokens)):
-            ids[b, :len(r)] = r
-            audio_at[b, 1:1 + k] = b * C * t + np.arange(k)  # the prompt's audio_pad run starts at slot 1
+        pos = np.arange(key[3])[None, :]
+        ids = np.zeros((Bb, key[3]), np.int64)
+        ids[:B][pos < lengths[:, None]] = np.concatenate(rows)
+        audio_at = np.zeros((Bb, key[3]), np.int64)  # the prompt's audio_pad run starts at slot 1
+        audio_at[:B] = np.where((pos >= 1) & (pos <= tokens[:, None]),
+                                np.arange(B)[:, None] * (C * t) + pos - 1, 0)
         ids_d, audio_at_d = to_device([torch.from_numpy(ids), torch.from_numpy(audio_at)], a.device)
-        # while the device runs: where each row's <timestamp> slots lie, in order (2 a word; past them, other slots)
-        slot_at = np.argsort(ids[:B] != a.cfg.timestamp_token_id, axis=1, kind="stable")[
-            :, :max(2 * len(it.words) for it in items)]  # [B, n]
         x["ids"].copy_(ids_d)
         x["audio_at"].copy_(audio_at_d)
+        # where each row's <timestamp> slots lie, in order (2 a word; past them, other slots): [B, n]
+        slot_at = np.argsort(ids[:B] != a.cfg.timestamp_token_id, axis=1, kind="stable")[
+            :, :max(2 * len(it.words) for it in items)]
         if audio is None:
             out = self._pass(dict(x, **xa, mel=self._features(ak, xa)))
         else:
@@ -350,6 +371,8 @@ class ForcedAligner:
         self._prep = ThreadPoolExecutor(self._prep_threads, thread_name_prefix="q3tts-align-prep")
         # the last class ends here: longer audio has words the head cannot place
         self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
+        langs = self.supported_languages
+        self._accepted = None if langs is None else frozenset(langs + ["auto"])  # words()' check, lower-cased
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
@@ -421,10 +444,9 @@ class ForcedAligner:
         if not isinstance(language, str) or not language.strip():
             raise ValueError(f"{what}language must be a language name such as 'English' or 'Chinese', "
                              f"got {language!r}"[:200])
-        langs = self.supported_languages
-        if langs is not None and language.lower() not in langs + ["auto"]:
+        if self._accepted is not None and language.lower() not in self._accepted:
             raise ValueError(f"{what}language {language!r} is not supported by this aligner; accepted: Auto, "
-                             + ", ".join(x.capitalize() for x in langs))
+                             + ", ".join(x.capitalize() for x in self.supported_languages))
         return split_words(text, language)
 
     def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True,
@@ -493,7 +515,10 @@ class ForcedAligner:
             if len(per[name]) != n:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
         args = list(zip(audio, per["sample_rate"], per["text"], per["language"]))
-        samples = sum(int(np.prod(getattr(a, "shape", ()) or (0,))) for a in audio)  # (arrays, tensors; else 0)
+        # the samples the checks read (_item: a conversion to float32, a tensor's copy, a mix to mono; a float32 [N]
+        # array is only looked at, a pass over it left to the device): what the prep threads would share
+        samples = sum(math.prod(a.shape) for a in audio if hasattr(a, "shape") and not (
+            isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1))
         items = [it for _, done in self._in_groups(lambda i: self._item(*args[i], i, ready=False, copy=False,
                                                                         finite=False), n,
                                                      samples) for it in done()]
