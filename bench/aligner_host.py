@@ -11,6 +11,7 @@ replays' own time (the device's work on a GPU) is left out; what remains is host
            before_pass: the part of it before the padded pass's entry (align()'s checks)
   between: the encoder's launch returns -> the LM's launch (prompts: overlaps the encoder on a GPU)
   after:   the LM's launch returns -> align() returns (the results' copy, checks, slicing, times, WordTimes)
+rows_write: the samples written into one [B, L] array on one thread, the staging's floor that "before" holds.
 Medians over --repeats calls after a warm-up; --profile prints cProfile's top host functions of one more call.
 """
 
@@ -25,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.aligner import make_checkpoint, utterance
@@ -77,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     aligner.align(wavs, sr, texts, "English", rows_alone=True)  # the bucket's two "graphs" made
     runs = [host_phases(aligner, wavs, sr, texts, spans) for _ in range(a.repeats)]
     out = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+    rows = np.zeros((len(wavs), max(w.shape[0] for w in wavs)), np.float32)
+
+    def write_rows() -> float:
+        t0 = time.perf_counter()
+        for b, w in enumerate(wavs):
+            rows[b, :w.shape[0]] = w
+        return (time.perf_counter() - t0) * 1e3
+    out["rows_write"] = round(statistics.median(write_rows() for _ in range(a.repeats)), 3)
     out["critical"] = round(out["before"] + out["after"], 3)  # (between overlaps the encoder on a GPU)
     print(json.dumps(dict(bench="aligner_host", utterances=a.utterances, seconds=a.seconds, rate=sr,
                           repeats=a.repeats, ms=out)))

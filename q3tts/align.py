@@ -64,7 +64,7 @@ WARMUP_RATE = 24000  # Hz: Qwen3-TTS's audio, what the server's worker aligns (F
 
 @dataclass(slots=True)
 class _Item:
-    words: list[str]
+    words: list[str] | None  # None: its text not checked yet (text holds it: ForcedAligner._words_of)
     wav: np.ndarray  # mono float32 at sample_rate; once prepared: at 16 kHz, in [-1, 1]
     sample_rate: int
     prepared: bool = False
@@ -73,6 +73,8 @@ class _Item:
     label: str = ""  # "item i: " in a batch's errors
     finite: bool = True  # its samples were checked finite on the host (False: align()'s padded pass checks them on
     # the device, where they go anyway; ready() before it resamples them on the CPU)
+    text: tuple[Any, Any] | None = None  # (text, language) not checked yet: align() leaves it to the pass, which
+    # checks it while the rows' samples are written (_words_of)
 
     def ready(self) -> "_Item":
         """Resampled to 16 kHz and brought into [-1, 1]: the CPU part of an item, after its checks (the worker does it
@@ -234,9 +236,10 @@ class _PaddedPass:
                 self.resamplers[sr] = Polyphase.of(sr, SAMPLE_RATE)
             if sr == SAMPLE_RATE or self.resamplers[sr] is not None:
                 return sr, items
+        self.aligner._words_of(items)  # (before the CPU's resampling)
         return SAMPLE_RATE, [it.ready() for it in items]
 
-    def _upload(self, wavs: list[np.ndarray | torch.Tensor], out: torch.Tensor) -> Callable[[], None]:
+    def _upload(self, wavs: list[np.ndarray | torch.Tensor], out: torch.Tensor) -> Callable[..., None]:
         """Starts writing each row's samples into the front of its row of out [B', L] on the device (B' >= rows; what
         lies past a row's samples is left as it was) and returns the call that finishes it (waits for the rows'
         writes, issues the last copies): the caller's host work in between overlaps the writes. On CUDA rows already
@@ -249,7 +252,7 @@ class _PaddedPass:
         if cuda and all(isinstance(w, torch.Tensor) for w in wavs):
             for b, w in enumerate(wavs):
                 out[b, :w.shape[0]].copy_(w, non_blocking=True)  # (the host allocator keeps w's pages until done)
-            return lambda: None
+            return lambda copy=True: None
         wavs = [w.numpy() if isinstance(w, torch.Tensor) else w for w in wavs]
         if not cuda:
             host = out
@@ -267,7 +270,8 @@ class _PaddedPass:
             rows[i, :wavs[i].shape[0]] = wavs[i]
         groups = self.aligner._in_groups(write, len(wavs), sum(w.shape[0] for w in wavs))
 
-        def finish() -> None:
+        def finish(copy: bool = True) -> None:
+            """copy False: the writes waited for, nothing copied (a batch that failed its checks meanwhile)."""
             error = None
             for (lo, hi), done in groups:  # every group waited for, even after an error: none writes on after it
                 try:
@@ -275,7 +279,7 @@ class _PaddedPass:
                 except BaseException as e:  # noqa: BLE001 - raised below, once no thread writes any more
                     error = error or e
                     continue
-                if cuda:
+                if cuda and copy:
                     out[lo:hi].copy_(host[lo:hi], non_blocking=True)
             if cuda:
                 self.staged = torch.cuda.Event()
@@ -301,6 +305,7 @@ class _PaddedPass:
         xa = self.inputs.get(ak) or self._buffers(ak)
         uploaded = self._upload([it.wav if it.pinned is None else it.pinned for it in items], xa["wav"])
         try:
+            a._words_of(items)  # the texts' checks, while the samples are written
             f = self.resamplers.get(rate)
             n = [it.wav.shape[0] for it in items]
             ints = np.zeros((4, Bb), np.int64)  # as _buffers' ints; padding rows: 0
@@ -315,8 +320,10 @@ class _PaddedPass:
             ints_d, mask_d = to_device([torch.from_numpy(ints), torch.from_numpy(mask)], a.device)
             xa["ints"].copy_(ints_d)
             xa["mask"].copy_(mask_d)
-        finally:
-            uploaded()
+        except BaseException:
+            uploaded(copy=False)  # (a bad text: its batch's samples are not copied to the device)
+            raise
+        uploaded()
         audio = self._replay(ak, xa, lambda x: self._encode(ak, x)) if self.capture else None
         # the prompts (the CPU's part) while the encoder runs: right-padded; each audio_pad slot's embedding in the
         # encoder output [B * C * t]
@@ -450,14 +457,14 @@ class ForcedAligner:
         return split_words(text, language)
 
     def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True,
-              copy: bool = True, finite: bool = True) -> _Item:
-        """Checked (ValueError naming the problem) and, with ready, prepared for the pass (_Item.ready). copy False:
-        a float32 waveform is kept as the caller's array, not copied (align(), which returns before the caller can
-        change it; a copy of a fresh array costs page faults). finite False: its samples are not read here (a pass
-        over every sample, on the host's critical path before the device starts); _forward checks them
-        (_Item.finite)."""
+              copy: bool = True, finite: bool = True, check_text: bool = True) -> _Item:
+        """Checked (ValueError naming the problem; its text first) and, with ready, prepared for the pass
+        (_Item.ready). copy False: a float32 waveform is kept as the caller's array, not copied (align(), which
+        returns before the caller can change it; a copy of a fresh array costs page faults). finite False: its
+        samples are not read here (a pass over every sample, on the host's critical path before the device starts);
+        _forward checks them (_Item.finite). check_text False: its text is kept unchecked (_Item.text)."""
         what = f"item {i}: " if i >= 0 else ""
-        words = self.words(text, language, what)
+        words = self.words(text, language, what) if check_text else None
         if isinstance(audio, torch.Tensor):
             audio = audio.detach().float().cpu().numpy()
         wav = np.asarray(audio)
@@ -479,8 +486,27 @@ class ForcedAligner:
         if resampled_length(wav.shape[0], sr, SAMPLE_RATE) < 2 * 160:
             # shorter than two mel frames: the reflect-padded STFT is undefined
             raise ValueError(f"{what}audio of {wav.shape[0] / sr * 1000:.0f} ms is too short to align")
-        item = _Item(words, wav, sr, label=what, finite=finite)
+        item = _Item(words, wav, sr, label=what, finite=finite, text=None if check_text else (text, language))
         return item.ready() if ready else item
+
+    def _words_of(self, items: list[_Item]) -> None:
+        """The words of the items whose text is not checked yet (ValueError naming the first bad one's problem)."""
+        for it in items:
+            if it.words is None:
+                it.words, it.text = self.words(*it.text, it.label), None
+
+    def _items(self, args: list[tuple[Any, Any, Any, Any, int]], samples: int) -> list[_Item]:
+        """align()'s rows (audio, sample_rate, text, language, i) checked for the pass, their texts left to it (it
+        checks them while their samples are written: _words_of): the first bad row's error, its text's before its
+        audio's, as _item checks each row in turn."""
+        try:
+            return [it for _, done in self._in_groups(
+                lambda i: self._item(*args[i], ready=False, copy=False, finite=False, check_text=False), len(args),
+                samples) for it in done()]
+        except ValueError:
+            for a in args:  # the rows again, texts too, up to the first error (the bad audio's at the latest)
+                self._item(*a, ready=False, copy=False, finite=False)
+            raise
 
     # ------------------------------------------------------------------ the pass
     @torch.inference_mode()
@@ -504,8 +530,7 @@ class ForcedAligner:
         """
         batch = isinstance(audio, (list, tuple))
         if not batch:
-            return self._run([self._item(audio, sample_rate, text, language, -1, ready=False, copy=False,
-                                         finite=False)])[0]
+            return self._run(self._items([(audio, sample_rate, text, language, -1)], 0))[0]
         n = len(audio)
         if n == 0:
             raise ValueError("audio is an empty list")
@@ -514,15 +539,12 @@ class ForcedAligner:
             per[name] = list(v) if isinstance(v, (list, tuple)) else [v] * n
             if len(per[name]) != n:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
-        args = list(zip(audio, per["sample_rate"], per["text"], per["language"]))
+        args = list(zip(audio, per["sample_rate"], per["text"], per["language"], range(n)))
         # the samples the checks read (_item: a conversion to float32, a tensor's copy, a mix to mono; a float32 [N]
         # array is only looked at, a pass over it left to the device): what the prep threads would share
         samples = sum(math.prod(a.shape) for a in audio if hasattr(a, "shape") and not (
             isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1))
-        items = [it for _, done in self._in_groups(lambda i: self._item(*args[i], i, ready=False, copy=False,
-                                                                        finite=False), n,
-                                                     samples) for it in done()]
-        return self._run(items, rows_alone)
+        return self._run(self._items(args, samples), rows_alone)
 
     def _features(self, items: list[_Item], rows_alone: bool) -> tuple[torch.Tensor, list[int]]:
         """The batch's log-mel [B, mel, F] in the model dtype (one STFT for all rows, on the aligner's device) and
@@ -559,11 +581,12 @@ class ForcedAligner:
         ts = self.cfg.timestamp_token_id
         if self._padded is not None and (rows_alone or len(items) == 1):
             frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
-            out = self._padded(items, frames)  # ([B, S], [B] finite, prompts) or None
+            out = self._padded(items, frames)  # ([B, n] classes at the slots, [B] finite, prompts) or None
             if out is not None:
                 classes, finite, _ = out
                 _raise_unless_finite(items, finite)
                 return self._times(items, classes)
+        self._words_of(items)  # (align()'s texts, where the padded pass did not check them)
         items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
