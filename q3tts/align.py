@@ -10,6 +10,7 @@ one utterance or a batch (lists in, lists out). fp32 on a CPU, bf16 on CUDA.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ from .audio import resample, resampled_length, to_mono
 from .config import read_json
 from .engine.graphs import capture_beside, gc_paused, side_stream
 from .hostcopy import to_device
-from .inputs.align_text import WordTime, prompt_text, split_words, word_times_rows
+from .inputs.align_text import WordTime, prompt_text, split_words, word_times_padded
 from .inputs.prompt import TextTokenizer
 from .models.aligner import ALIGNER_FILES, AlignerConfig, Thinker, lm_layer, load_thinker, parse_aligner_config
 from .models.audio_encoder import (
@@ -63,7 +64,7 @@ WARMUP_RATE = 24000  # Hz: Qwen3-TTS's audio, what the server's worker aligns (F
 
 @dataclass(slots=True)
 class _Item:
-    words: list[str]
+    words: list[str] | None  # None: its text not checked yet (text holds it: ForcedAligner._words_of)
     wav: np.ndarray  # mono float32 at sample_rate; once prepared: at 16 kHz, in [-1, 1]
     sample_rate: int
     prepared: bool = False
@@ -72,6 +73,8 @@ class _Item:
     label: str = ""  # "item i: " in a batch's errors
     finite: bool = True  # its samples were checked finite on the host (False: align()'s padded pass checks them on
     # the device, where they go anyway; ready() before it resamples them on the CPU)
+    text: tuple[Any, Any] | None = None  # (text, language) not checked yet: align() leaves it to the pass, which
+    # checks it while the rows' samples are written (_words_of)
 
     def ready(self) -> "_Item":
         """Resampled to 16 kHz and brought into [-1, 1]: the CPU part of an item, after its checks (the worker does it
@@ -233,90 +236,119 @@ class _PaddedPass:
                 self.resamplers[sr] = Polyphase.of(sr, SAMPLE_RATE)
             if sr == SAMPLE_RATE or self.resamplers[sr] is not None:
                 return sr, items
+        self.aligner._words_of(items)  # (before the CPU's resampling)
         return SAMPLE_RATE, [it.ready() for it in items]
 
-    def _upload(self, wavs: list[np.ndarray | torch.Tensor], out: torch.Tensor) -> None:
-        """Each row's samples into the front of its row of out [B', L] on the device (B' >= rows; what lies past a
-        row's samples is left as it was). On CUDA rows already in page-locked memory (torch tensors: staged at
-        submission) are copied straight; otherwise through one pinned buffer laid out as out, reused (grown when
-        short): no fresh host pages to fault in. A large batch's rows are written into it by the prep threads, a
-        group of rows each, and each group's rows are copied on asynchronously as soon as they are written. The
-        next upload waits for the last copy (its event) before it writes the buffer again."""
-        L = out.shape[1]
-        if self.aligner.device.type != "cuda":
-            host = out.numpy()
-            for b, w in enumerate(wavs):
-                host[b, :w.shape[0]] = np.asarray(w)
-            return
-        if all(isinstance(w, torch.Tensor) for w in wavs):
+    def _upload(self, wavs: list[np.ndarray | torch.Tensor], out: torch.Tensor) -> Callable[..., None]:
+        """Starts writing each row's samples into the front of its row of out [B', L] on the device (B' >= rows; what
+        lies past a row's samples is left as it was) and returns the call that finishes it (waits for the rows'
+        writes, issues the last copies): the caller's host work in between overlaps the writes. On CUDA rows already
+        in page-locked memory (torch tensors: staged at submission) are copied straight; otherwise through one pinned
+        buffer laid out as out, reused (grown when short): no fresh host pages to fault in. A large batch's rows are
+        written (into it, or on the CPU into out itself) by the prep threads, a group of rows each, and on CUDA each
+        group's rows are copied on asynchronously as soon as they are written. The next upload waits for the last
+        copy (its event) before it writes the buffer again."""
+        L, cuda = out.shape[1], self.aligner.device.type == "cuda"
+        if cuda and all(isinstance(w, torch.Tensor) for w in wavs):
             for b, w in enumerate(wavs):
                 out[b, :w.shape[0]].copy_(w, non_blocking=True)  # (the host allocator keeps w's pages until done)
-            return
+            return lambda copy=True: None
         wavs = [w.numpy() if isinstance(w, torch.Tensor) else w for w in wavs]
-        if self.staged is not None:
-            self.staged.synchronize()
-        need = len(wavs) * L
-        if self.staging is None or self.staging.shape[0] < need:
-            self.staging = torch.empty(max(need, 2 * (0 if self.staging is None else self.staging.shape[0])),
-                                       dtype=torch.float32, pin_memory=True)
-        host = self.staging[:need].view(len(wavs), L)
+        if not cuda:
+            host = out
+        else:
+            if self.staged is not None:
+                self.staged.synchronize()
+            need = len(wavs) * L
+            if self.staging is None or self.staging.shape[0] < need:
+                self.staging = torch.empty(max(need, 2 * (0 if self.staging is None else self.staging.shape[0])),
+                                           dtype=torch.float32, pin_memory=True)
+            host = self.staging[:need].view(len(wavs), L)
         rows = host.numpy()
 
         def write(i: int) -> None:
             rows[i, :wavs[i].shape[0]] = wavs[i]
-        for (lo, hi), done in self.aligner._in_groups(write, len(wavs), sum(w.shape[0] for w in wavs)):
-            done()  # this group's rows are in the buffer
-            out[lo:hi].copy_(host[lo:hi], non_blocking=True)
-        self.staged = torch.cuda.Event()
-        self.staged.record()
+        groups = self.aligner._in_groups(write, len(wavs), sum(w.shape[0] for w in wavs))
+
+        def finish(copy: bool = True) -> None:
+            """copy False: the writes waited for, nothing copied (a batch that failed its checks meanwhile)."""
+            error = None
+            for (lo, hi), done in groups:  # every group waited for, even after an error: none writes on after it
+                try:
+                    done()  # this group's rows are in the buffer
+                except BaseException as e:  # noqa: BLE001 - raised below, once no thread writes any more
+                    error = error or e
+                    continue
+                if cuda and copy:
+                    out[lo:hi].copy_(host[lo:hi], non_blocking=True)
+            if cuda:
+                self.staged = torch.cuda.Event()
+                self.staged.record()
+            if error is not None:
+                raise error
+        return finish
 
     def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
-        """(classes [B, S] (host), [B] bool: the row's input samples all finite, the rows' prompt ids) for the rows
-        of these mel frames (the audio_pad runs as long as tokens_after_cnn(frames)); None: the batch is not for the
-        padded pass (a row under one chunk). NOTE(aligner): one host sync, the results' copy: the host's part is
-        the rows' samples and a few index rows, copied from page-locked memory asynchronously (hostcopy), and two
-        launches (the features' and encoder's graph, the LM's), so the host's work overlaps the device's."""
+        """(classes [B, n] (host) at each row's <timestamp> slots in order (its first 2 x words), [B] bool: the row's
+        input samples all finite, the rows' prompt ids) for the rows of these mel frames (the audio_pad runs as long
+        as tokens_after_cnn(frames)); None: the batch is not for the padded pass (a row under one chunk).
+        NOTE(aligner): one host sync, the results' copy: the host's part is the rows' samples and a few index rows,
+        copied from page-locked memory asynchronously (hostcopy), and two launches (the features' and encoder's
+        graph, the LM's), so the host's work overlaps the device's. The samples' writes start first (the encoder's
+        launch waits for them); the index rows and masks are made meanwhile; the prompts, the LM's inputs and where
+        the results lie are made while the encoder runs."""
         if self.audio_key(frames) is None:
             return None
         rate, items = self._rate(items)
         ak = self.audio_key(frames, rate)
         a, (Bb, C, _), B, enc = self.aligner, ak, len(items), self.aligner.cfg.audio
         xa = self.inputs.get(ak) or self._buffers(ak)
-        f = self.resamplers.get(rate)
-        n = [it.wav.shape[0] for it in items]
-        ints = np.zeros((4, Bb), np.int64)  # as _buffers' ints; padding rows: 0
-        ints[:, :B] = [n, f.ends(n) if f is not None else n, [it.num_samples for it in items], frames]
-        t = tokens_after_cnn(2 * enc.n_window)
-        T = a.thinker.audio_tower.window_tokens(C)
-        tokens = [tokens_after_cnn(f) for f in frames]  # a row's audio tokens (its audio_pad run)
-        mask = np.zeros((Bb, C * t // T, T), bool)  # [B, windows a row, T]
-        for b, k in enumerate(tokens):
-            mask[b].reshape(-1)[:k] = True
-        mask = mask.reshape(-1, T)
-        mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
-        ints_d, mask_d = to_device([torch.from_numpy(ints), torch.from_numpy(mask)], a.device)
-        xa["ints"].copy_(ints_d)
-        xa["mask"].copy_(mask_d)
-        self._upload([it.wav if it.pinned is None else it.pinned for it in items], xa["wav"])
+        uploaded = self._upload([it.wav if it.pinned is None else it.pinned for it in items], xa["wav"])
+        try:
+            a._words_of(items)  # the texts' checks, while the samples are written
+            f = self.resamplers.get(rate)
+            n = [it.wav.shape[0] for it in items]
+            ints = np.zeros((4, Bb), np.int64)  # as _buffers' ints; padding rows: 0
+            ints[:, :B] = [n, f.ends(n) if f is not None else n, [it.num_samples for it in items], frames]
+            t = tokens_after_cnn(2 * enc.n_window)
+            T = a.thinker.audio_tower.window_tokens(C)
+            tokens = tokens_after_cnn(np.array(frames))  # [B] a row's audio tokens (its audio_pad run)
+            mask = np.zeros((Bb, C * t), bool)  # [B, windows a row x T]: a row's first tokens
+            mask[:B] = np.arange(C * t)[None, :] < tokens[:, None]
+            mask = mask.reshape(-1, T)
+            mask[~mask.any(1)] = True  # padding windows: every key (no empty softmax row)
+            ints_d, mask_d = to_device([torch.from_numpy(ints), torch.from_numpy(mask)], a.device)
+            xa["ints"].copy_(ints_d)
+            xa["mask"].copy_(mask_d)
+        except BaseException:
+            uploaded(copy=False)  # (a bad text: its batch's samples are not copied to the device)
+            raise
+        uploaded()
         audio = self._replay(ak, xa, lambda x: self._encode(ak, x)) if self.capture else None
         # the prompts (the CPU's part) while the encoder runs: right-padded; each audio_pad slot's embedding in the
         # encoder output [B * C * t]
         rows = a._prompts(items, frames)
-        key = (*ak, -(-max(map(len, rows)) // self.TOKEN_STEP) * self.TOKEN_STEP)
+        lengths = np.array([len(r) for r in rows])
+        key = (*ak, -(-int(lengths.max()) // self.TOKEN_STEP) * self.TOKEN_STEP)
         x = self.inputs.get(key) or self._buffers(key)
-        ids, audio_at = np.zeros((2, Bb, key[3]), np.int64)
-        for b, (r, k) in enumerate(zip(rows, tokens)):
-            ids[b, :len(r)] = r
-            audio_at[b, 1:1 + k] = b * C * t + np.arange(k)  # the prompt's audio_pad run starts at slot 1
+        pos = np.arange(key[3])[None, :]
+        ids = np.zeros((Bb, key[3]), np.int64)
+        ids[:B][pos < lengths[:, None]] = np.concatenate(rows)
+        audio_at = np.zeros((Bb, key[3]), np.int64)  # the prompt's audio_pad run starts at slot 1
+        audio_at[:B] = np.where((pos >= 1) & (pos <= tokens[:, None]),
+                                np.arange(B)[:, None] * (C * t) + pos - 1, 0)
         ids_d, audio_at_d = to_device([torch.from_numpy(ids), torch.from_numpy(audio_at)], a.device)
         x["ids"].copy_(ids_d)
         x["audio_at"].copy_(audio_at_d)
+        # where each row's <timestamp> slots lie, in order (2 a word; past them, other slots): [B, n]
+        slot_at = np.argsort(ids[:B] != a.cfg.timestamp_token_id, axis=1, kind="stable")[
+            :, :max(2 * len(it.words) for it in items)]
         if audio is None:
             out = self._pass(dict(x, **xa, mel=self._features(ak, xa)))
         else:
             out = self._replay(key, x, lambda x: self._lm(x, audio)) if ak in self.graphs else self._lm(x, audio)
         host = torch.cat([out[:B], xa["finite"][:B, None].to(out.dtype)], 1).cpu().numpy()  # [B, S + 1]: one copy
-        return host[:, :-1], host[:, -1].astype(bool), rows
+        return host[np.arange(B)[:, None], slot_at], host[:, -1].astype(bool), rows
 
 
 class ForcedAligner:
@@ -346,6 +378,8 @@ class ForcedAligner:
         self._prep = ThreadPoolExecutor(self._prep_threads, thread_name_prefix="q3tts-align-prep")
         # the last class ends here: longer audio has words the head cannot place
         self.max_seconds = cfg.classify_num * cfg.timestamp_segment_time / 1000.0
+        langs = self.supported_languages
+        self._accepted = None if langs is None else frozenset(langs + ["auto"])  # words()' check, lower-cased
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, device: str | torch.device | None = None,
@@ -417,21 +451,20 @@ class ForcedAligner:
         if not isinstance(language, str) or not language.strip():
             raise ValueError(f"{what}language must be a language name such as 'English' or 'Chinese', "
                              f"got {language!r}"[:200])
-        langs = self.supported_languages
-        if langs is not None and language.lower() not in langs + ["auto"]:
+        if self._accepted is not None and language.lower() not in self._accepted:
             raise ValueError(f"{what}language {language!r} is not supported by this aligner; accepted: Auto, "
-                             + ", ".join(x.capitalize() for x in langs))
+                             + ", ".join(x.capitalize() for x in self.supported_languages))
         return split_words(text, language)
 
     def _item(self, audio: Any, sample_rate: Any, text: Any, language: Any, i: int, ready: bool = True,
-              copy: bool = True, finite: bool = True) -> _Item:
-        """Checked (ValueError naming the problem) and, with ready, prepared for the pass (_Item.ready). copy False:
-        a float32 waveform is kept as the caller's array, not copied (align(), which returns before the caller can
-        change it; a copy of a fresh array costs page faults). finite False: its samples are not read here (a pass
-        over every sample, on the host's critical path before the device starts); _forward checks them
-        (_Item.finite)."""
+              copy: bool = True, finite: bool = True, check_text: bool = True) -> _Item:
+        """Checked (ValueError naming the problem; its text first) and, with ready, prepared for the pass
+        (_Item.ready). copy False: a float32 waveform is kept as the caller's array, not copied (align(), which
+        returns before the caller can change it; a copy of a fresh array costs page faults). finite False: its
+        samples are not read here (a pass over every sample, on the host's critical path before the device starts);
+        _forward checks them (_Item.finite). check_text False: its text is kept unchecked (_Item.text)."""
         what = f"item {i}: " if i >= 0 else ""
-        words = self.words(text, language, what)
+        words = self.words(text, language, what) if check_text else None
         if isinstance(audio, torch.Tensor):
             audio = audio.detach().float().cpu().numpy()
         wav = np.asarray(audio)
@@ -453,8 +486,27 @@ class ForcedAligner:
         if resampled_length(wav.shape[0], sr, SAMPLE_RATE) < 2 * 160:
             # shorter than two mel frames: the reflect-padded STFT is undefined
             raise ValueError(f"{what}audio of {wav.shape[0] / sr * 1000:.0f} ms is too short to align")
-        item = _Item(words, wav, sr, label=what, finite=finite)
+        item = _Item(words, wav, sr, label=what, finite=finite, text=None if check_text else (text, language))
         return item.ready() if ready else item
+
+    def _words_of(self, items: list[_Item]) -> None:
+        """The words of the items whose text is not checked yet (ValueError naming the first bad one's problem)."""
+        for it in items:
+            if it.words is None:
+                it.words, it.text = self.words(*it.text, it.label), None
+
+    def _items(self, args: list[tuple[Any, Any, Any, Any, int]], samples: int) -> list[_Item]:
+        """align()'s rows (audio, sample_rate, text, language, i) checked for the pass, their texts left to it (it
+        checks them while their samples are written: _words_of): the first bad row's error, its text's before its
+        audio's, as _item checks each row in turn."""
+        try:
+            return [it for _, done in self._in_groups(
+                lambda i: self._item(*args[i], ready=False, copy=False, finite=False, check_text=False), len(args),
+                samples) for it in done()]
+        except ValueError:
+            for a in args:  # the rows again, texts too, up to the first error (the bad audio's at the latest)
+                self._item(*a, ready=False, copy=False, finite=False)
+            raise
 
     # ------------------------------------------------------------------ the pass
     @torch.inference_mode()
@@ -478,8 +530,7 @@ class ForcedAligner:
         """
         batch = isinstance(audio, (list, tuple))
         if not batch:
-            return self._run([self._item(audio, sample_rate, text, language, -1, ready=False, copy=False,
-                                         finite=False)])[0]
+            return self._run(self._items([(audio, sample_rate, text, language, -1)], 0))[0]
         n = len(audio)
         if n == 0:
             raise ValueError("audio is an empty list")
@@ -488,12 +539,12 @@ class ForcedAligner:
             per[name] = list(v) if isinstance(v, (list, tuple)) else [v] * n
             if len(per[name]) != n:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
-        args = list(zip(audio, per["sample_rate"], per["text"], per["language"]))
-        samples = sum(int(np.prod(getattr(a, "shape", ()) or (0,))) for a in audio)  # (arrays, tensors; else 0)
-        items = [it for _, done in self._in_groups(lambda i: self._item(*args[i], i, ready=False, copy=False,
-                                                                        finite=False), n,
-                                                     samples) for it in done()]
-        return self._run(items, rows_alone)
+        args = list(zip(audio, per["sample_rate"], per["text"], per["language"], range(n)))
+        # the samples the checks read (_item: a conversion to float32, a tensor's copy, a mix to mono; a float32 [N]
+        # array is only looked at, a pass over it left to the device): what the prep threads would share
+        samples = sum(math.prod(a.shape) for a in audio if hasattr(a, "shape") and not (
+            isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1))
+        return self._run(self._items(args, samples), rows_alone)
 
     def _features(self, items: list[_Item], rows_alone: bool) -> tuple[torch.Tensor, list[int]]:
         """The batch's log-mel [B, mel, F] in the model dtype (one STFT for all rows, on the aligner's device) and
@@ -530,11 +581,12 @@ class ForcedAligner:
         ts = self.cfg.timestamp_token_id
         if self._padded is not None and (rows_alone or len(items) == 1):
             frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
-            out = self._padded(items, frames)  # ([B, S], [B] finite, prompts) or None
+            out = self._padded(items, frames)  # ([B, n] classes at the slots, [B] finite, prompts) or None
             if out is not None:
-                classes, finite, rows = out
+                classes, finite, _ = out
                 _raise_unless_finite(items, finite)
-                return self._times(items, [c[:len(r)][r == ts] for c, r in zip(classes, rows)])
+                return self._times(items, classes)
+        self._words_of(items)  # (align()'s texts, where the padded pass did not check them)
         items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
         audio = self.thinker.audio_tower(mel, frames)  # [N_audio, D], rows in order
@@ -543,15 +595,17 @@ class ForcedAligner:
         select = np.flatnonzero(ids == ts)  # the timestamp slots, row after row
         logits = self.thinker(torch.from_numpy(ids).to(self.device), Ragged.of([len(r) for r in rows], self.device),
                               audio, torch.from_numpy(select).to(self.device))  # [M, classify_num]
-        classes = logits.argmax(-1).cpu().numpy()
-        starts = np.cumsum([len(r) for r in rows])[:-1]  # where rows 1.. begin in ids
-        return self._times(items, np.split(classes, np.searchsorted(select, starts)))
+        classes = logits.argmax(-1).cpu().numpy()  # [M]: the slots row after row, 2 a word
+        lens = np.array([2 * len(it.words) for it in items])
+        at = np.zeros((len(items), max(int(lens.max()), 1)), classes.dtype)  # [B, n]: each row's from its start
+        at[np.arange(at.shape[1])[None, :] < lens[:, None]] = classes
+        return self._times(items, at)
 
-    def _times(self, items: list[_Item], classes: list[np.ndarray]) -> list[list[WordTime]]:
-        """Each row's words timed from the classes at its <timestamp> slots."""
+    def _times(self, items: list[_Item], classes: np.ndarray) -> list[list[WordTime]]:
+        """Each row's words timed from the classes [B, >= n] at its <timestamp> slots (its first 2 x words)."""
         seg = np.float32(self.cfg.timestamp_segment_time)
         # ms as the official computes them: int class x float32 segment time
-        return word_times_rows([it.words for it in items], [(c.astype(np.float32) * seg).tolist() for c in classes])
+        return word_times_padded([it.words for it in items], classes.astype(np.float32) * seg)
 
 
 def _finite(wav: np.ndarray) -> bool:
@@ -560,10 +614,10 @@ def _finite(wav: np.ndarray) -> bool:
     return bool(np.isfinite(wav.sum()) or np.isfinite(wav).all())
 
 
-def _raise_unless_finite(items: list[_Item], finite) -> None:
-    for it, ok in zip(items, finite):
-        if not ok:
-            raise ValueError(f"{it.label}audio has NaN or infinite samples")
+def _raise_unless_finite(items: list[_Item], finite: np.ndarray) -> None:
+    """finite [B] bool, a row's samples all finite: the first row's error that is not."""
+    if not finite.all():
+        raise ValueError(f"{items[int(finite.argmin())].label}audio has NaN or infinite samples")
 
 
 class AlignerWorker:

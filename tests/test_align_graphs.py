@@ -408,3 +408,44 @@ def test_non_finite_audio_is_refused_by_the_padded_pass(bad, padded_calls):
             a.align(wav, sr, "hello there", "English")
         assert padded_calls and padded_calls[-1] is not None
         padded_calls.clear()
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_batchs_first_error_is_its_first_bad_rows_text_before_audio(graphs):
+    """align() checks a batch's audio first and leaves the texts to the pass (checked while the samples are
+    written): the error is still the first bad row's, its text's before its audio's, as each row checked in turn."""
+    a = fast() if graphs else aligner()
+    wav, sr = audio("d")
+    short = np.zeros(100, np.float32)
+    cases = [  # (wavs, texts, the error)
+        ([wav, wav, wav, short], ["one", "two", "", "four"], "^item 2: text must be"),
+        ([wav, short, wav, wav], ["one", "two", "", "four"], "^item 1: audio of .* too short"),
+        ([wav, wav, short, wav], ["one", "two", "  ", "four"], "^item 2: text must be"),
+        ([wav, wav, wav, wav], ["one", "two", "three", 4], "^item 3: text must be"),
+    ]
+    for wavs, texts, match in cases:
+        with pytest.raises(ValueError, match=match):
+            a.align(wavs, sr, texts, "English", rows_alone=True)
+    with pytest.raises(ValueError, match="^language 'Klingon' is not supported"):
+        a.align(short, sr, "one", "Klingon")
+
+
+def test_a_bad_text_fails_while_the_samples_are_written_and_nothing_runs(monkeypatch):
+    """The padded pass checks align()'s texts after the rows' samples start on their way (their writes overlap
+    the checks); a bad one fails the batch with its clear error, its samples waited for and not copied on, no pass
+    run; the next batch of the bucket gets its words."""
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cpu", graphs=True, resample_on_device=True)
+    finished, passes = [], []
+    orig_upload, orig_pass = align_mod._PaddedPass._upload, align_mod._PaddedPass._pass
+
+    def upload(self, wavs, out):
+        finish = orig_upload(self, wavs, out)
+        return lambda copy=True: finished.append(copy) or finish(copy)
+    monkeypatch.setattr(align_mod._PaddedPass, "_upload", upload)
+    monkeypatch.setattr(align_mod._PaddedPass, "_pass", lambda self, x: passes.append(1) or orig_pass(self, x))
+    names, texts = ["c", "b", "a"], [CASES["en"]["text"][0], "one two three four", "five six"]  # (one rate)
+    with pytest.raises(ValueError, match="^item 1: text must be"):
+        _rows_alone(a, names, [texts[0], " ", texts[2]])
+    assert finished == [False] and passes == []
+    assert _rows_alone(a, names, texts) == _rows_alone(fast(), names, texts)
+    assert finished[-1] is True and passes

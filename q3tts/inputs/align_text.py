@@ -14,6 +14,7 @@ As qwen-asr 0.0.6's `Qwen3ForceAlignProcessor`:
 from __future__ import annotations
 
 import unicodedata
+from itertools import repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -130,43 +131,65 @@ def _longest_run_kept(data: list[float]) -> list[bool]:
     return kept
 
 
-BATCH_DP_MAX = 256  # slots: rows up to this long share one vectorized scan and fix-up (_fix_short_rows)
+BATCH_DP_MAX = 256  # slots: rows up to this long share one vectorized scan and fix-up (fix_timestamps_padded)
+DP_CHUNK = 1 << 21  # rows x slots x slots of one vectorized scan at most (its [i, j, rows] comparisons)
+
+
+def _padded_rows(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of slot times -> (data [R, n] float64, inf past each row's end; lengths [R])."""
+    lens = np.array([len(r) for r in rows], np.int64)
+    data = np.full((len(rows), max(int(lens.max(initial=0)), 1)), np.inf)
+    for k, r in enumerate(rows):
+        data[k, :lens[k]] = r
+    return data, lens
 
 
 def _short_rows(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of 1..BATCH_DP_MAX slots -> (data [R, n] float64, inf past each row's end; lengths [R]; kept [R, n]: the
-    official's longest non-decreasing subsequence of each row, False past its end). The official's scan over j
-    vectorized across rows and j: n numpy steps for the batch, not n^2 / 2 Python steps a row (the Fenwick tree's
-    n log n beats the batch's n^2 past BATCH_DP_MAX)."""
-    lens = np.array([len(r) for r in rows])
-    R, n = len(rows), int(lens.max())
-    data = np.full((R, n), np.inf)  # padding slots are never a j of a real slot (j < i < len)
-    for k, r in enumerate(rows):
-        data[k, :lens[k]] = r
-    dp = np.ones((R, n), np.int64)
-    parent = np.full((R, n), -1, np.int64)
-    for i in range(1, n):
-        # the official: j < i with data[j] <= data[i] and the largest dp[j], the first such j
-        cand = np.where(data[:, :i] <= data[:, i:i + 1], dp[:, :i], 0)  # [R, i]
-        best = cand.max(1)
-        dp[:, i] = best + 1
-        parent[:, i] = np.where(best > 0, (cand == best[:, None]).argmax(1), -1)
+    official's longest non-decreasing subsequence of each row, False past its end: _kept_padded)."""
+    data, lens = _padded_rows(rows)
+    return data, lens, _kept_padded(data, lens)
+
+
+def _kept_padded(data: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """data [R, n] float64 (inf past each row's end), lens [R] in 1..n -> kept [R, n]: each row's longest
+    non-decreasing subsequence as the official finds it (dp[i] = 1 + the largest dp[j] over j < i with data[j] <=
+    data[i], its parent the first such j; the chain back from the first i of the largest dp), False past its end.
+    The official's scan over j vectorized across rows and j: n numpy steps for the batch, not n^2 / 2 Python steps a
+    row (the Fenwick tree's n log n beats the batch's n^2 past BATCH_DP_MAX). A row already non-decreasing keeps
+    every slot (its dp is 1..len, each slot's parent the one before it) and is not scanned."""
+    R, n = data.shape
     valid = np.arange(n)[None, :] < lens[:, None]
+    kept = valid.copy()
+    scan = np.flatnonzero((np.diff(data, axis=1) < 0).any(1))  # (inf - inf is NaN: padding never decreases)
+    if scan.size == 0:
+        return kept
+    data, lens, valid = data[scan], lens[scan], valid[scan]
+    d = data.T  # [n, R']: the rows last, so that each step reads contiguous memory
+    le = (d[None, :, :] <= d[:, None, :]).astype(np.int32)  # [i, j, R']: data[j] <= data[i]; padding: never a j
+    dp = np.ones(d.shape, np.int32)  # [n, R']
+    for i in range(1, n):
+        dp[i] += (le[i, :i] * dp[:i]).max(0)
+    # the parent: the first j < i with data[j] <= data[i] whose dp is the largest, dp[i] - 1 (none where dp[i] is 1)
+    match = (le > 0) & np.tri(n, k=-1, dtype=bool)[:, :, None] & (dp[None, :, :] == dp[:, None, :] - 1)  # [i, j, R']
+    parent = np.where(dp > 1, match.argmax(1), -1).T  # [R', n]
+    dp = dp.T
     at = np.where(valid, dp, 0).argmax(1)  # each row's first slot of the largest dp; its chain back, all rows at once
-    kept = np.zeros((R, n), bool)
-    live = np.arange(R)
+    chain = np.zeros(data.shape, bool)
+    live = np.arange(len(scan))
     while live.size:
-        kept[live, at[live]] = True
+        chain[live, at[live]] = True
         at[live] = parent[live, at[live]]
         live = live[at[live] >= 0]
-    return data, lens, kept
+    kept[scan] = chain
+    return kept
 
 
-def _fix_short_rows(rows: list[list[float]]) -> list[list[int]]:
-    """_fix of rows of 1..BATCH_DP_MAX slots with their kept subsequences, all slots of the batch at once: a slot
-    outside it lies in the run between the kept slots left and right of it (either may be missing: the row's ends),
-    and takes the value _fix gives it there, by the same float operations in the same order."""
-    data, lens, kept = _short_rows(rows)
+def _fix_padded(data: np.ndarray, lens: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """_fix of rows of 1..BATCH_DP_MAX slots (data [R, n], inf past each row's end; lens [R]) with their kept
+    subsequences, all slots of the batch at once: a slot outside it lies in the run between the kept slots left and
+    right of it (either may be missing: the row's ends), and takes the value _fix gives it there, by the same float
+    operations in the same order. -> int64 [R, n], 0 past each row's end."""
     R, n = data.shape
     pos = np.broadcast_to(np.arange(n), (R, n))
     left = np.maximum.accumulate(np.where(kept, pos, -1), axis=1)  # the last kept slot at or before, -1: none
@@ -183,8 +206,7 @@ def _fix_short_rows(rows: list[list[float]]) -> list[list[int]]:
         between = lv + step * (pos - i + 1)
     far = np.where(has_l & has_r, between, np.where(has_l, lv, rv))
     fixed = np.where(kept, data, np.where(j - i <= 2, near, far))
-    fixed = np.where(pos < lens[:, None], fixed, 0.0)  # (padding slots: not cast from inf)
-    return [r[:m].tolist() for r, m in zip(fixed.astype(np.int64), lens)]
+    return np.where(pos < lens[:, None], fixed, 0.0).astype(np.int64)  # (padding slots: not cast from inf)
 
 
 def fix_timestamps(data: list[float]) -> list[int]:
@@ -193,14 +215,30 @@ def fix_timestamps(data: list[float]) -> list[int]:
 
 
 def fix_timestamps_rows(rows: list[list[float]]) -> list[list[int]]:
-    """fix_timestamps of every row: the rows of up to BATCH_DP_MAX slots at once (_fix_short_rows), longer ones by
-    the Fenwick tree and _fix."""
-    out: list[list[int]] = [_fix(r, _longest_run_kept(r)) if len(r) > BATCH_DP_MAX else [] for r in rows]
-    short = [b for b, r in enumerate(rows) if 0 < len(r) <= BATCH_DP_MAX]
-    if short:
-        for b, fixed in zip(short, _fix_short_rows([rows[b] for b in short])):
-            out[b] = fixed
-    return out
+    """fix_timestamps of every row (fix_timestamps_padded)."""
+    data, lens = _padded_rows(rows)
+    return [r[:m].tolist() for r, m in zip(fix_timestamps_padded(data, lens), lens.tolist())]
+
+
+def fix_timestamps_padded(data: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """fix_timestamps of every row of data [R, n] float64 (ms; row r's slots are its first lens[r], what lies past
+    them is not read) -> int64 [R, n], 0 past each row's end. Rows of up to BATCH_DP_MAX slots at once, a few
+    hundred rows a scan (DP_CHUNK; trimmed to their own longest), longer rows by the Fenwick tree and _fix."""
+    R, n = data.shape
+    fixed = np.zeros((R, n), np.int64)
+    for b in np.flatnonzero(lens > BATCH_DP_MAX):
+        row = data[b, :lens[b]].tolist()
+        fixed[b, :lens[b]] = _fix(row, _longest_run_kept(row))
+    short = np.flatnonzero((lens > 0) & (lens <= BATCH_DP_MAX))
+    if short.size:
+        m = int(lens[short].max())
+        sub = np.where(np.arange(m)[None, :] < lens[short, None], data[short, :m], np.inf)  # [R', m]
+        sub_lens = lens[short]
+        step = max(1, DP_CHUNK // (m * m))
+        for lo in range(0, short.size, step):
+            d, k = sub[lo:lo + step], sub_lens[lo:lo + step]
+            fixed[short[lo:lo + step], :m] = _fix_padded(d, k, _kept_padded(d, k))
+    return fixed
 
 
 def _fix(data: list[float], normal: list[bool]) -> list[int]:
@@ -243,7 +281,19 @@ def word_times(words: list[str], slot_ms: list[float]) -> list[WordTime]:
 
 
 def word_times_rows(words: list[list[str]], slot_ms: list[list[float]]) -> list[list[WordTime]]:
-    """word_times of every row of a batch. (The official rounds the seconds to 3 decimals; a whole number of ms over
-    1000.0 is the double nearest to a 3-decimal number, which that rounding returns unchanged.)"""
-    return [[WordTime(w, s / 1000.0, e / 1000.0) for w, s, e in zip(ws, f[0::2], f[1::2])]
-            for ws, f in zip(words, fix_timestamps_rows(slot_ms))]
+    """word_times of every row of a batch (word_times_padded)."""
+    data, _ = _padded_rows(slot_ms)
+    return word_times_padded(words, data)
+
+
+def word_times_padded(words: list[list[str]], slot_ms: np.ndarray) -> list[list[WordTime]]:
+    """word_times of every row of a batch: row r's words and its slot times (ms), the first 2 len(words[r]) of
+    slot_ms [R, >= 2 max words] (float; what lies past them is not read). The fix-up, the seconds and their pairing
+    are numpy over the whole batch; each WordTime is made by tuple.__new__ from zip's tuple (what the named tuple's
+    own constructor does, without its Python frame). (The official rounds the seconds to 3 decimals; a whole number
+    of ms over 1000.0 is the double nearest to a 3-decimal number, which that rounding returns unchanged.)"""
+    lens = np.array([2 * len(ws) for ws in words], np.int64)
+    assert slot_ms.shape[0] == len(words) and slot_ms.shape[1] >= lens.max(initial=0), (slot_ms.shape, lens)
+    secs = fix_timestamps_padded(np.asarray(slot_ms, np.float64), lens) / 1000.0  # [R, n]
+    starts, ends = secs[:, 0::2].tolist(), secs[:, 1::2].tolist()  # (zip stops at each row's words)
+    return [list(map(tuple.__new__, repeat(WordTime), zip(ws, s, e))) for ws, s, e in zip(words, starts, ends)]

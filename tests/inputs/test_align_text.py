@@ -151,3 +151,28 @@ def test_word_times_pairs_slots_and_rounds_to_ms():
                                          ("beijing_dialect", "Chinese"), ("sichuan_dialect", "Chinese")])
 def test_aligner_language_of_a_synthesis_language(tts, aligner):
     assert aligner_language(tts) == aligner
+
+
+def test_word_times_of_a_padded_batch_read_only_each_rows_slots(monkeypatch):
+    """word_times_padded (the aligner's results: a [rows, slots] array, each row's 2 x words slots first, anything
+    past them) equals word_times of each row alone on its own slots, with NaN and junk past them, rows of no words,
+    rows already monotonic (not scanned), a row past BATCH_DP_MAX (the Fenwick tree), and the short rows' scan split
+    into chunks of a few rows (DP_CHUNK); its items are WordTime."""
+    import numpy as np
+
+    import q3tts.inputs.align_text as at
+    rng = random.Random(2)
+    nwords = [0, 1, 3, 15, 15, 15, 40, at.BATCH_DP_MAX // 2 + 5, 0, 2]
+    rows = [[80.0 * rng.randrange(60) for _ in range(2 * k)] for k in nwords]
+    rows[4] = sorted(rows[4])  # monotonic
+    rows[5] = [80.0 * (i // 3) for i in range(30)]  # monotonic with ties
+    words = [[f"w{b}_{i}" for i in range(k)] for b, k in enumerate(nwords)]
+    want = [word_times(w, r) for w, r in zip(words, rows)]
+    width = 2 * max(nwords) + 3
+    padded = np.array([r + [float("nan"), -80.0, 1e9][:1] * (width - len(r)) for r in rows], np.float32)
+    padded[:, -2:] = -5.0
+    for chunk in (at.DP_CHUNK, 2 * 30 * 30 + 1):  # all short rows in one scan; two rows of 30 slots a scan
+        monkeypatch.setattr(at, "DP_CHUNK", chunk)
+        got = at.word_times_padded(words, padded)
+        assert got == want
+        assert all(type(w) is WordTime and w.word == words[b][i] for b, r in enumerate(got) for i, w in enumerate(r))
