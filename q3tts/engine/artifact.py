@@ -37,7 +37,7 @@ import time
 import torch
 
 from .. import __version__
-from .compile import precompiling, want_precompile
+from .compile import precompiling
 
 MAGIC = b"Q3TTS-COMPILE-ARTIFACT\n"
 FORMAT = 2  # 2: the torch section holds Dynamo's entries too
@@ -110,7 +110,7 @@ def own_triton_cache() -> str | None:
 def save_artifact(path: str | os.PathLike, ckpt, built: dict | None = None) -> dict:
     """Write what this process compiled (torch's cache artifacts; the Triton cache directory when there is one) to
     `path` -> the header written. Call it after the engine is built and warmed up."""
-    with precompiling(want_precompile()):  # (so that torch adds the Dynamo entries this process recorded)
+    with precompiling():  # (where they are on: so that torch adds the Dynamo entries this process recorded)
         saved = torch.compiler.save_cache_artifacts()
     sections = {"torch": saved[0] if saved else b""}
     root = triton_cache_dir() if ckpt.device.type == "cuda" else None
