@@ -70,8 +70,21 @@ def read_tensors(files: list[Path], prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_module(module: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Copy tensors into module's parameters and persistent buffers; every key must match exactly."""
+def cast_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 host: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The tensors on `device` (the keys in `host`: in host memory), the floating-point ones in `dtype`: what a module
+    built on the meta device in `dtype` takes with load_module(..., assign=True), as Module.to(dtype) would have cast
+    it. read_tensors' tensors map the file, so this is where it is read, once, straight into its place (no copy where
+    the file's dtype and the place are already right); its copies release the GIL, so it can run on a thread while
+    the modules are built."""
+    def cast(t: torch.Tensor, dev) -> torch.Tensor:
+        return t.to(dev, dtype if t.is_floating_point() else t.dtype)
+    return {k: cast(v, "cpu" if k in host else device) for k, v in tensors.items()}
+
+
+def load_module(module: nn.Module, tensors: dict[str, torch.Tensor], where: str, assign: bool = False) -> None:
+    """Copy tensors into module's parameters and persistent buffers; every key must match exactly. assign: the
+    tensors become them (a module built on the meta device; cast_tensors made them in its dtypes)."""
     own = module.state_dict()
     missing = sorted(set(own) - set(tensors))
     unexpected = sorted(set(tensors) - set(own))
@@ -88,6 +101,17 @@ def load_module(module: nn.Module, tensors: dict[str, torch.Tensor], where: str)
             parts.append("shape mismatches: " + ", ".join(
                 f"{k} checkpoint {tuple(tensors[k].shape)} vs model {tuple(own[k].shape)}" for k in bad_shape[:8]))
         raise ValueError(f"{where}: checkpoint does not match the model config; " + "; ".join(parts))
+    if assign:
+        bad_dtype = sorted(k for k in own if own[k].dtype != tensors[k].dtype)  # (an integer tensor for a float one)
+        if bad_dtype:
+            raise ValueError(f"{where}: checkpoint dtypes do not match the model: " + ", ".join(
+                f"{k} checkpoint {tensors[k].dtype} vs model {own[k].dtype}" for k in bad_dtype[:8]))
+        # a parameter stored with other strides than the file's (q3tts.models.codec's taps-middle conv weights) keeps
+        # them: its values are copied into that layout (on its device)
+        module.load_state_dict({k: t if t.stride() == own[k].stride() else
+                                torch.empty_strided(t.shape, own[k].stride(), dtype=t.dtype, device=t.device).copy_(t)
+                                for k, t in tensors.items()}, strict=True, assign=True)
+        return
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(tensors[k].to(v.dtype))

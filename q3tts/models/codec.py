@@ -37,8 +37,8 @@ from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 def _taps_middle_(weight: nn.Parameter) -> None:
     """Keep a conv weight's logical shape [A, B, k] (the checkpoint's) but store it as [A, k, B]: the time-major
-    layers read it as a channels-last conv weight or a GEMM operand without a copy. Loading copies values into it,
-    and Tensor.copy_ and Module.to keep strides."""
+    layers read it as a channels-last conv weight or a GEMM operand without a copy. Loading copies values into it
+    (or into a tensor of its strides: weights.load_module), and Tensor.copy_ and Module.to keep strides."""
     weight.data = weight.data.permute(0, 2, 1).contiguous().permute(0, 2, 1)
 
 

@@ -8,6 +8,7 @@ encoders (loaded on demand, fp32).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,14 @@ from ..config import (
     parse_speech_tokenizer_config,
     read_json,
 )
-from ..weights import check_prefixes, load_module, read_tensors, resolve_model_dir, safetensors_files
+from ..weights import (
+    cast_tensors,
+    check_prefixes,
+    load_module,
+    read_tensors,
+    resolve_model_dir,
+    safetensors_files,
+)
 from .codec import Code2Wav
 from .codec_encoder import CodecEncoder, parse_codec_encoder_config
 from .layers import fuse_projections
@@ -33,6 +41,7 @@ from .speaker_encoder import SpeakerEncoder
 from .talker import Talker
 
 SAMPLE_RATE = 24000
+TEXT_TABLE = "model.text_embedding.weight"  # (talker.*) kept in host memory (load_checkpoint)
 
 
 @dataclass(eq=False)
@@ -73,23 +82,29 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
 
     files = safetensors_files(d / "model")
     check_prefixes(files, ("talker.", "speaker_encoder."), str(d / "model.safetensors"))
-    # NOTE(load-once): built on the meta device, then given memory in its final dtype where each part lives, so each
-    # weight is copied once, from the file to its place (not built in fp32 on the host, then moved and cast).
+    speech_files = safetensors_files(d / "speech_tokenizer" / "model")
+    check_prefixes(speech_files, ("decoder.", "encoder."), f"{d}/speech_tokenizer/model.safetensors")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # this thread's device, for the loading threads
+    code2wav_dtype = vocoder_dtype(device, dtype, quantization)
+    # NOTE(load-once): the modules are built on the meta device in their final dtypes and take the checkpoint's
+    # tensors as they are (assign), each read from the file once, cast and copied straight to where it lives (not
+    # built and randomly initialised on the host, then overwritten, moved and cast). The reads and copies run on two
+    # threads (they release the GIL) while this one builds the modules (the first meta tensor imports torch._dynamo).
     # On a GPU the text embedding table (151936 x 2048: 0.58 GiB in bf16, 30% of 0.6B's weights) stays in host
     # memory: a request looks up its few hundred rows once (streamed text: a few at a time) and only the [L, 2048]
     # result crosses to the device. A lookup is a copy, so nothing changes numerically.
-    with torch.device("meta"):
-        talker = Talker(cfg.talker).to(dtype)
-    text_embedding = talker.model.text_embedding.to_empty(device="cpu")
-    talker.model.text_embedding = None
-    talker = talker.to_empty(device=device)  # no buffers: every tensor is loaded below
-    talker.model.text_embedding = text_embedding
-    load_module(talker, read_tensors(files, "talker."), f"{d}/model.safetensors (talker.*)")
+    with ThreadPoolExecutor(2, thread_name_prefix="q3tts-load") as pool:
+        talker_tensors = pool.submit(cast_tensors, read_tensors(files, "talker."), device, dtype,
+                                     host=(TEXT_TABLE,))
+        code2wav_tensors = pool.submit(cast_tensors, read_tensors(speech_files, "decoder."), device, code2wav_dtype)
+        with torch.device("meta"):
+            talker = Talker(cfg.talker).to(dtype)
+            code2wav = Code2Wav(speech_cfg.decoder).to(code2wav_dtype)
+        load_module(talker, talker_tensors.result(), f"{d}/model.safetensors (talker.*)", assign=True)
+        load_module(code2wav, code2wav_tensors.result(), f"{d}/speech_tokenizer (decoder.*)", assign=True)
     talker.eval()
-    speech_files = safetensors_files(d / "speech_tokenizer" / "model")
-    check_prefixes(speech_files, ("decoder.", "encoder."), f"{d}/speech_tokenizer/model.safetensors")
-    code2wav = Code2Wav(speech_cfg.decoder)
-    load_module(code2wav, read_tensors(speech_files, "decoder."), f"{d}/speech_tokenizer (decoder.*)")
+    code2wav.eval()
     if device.type == "cuda" or quantization:
         # one GEMM for q|k|v and for gate|up: 4 calls per layer instead of 7 (quantized CPU runs are not exact
         # anyway, and a per-row quantization is the same fused or not); one lookup for a frame's 16 codec embeddings
@@ -97,7 +112,6 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
         fuse_projections(talker)
         talker.fuse_codec_embeddings()
     quantize_(talker, quantization, device)
-    code2wav = code2wav.to(device=device, dtype=vocoder_dtype(device, dtype, quantization)).eval()
     with torch.inference_mode():
         pad = talker.embed_text(torch.tensor([cfg.tts_pad_token_id]))[0]
     defaults = parse_generation_defaults(read_json(d / "generation_config.json"), overrides)
