@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -120,7 +121,8 @@ class Engine:
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=use_graphs)
         # NOTE(overlap): the vocoder's warm-ups (the artifact above brought their kernels) run beside the runner's
         # compilation and warm-ups; its graphs are captured at the runner's handover, before the runner's own
-        vocoder_start = StartBeside(lambda handover: self.vocoder.capture_graphs(True, handover), ckpt.device,
+        vocoder = self.vocoder  # (its thread holds the vocoder only, never the engine: NOTE(keep-alive))
+        vocoder_start = StartBeside(lambda handover: vocoder.capture_graphs(True, handover), ckpt.device,
                                     "q3tts-vocoder-start") if want_overlap(ckpt.device, overlap_capture) else None
         try:
             self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
@@ -136,6 +138,7 @@ class Engine:
             raise
         if vocoder_start:
             vocoder_start.join()  # (a runner without graphs handed over nothing)
+            weakref.finalize(self, vocoder_start.release)  # NOTE(keep-alive): its thread lives as long as this engine
         else:
             self.vocoder.capture_graphs()
         if deadline is None:

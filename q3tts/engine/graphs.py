@@ -47,23 +47,33 @@ class StartBeside:
     NOTE(overlap): so nothing captures while the other thread launches, syncs or frees: the two threads only overlap
     in eager work, and each thread's captures run with the other one waiting (the engine's in join, this one's before
     handover has returned). Warm-ups and captures of fn stay on one thread: PyTorch's cuDNN plan cache is per thread,
-    so plans built by its warm-ups serve its captures."""
+    so plans built by its warm-ups serve its captures.
+    NOTE(keep-alive): once fn has returned the thread waits for release() (the engine's end) instead of ending: its
+    thread-local cuDNN plans and attention graphs (some of them kernels compiled at run time) live as long as it does,
+    and the graphs it captured may launch their kernels."""
 
     def __init__(self, fn: Callable[[Callable[[], None]], object], device: torch.device, name: str):
-        self._go = threading.Event()
+        self._go, self._done, self._released = threading.Event(), threading.Event(), threading.Event()
         self._cancel = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(fn, device), name=name, daemon=True)
+        self._fn = fn  # (held here, not by the thread, which outlives it: fn may hold what the engine's end frees)
+        self._thread = threading.Thread(target=self._main, args=(device,), name=name, daemon=True)
         self._thread.start()
 
-    def _main(self, fn, device) -> None:
+    def _main(self, device) -> None:
+        fn, self._fn = self._fn, None
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 fn(self._handover)  # (the CUDA device is per thread: a new thread starts on device 0)
+                del fn
         except _Cancelled:
-            pass
+            return
         except BaseException as e:  # noqa: BLE001 (any failure is the start's: join raises it on the engine's thread)
             self.error = e
+            return
+        finally:
+            self._done.set()
+        self._released.wait()
 
     def _handover(self) -> None:
         self._go.wait()
@@ -75,12 +85,16 @@ class StartBeside:
         on this thread: the other stops at its handover and its own error, if any, is only logged)."""
         self._cancel = cancel
         self._go.set()
-        self._thread.join()
+        self._done.wait()  # fn's end (the thread itself stays: keep-alive)
         error, self.error = self.error, None  # raised once
         if error is not None and cancel:
             log.warning("%s also failed: %s: %s", self._thread.name, type(error).__name__, error)
         elif error is not None:
             raise error
+
+    def release(self) -> None:
+        """The thread may end (the engine whose graphs it captured is gone)."""
+        self._released.set()
 
 
 @contextlib.contextmanager

@@ -53,6 +53,7 @@ def test_cancel_stops_the_thread_at_its_handover_and_logs_its_own_error(caplog):
         done.append(True)  # never reached: the engine's start failed
     start = StartBeside(fn, CPU, "beside-test")
     start.join(cancel=True)
+    start._thread.join(10)
     assert not done and not start._thread.is_alive()
 
     def broken(handover):
@@ -61,6 +62,24 @@ def test_cancel_stops_the_thread_at_its_handover_and_logs_its_own_error(caplog):
     with caplog.at_level("WARNING", logger="q3tts.engine"):
         start.join(cancel=True)  # the engine's own error is the one raised; this one is logged
     assert "also broken" in caplog.text
+
+
+def test_the_thread_stays_until_released_and_an_engine_releases_it_when_collected():
+    """NOTE(keep-alive): the thread that captured the vocoder's graphs outlives join (its thread-local cuDNN state)."""
+    start = StartBeside(lambda handover: handover(), CPU, "beside-test")
+    start.join()
+    assert start._thread.is_alive()
+    start.release()
+    start._thread.join(10)
+    assert not start._thread.is_alive()
+
+    import gc
+    eng = Engine(fx.tts("cv06").ckpt, max_slots=1, max_seq_len=256, overlap_capture=True)
+    thread = next(t for t in threading.enumerate() if t.name == "q3tts-vocoder-start" and t.is_alive())
+    del eng
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_the_switch(monkeypatch):
