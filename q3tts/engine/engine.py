@@ -135,6 +135,7 @@ class Engine:
         except BaseException:
             if vocoder_start:
                 vocoder_start.join(cancel=True)
+                vocoder_start.release()  # (no engine: nothing of its graphs will run)
             raise
         if vocoder_start:
             vocoder_start.join()  # (a runner without graphs handed over nothing)

@@ -150,4 +150,22 @@ def test_a_runner_error_stops_the_vocoder_thread_and_is_the_one_raised(monkeypat
     with pytest.raises(ValueError, match="compile failed"):
         Engine(fx.tts("cv06").ckpt, max_slots=1, max_seq_len=256, overlap_capture=True)
     assert not finished
-    assert not [t for t in threading.enumerate() if t.ident not in alive and t.name == "q3tts-vocoder-start"]
+    for t in threading.enumerate():
+        if t.ident not in alive and t.name == "q3tts-vocoder-start":
+            t.join(10)
+            assert not t.is_alive()
+
+
+def test_a_runner_error_after_the_handover_releases_the_vocoder_thread(monkeypatch):
+    def broken_after(self, before_capture=None):
+        before_capture()  # the vocoder's graphs are made, then the runner's capture fails
+        raise RuntimeError("capture failed")
+    monkeypatch.setattr(ModelRunner, "capture_graphs", broken_after)
+    alive = {t.ident for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="capture failed"):
+        Engine(fx.tts("cv06").ckpt, max_slots=1, max_seq_len=256, overlap_capture=True)
+    mine = [t for t in threading.enumerate() if t.ident not in alive and t.name == "q3tts-vocoder-start"]
+    assert len(mine) <= 1
+    for t in mine:
+        t.join(10)
+        assert not t.is_alive()
