@@ -9,6 +9,7 @@ Handles live on `app.state`; the WebSocket session (session.py) shares the servi
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -66,6 +67,7 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
             if warm is not None and not warm.done():
                 warm.cancel()
             engine.shutdown()
+            gc.unfreeze()  # (the warm-up froze the heap: what this app leaves behind is collectable again)
             if serving.aligner is not None:
                 serving.aligner.close()
 
