@@ -9,7 +9,6 @@ Handles live on `app.state`; the WebSocket session (session.py) shares the servi
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -23,7 +22,7 @@ from . import logfilter
 from .metrics import Metrics
 from .middleware import GuardMiddleware, install_error_handlers
 from .routes import router
-from .serving import SpeechServing
+from .serving import SpeechServing, thaw_heap
 from .settings import ServerSettings
 from .voices import VoiceService
 
@@ -67,7 +66,7 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
             if warm is not None and not warm.done():
                 warm.cancel()
             engine.shutdown()
-            gc.unfreeze()  # (the warm-up froze the heap: what this app leaves behind is collectable again)
+            thaw_heap()
             if serving.aligner is not None:
                 serving.aligner.close()
 

@@ -457,6 +457,13 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
+def thaw_heap() -> None:
+    """freeze_heap undone at shutdown: what the server leaves behind is collectable again, and no longer logged."""
+    gc.unfreeze()
+    if _log_slow_collections in gc.callbacks:
+        gc.callbacks.remove(_log_slow_collections)
+
+
 _gc_started = [0.0]
 
 

@@ -11,9 +11,8 @@ from q3tts.server import serving
 @pytest.fixture
 def thawed():
     yield
-    gc.unfreeze()
-    if serving._log_slow_collections in gc.callbacks:
-        gc.callbacks.remove(serving._log_slow_collections)
+    serving.thaw_heap()
+    assert serving._log_slow_collections not in gc.callbacks and gc.get_freeze_count() == 0
 
 
 def test_freeze_heap_moves_the_survivors_out_of_later_collections(thawed):
@@ -24,7 +23,7 @@ def test_freeze_heap_moves_the_survivors_out_of_later_collections(thawed):
     gc.collect()
     scanned = {id(o) for o in gc.get_objects(generation=2)}
     assert not any(id(x) in scanned for x in kept) and all(id(x) in scanned for x in made)
-    gc.unfreeze()  # (what the app's shutdown does)
+    serving.thaw_heap()  # (what the app's shutdown does)
     scanned = {id(o) for o in gc.get_objects(generation=2)}
     assert all(id(x) in scanned for x in kept)
 
