@@ -158,7 +158,10 @@ def server_side(before: dict[str, float], after: dict[str, float]) -> dict:
     return {"engine_steps": int(steps), "step_ms_mean": per_step,
             "ttfa_ms_mean": round(1000 * d["q3tts_time_to_first_audio_seconds_sum"] / ttfa_n, 1) if ttfa_n else None,
             "admission_wait_ms_mean": round(1000 * d.get("q3tts_admission_wait_seconds_total", 0) / admitted, 1)
-            if admitted else None}
+            if admitted else None,
+            # graphs Dynamo traced or Inductor compiled or loaded during the level (0: nothing compiled while serving)
+            "compiled_graphs": int(sum(d.get(f'q3tts_compiled_graphs_total{{kind="{k}"}}', 0)
+                                       for k in ("traced", "cached", "compiled")))}
 
 
 def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:

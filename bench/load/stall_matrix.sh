@@ -128,7 +128,8 @@ doc = {"command": "bash bench/load/stall_matrix.sh", "device": device, "gpu": gp
        "deadline_policy": os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes"), "wall_s": wall,
        "base": base, "runs": runs}
 json.dump(doc, open(os.path.join(out, "stall_matrix.json"), "w"), indent=1)
-head = ("model", "level", "reqs", "err", "audio s/s", "ttfa p50/p95/p99 ms", "stalled", "stall p95/max ms")
+head = ("model", "level", "reqs", "err", "audio s/s", "ttfa p50/p95/p99 ms", "stalled", "stall p95/max ms",
+        "compiled")
 rows = []
 for name, run in runs.items():
     for lv in run["levels"]:
@@ -138,7 +139,7 @@ for name, run in runs.items():
         rows.append((os.path.basename(run["model"]["id"].rstrip("/")), level, lv["requests"], lv["errors"],
                      lv["audio_s_per_s"], f"{t['p50']}/{t['p95']}/{t['p99']}",
                      f"{100 * lv['stalled_share']:.1f}%" if lv["stalled_share"] is not None else "-",
-                     f"{s['p95']}/{s['max']}"))
+                     f"{s['p95']}/{s['max']}", (lv.get("server") or {}).get("compiled_graphs", "-")))
 w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
 print(f"stall matrix ({gpu}, {commit}, deadline policy {'on' if doc['deadline_policy'] else 'off'}, {wall} s)")
 for r in (head, *rows):

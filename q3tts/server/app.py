@@ -22,7 +22,7 @@ from . import logfilter
 from .metrics import Metrics
 from .middleware import GuardMiddleware, install_error_handlers
 from .routes import router
-from .serving import SpeechServing
+from .serving import SpeechServing, thaw_heap
 from .settings import ServerSettings
 from .voices import VoiceService
 
@@ -66,6 +66,7 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
             if warm is not None and not warm.done():
                 warm.cancel()
             engine.shutdown()
+            thaw_heap()
             if serving.aligner is not None:
                 serving.aligner.close()
 

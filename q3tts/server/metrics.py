@@ -9,6 +9,8 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from q3tts.engine.compile import compile_counts
+
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
@@ -92,3 +94,12 @@ class _EngineCollector:
         yield CounterMetricFamily("q3tts_admitted_requests", "Requests prefilled into a slot", value=c.admitted)
         yield CounterMetricFamily("q3tts_admission_wait_seconds", "Summed over admitted requests: from arrival to "
                                   "the start of their prefill", value=c.admission_wait_s)
+        if "torch._dynamo" in sys.modules:  # (never imported for a scrape)
+            counts = compile_counts()
+            graphs = CounterMetricFamily("q3tts_compiled_graphs", "Process totals of compilation: graphs Dynamo "
+                                         "traced (traced), Inductor graphs found in the compile cache (cached) or "
+                                         "compiled (compiled); once ready, none should grow while serving",
+                                         labels=["kind"])
+            for kind, key in (("traced", "traced"), ("cached", "fx_hit"), ("compiled", "fx_miss")):
+                graphs.add_metric([kind], counts[key])
+            yield graphs

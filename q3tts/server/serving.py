@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import json
 import logging
 import re
@@ -434,9 +435,44 @@ class SpeechServing:
             self.warmup_error = f"{type(e).__name__}: {e}"
             log.exception("warm-up failed")
             return
+        freeze_heap()
         self.ready = True
         self.metrics.ready.set(1)
         log.info("warm-up done in %.2f s (%s): ready", time.perf_counter() - t0, describe_counts(counts))
+
+
+GC_SLOW_S = 0.02  # a cycle collection at least this long is logged: every stream's step waits for it (the GIL)
+
+
+def freeze_heap() -> int:
+    """Once start-up's objects exist (modules, weights' wrappers, compiled functions, graphs: a few hundred thousand
+    objects): one collection, then every survivor moved to the permanent generation (gc.freeze), so that a full
+    collection while serving scans only what serving made since, not the whole heap. A full collection holds the
+    interpreter, and so every stream's step and sent chunk, for as long as it scans. Collections that still take
+    GC_SLOW_S or more are logged (installed once per process). Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    if _log_slow_collections not in gc.callbacks:
+        gc.callbacks.append(_log_slow_collections)
+    return gc.get_freeze_count()
+
+
+def thaw_heap() -> None:
+    """freeze_heap undone at shutdown: what the server leaves behind is collectable again, and no longer logged."""
+    gc.unfreeze()
+    if _log_slow_collections in gc.callbacks:
+        gc.callbacks.remove(_log_slow_collections)
+
+
+_gc_started = [0.0]
+
+
+def _log_slow_collections(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    elif (dt := time.perf_counter() - _gc_started[0]) >= GC_SLOW_S:
+        log.warning("cycle collection of generation %d took %.0f ms (%d collected)", info["generation"], dt * 1e3,
+                    info["collected"])
 
 
 def words_ms(words: list[WordTime], speed: float = 1.0) -> list[WordTiming]:

@@ -9,6 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import openai
 import pytest
+from torch._dynamo.utils import counters
+
+from q3tts.engine.compile import compile_counts
 
 from .live import GREEDY, SPF, SR, declared_rate, decode, duration_tolerance, pcm_samples, speak
 
@@ -270,6 +273,15 @@ def test_models_health_ready_metrics_and_page(cv_server):
         assert cv_server.metric("q3tts_admitted_requests_total") > 0
         assert cv_server.metric("q3tts_admission_wait_seconds_total") > 0
         assert all(cv_server.metric("q3tts_engine_step_seconds_total", phase=p) > 0 for p in ("admit", "decode", "vocode"))
+        # compilation as the process counts it (q3tts.engine.compile.compile_counts), read at each scrape
+        traced = counters["stats"]["unique_graphs"]
+        try:
+            counters["stats"]["unique_graphs"] += 3
+            counts = compile_counts()
+            assert [cv_server.metric("q3tts_compiled_graphs_total", kind=k) for k in ("traced", "cached", "compiled")] \
+                == [counts[k] for k in ("traced", "fx_hit", "fx_miss")] and counts["traced"] == traced + 3
+        finally:
+            counters["stats"]["unique_graphs"] = traced
         page = h.get("/")
         assert page.status_code == 200 and "<textarea" in page.text and "/v1/audio/speech" in page.text
         voices = h.get("/v1/audio/voices").json()["data"]
