@@ -74,11 +74,12 @@ def cast_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: 
                  host: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The tensors on `device` (the keys in `host`: in host memory), the floating-point ones in `dtype`: what a module
     built on the meta device in `dtype` takes with load_module(..., assign=True), as Module.to(dtype) would have cast
-    it. read_tensors' tensors map the file, so this is where it is read, once, straight into its place (no copy where
-    the file's dtype and the place are already right); its copies release the GIL, so it can run on a thread while
-    the modules are built."""
+    it. read_tensors' tensors map the file, so this is where it is read, once, straight into its place; its copies
+    release the GIL, so it can run on a thread while the modules are built.
+    NOTE(no-mmap): always a copy, also where the file's dtype and place are already right: no weight stays mapped to
+    the file, whose pages the kernel may drop under memory pressure and read again from disk in a request."""
     def cast(t: torch.Tensor, dev) -> torch.Tensor:
-        return t.to(dev, dtype if t.is_floating_point() else t.dtype)
+        return t.to(dev, dtype if t.is_floating_point() else t.dtype, copy=True)
     return {k: cast(v, "cpu" if k in host else device) for k, v in tensors.items()}
 
 
