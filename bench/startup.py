@@ -66,7 +66,7 @@ def child(a) -> None:
                       "engine_counts": counts_engine, "counts": compile_counts(), "dynamo_s": dynamo_seconds(),
                       "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
                       "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len,
-                      "overlap": want_overlap(tts.device),
+                      "overlap": want_overlap(tts.device), "vocoder_start": tts.engine.start_times,
                       **({"profile": prof.report()} if prof else {})}), flush=True)
 
 

@@ -50,5 +50,6 @@ for x in r["runs"]:
           f"{c.get('dynamo_hit')}, {x.get('dynamo_s', 0):.1f} s; overlap {x.get('overlap')}"
           + (f"; artifact {x['artifact_bytes'] / 2**20:.1f} MiB"
                                                         if x.get("artifact_bytes") else "")
-          + ("" if x.get("artifact_loaded") in (None, True) else "; ARTIFACT NOT USED"))
+          + ("" if x.get("artifact_loaded") in (None, True) else "; ARTIFACT NOT USED")
+          + (f"; vocoder beside: {x['vocoder_start']}" if x.get("vocoder_start") else ""))
 PY

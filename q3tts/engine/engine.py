@@ -137,9 +137,16 @@ class Engine:
                 vocoder_start.join(cancel=True)
                 vocoder_start.release()  # (no engine: nothing of its graphs will run)
             raise
+        self.start_times: dict[str, float] = {}  # the vocoder's start beside the runner's (StartBeside.times)
         if vocoder_start:
             vocoder_start.join()  # (a runner without graphs handed over nothing)
             weakref.finalize(self, vocoder_start.release)  # NOTE(keep-alive): its thread lives as long as this engine
+            self.start_times = vocoder_start.times
+            if self.vocoder.graphs:
+                t = self.start_times
+                log.info("vocoder's start beside the runner's: warm-ups done after %.1f s, the runner handed over "
+                         "after %.1f s, its graphs done after %.1f s", t.get("handover", 0), t.get("join", 0),
+                         t.get("done", 0))
         else:
             self.vocoder.capture_graphs()
         if deadline is None:

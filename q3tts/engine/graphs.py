@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -56,6 +57,8 @@ class StartBeside:
         self._go, self._done, self._released = threading.Event(), threading.Event(), threading.Event()
         self._cancel = False
         self.error: BaseException | None = None
+        # seconds from the start: the thread at its handover ("handover"), join called ("join"), fn done ("done")
+        self._t0, self.times = time.perf_counter(), {}
         self._fn = fn  # (held here, not by the thread, which outlives it: fn may hold what the engine's end frees)
         self._thread = threading.Thread(target=self._main, args=(device,), name=name, daemon=True)
         self._thread.start()
@@ -72,10 +75,12 @@ class StartBeside:
             self.error = e
             return
         finally:
+            self.times["done"] = time.perf_counter() - self._t0
             self._done.set()
         self._released.wait()
 
     def _handover(self) -> None:
+        self.times["handover"] = time.perf_counter() - self._t0
         self._go.wait()
         if self._cancel:
             raise _Cancelled
@@ -84,6 +89,7 @@ class StartBeside:
         """Let the thread go on past its handover and wait for its end; raise its error here (cancel: the start failed
         on this thread: the other stops at its handover and its own error, if any, is only logged)."""
         self._cancel = cancel
+        self.times.setdefault("join", time.perf_counter() - self._t0)
         self._go.set()
         self._done.wait()  # fn's end (the thread itself stays: keep-alive)
         error, self.error = self.error, None  # raised once

@@ -34,6 +34,8 @@ def test_the_thread_runs_up_to_the_handover_then_waits_for_join():
     start.join()
     assert [e for e, _ in events] == ["warm", "runner", "capture"]
     assert events[0][1] == events[2][1] == "beside-test" != events[1][1]
+    t = start.times  # (the engine logs them: how long the runner waited for the vocoder)
+    assert 0 <= t["handover"] <= t["join"] <= t["done"]
 
 
 def test_an_error_on_the_thread_is_raised_by_join_once():
