@@ -81,3 +81,32 @@ def test_text_embedding_stays_in_host_memory_on_cuda():
         got = talker.embed_text(ids)
         want = talker.text_projection(table.cuda()[ids])
     assert got.device.type == "cuda" and torch.equal(got, want)
+
+
+def test_no_weight_stays_mapped_to_the_checkpoint_file():
+    """NOTE(no-mmap): safetensors' tensors map the file; every loaded weight is a copy of its own (the speech tokenizer
+    is fp32 like a CPU model, so a tensor taken as it is would have stayed in the mapping)."""
+    import os
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs Linux's /proc/self/maps")
+    tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cpu")
+    spans = []
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith(".safetensors"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            spans.append((lo, hi))
+    params = [*tts.ckpt.talker.parameters(), *tts.ckpt.code2wav.parameters()]
+    assert params and all(not lo <= p.data_ptr() < hi for p in params for lo, hi in spans)
+
+
+def test_assigned_tensors_must_have_the_modules_dtypes():
+    from q3tts.weights import cast_tensors, load_module
+    with torch.device("meta"):
+        m = torch.nn.Linear(3, 2)
+    t = cast_tensors({"weight": torch.ones(2, 3, dtype=torch.int32), "bias": torch.zeros(2)}, torch.device("cpu"),
+                     torch.float32)
+    with pytest.raises(ValueError, match="weight checkpoint torch.int32 vs model torch.float32"):
+        load_module(m, t, "x.safetensors", assign=True)
+    t["weight"] = t["weight"].float()
+    load_module(m, t, "x.safetensors", assign=True)
+    assert m.weight.device.type == "cpu" and torch.equal(m.weight, torch.ones(2, 3))
