@@ -8,6 +8,7 @@
 #                                               OVERLAP=1,0 ARTIFACT_RUNS=2: artifact starts with the vocoder's
 #                                               start beside the runner's and without, alternating)
 #   CPU dry run: DEVICE=cpu TINY=1 bash bench/startup.sh   (a tiny checkpoint; the same steps and JSON)
+#   CKPT=DIR: a checkpoint of $MODEL made before (bench.make_checkpoint), not made again
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,6 +19,9 @@ if [ -n "${TINY:-}" ]; then
     M=tiny CK=/tmp/ck-tiny
     python3 -m q3tts.cli make-checkpoint --tiny "$CK" > /dev/null
     SIZES="--max-slots ${SLOTS:-1} --max-seq-len ${SEQ:-256}"
+elif [ -n "${CKPT:-}" ]; then  # a checkpoint made before (random real-size weights of $MODEL)
+    CK=$CKPT
+    SIZES=${SLOTS:+--max-slots $SLOTS}
 else
     CK=/tmp/ck-$M
     python3 -m bench.make_checkpoint --model "$M" --out "$CK" > /dev/null
