@@ -11,9 +11,7 @@ built with the server's sizes (CUDA: fitted to the memory budget, graphs capture
 request (8 frames, streamed). Each start reports the graphs Dynamo traced (`traced`), the functions whose cached
 Dynamo entries it installed (`dynamo_hit`) and its seconds in Dynamo (`dynamo_s`: tracing, or installing entries).
 Each run: a fresh temporary cache directory (cold), then a second process on the
-same directory (warm); with --artifact a third on another fresh directory with the cold start's artifact
-(`--overlap 1,0 --artifact-runs 2`: artifact starts with the vocoder's warm-ups beside the runner's and without,
-alternating: q3tts.engine.graphs.StartBeside, $Q3TTS_OVERLAP_CAPTURE; each on a fresh directory). Each
+same directory (warm); with --artifact a third on another fresh directory with the cold start's artifact. Each
 start's Triton cache (the engine's own kernels) is as its compile cache: fresh for cold and artifact, the cold one's
 for warm. The child reports its phases and the compile-cache counters (q3tts.engine.compile).
 """
@@ -28,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 
@@ -39,7 +36,6 @@ def child(a) -> None:
 
     from q3tts import TTS
     from q3tts.engine.compile import compile_counts, dynamo_seconds
-    from q3tts.engine.graphs import want_overlap
     t_import = time.time()
     prof = PhaseProfile() if a.profile else None
     quant = None if a.quantization in (None, "none") else a.quantization
@@ -66,7 +62,6 @@ def child(a) -> None:
                       "engine_counts": counts_engine, "counts": compile_counts(), "dynamo_s": dynamo_seconds(),
                       "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
                       "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len,
-                      "overlap": want_overlap(tts.device), "vocoder_start": tts.engine.start_times,
                       **({"profile": prof.report()} if prof else {})}), flush=True)
 
 
@@ -97,9 +92,7 @@ class PhaseProfile:
             setattr(cls, name, timed)
         wrap(runner.ModelRunner, "_frame", lambda a: f"frame B={a[0]} n={a[1]} capped={a[2] if len(a) > 2 else False}")
         wrap(runner.ModelRunner, "prefill_padded", lambda a: f"prefill N={a[1].shape[0]} L={a[1].shape[1]}")
-        # (beside the runner, on its own thread: its warm-ups, the wait for the runner's handover, its captures)
-        wrap(vocoder.StreamingVocoder, "capture_graphs", lambda a: "vocoder capture_graphs" + (
-            "" if threading.current_thread() is threading.main_thread() else " (its thread, with the wait)"))
+        wrap(vocoder.StreamingVocoder, "capture_graphs", lambda a: "vocoder capture_graphs")
 
     def report(self) -> dict:
         import torch._dynamo.utils as du
@@ -113,12 +106,10 @@ class PhaseProfile:
                 "dynamo_compile_times": du.compile_times(repr="str", aggregate=True)[-6000:]}
 
 
-def start(a, quantization: str, cache: str, artifact: tuple[str, str] | None = None, overlap: str | None = None) -> dict:
+def start(a, quantization: str, cache: str, artifact: tuple[str, str] | None = None) -> dict:
     """One child start on compile cache `cache` (its Triton cache: cache/triton-eager); artifact: ("save" | "load",
-    file); overlap: $Q3TTS_OVERLAP_CAPTURE for it (None: as this process has it)."""
+    file)."""
     env = dict(os.environ, Q3TTS_STARTUP_T0=repr(time.time()), TRITON_CACHE_DIR=os.path.join(cache, "triton-eager"))
-    if overlap is not None:
-        env["Q3TTS_OVERLAP_CAPTURE"] = overlap
     env.setdefault("Q3TTS_PRECOMPILE", "1")  # as `q3tts serve` starts (engine.compile.serve_precompile)
     for k in ("TORCHINDUCTOR_CACHE_DIR", "Q3TTS_COMPILE_CACHE"):
         env.pop(k, None)  # the child's only caches are the ones given (--compile-cache, TRITON_CACHE_DIR)
@@ -156,9 +147,6 @@ def main() -> None:
     ap.add_argument("--cold-only", action="store_true", help="skip the warm restart")
     ap.add_argument("--artifact", action="store_true", help="the cold start saves a compiled artifact, and a third "
                     "start on an empty compile cache loads it (a fresh machine with `q3tts serve --load-artifact`)")
-    ap.add_argument("--overlap", default=None, help="comma-separated $Q3TTS_OVERLAP_CAPTURE values, e.g. 1,0: one "
-                    "artifact start each (default: the environment's)")
-    ap.add_argument("--artifact-runs", type=int, default=1, help="artifact starts per --overlap value (alternating)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--compile-artifact", default=None, help=argparse.SUPPRESS)
@@ -171,22 +159,17 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "runs": []}
     print(f"{'quantization':<12} {'run':>3} {'cache':<8} {'ready s':>8} {'import':>7} {'load':>6} {'engine':>7} "
-          f"{'warm-up':>8} {'fx hit/miss':>12} {'traced':>6} {'dynamo s':>8} {'overlap':>7}", file=sys.stderr)
+          f"{'warm-up':>8} {'fx hit/miss':>12} {'traced':>6} {'dynamo s':>8}", file=sys.stderr)
     for q in a.quantization.split(","):
         for i in range(a.runs):
             cache = tempfile.mkdtemp(prefix="q3tts-startup-cache-")
-            fresh = []  # the artifact starts' empty compile caches, one each
+            fresh = tempfile.mkdtemp(prefix="q3tts-startup-cache-")  # the artifact start's empty compile cache
             art = os.path.join(tempfile.gettempdir(), f"q3tts-startup-{os.getpid()}-{i}.q3c")
-            kinds = [("cold", None), ("warm", None)][: 1 if a.cold_only else 2]
-            if a.artifact:
-                kinds += [("artifact", ov) for _ in range(a.artifact_runs)
-                          for ov in (a.overlap.split(",") if a.overlap else [None])]
+            kinds = ("cold",) if a.cold_only else ("cold", "warm")
             try:
-                for kind, ov in kinds:
+                for kind in kinds + (("artifact",) if a.artifact else ()):
                     how = {"cold": ("save", art) if a.artifact else None, "artifact": ("load", art)}.get(kind)
-                    if kind == "artifact":
-                        fresh.append(tempfile.mkdtemp(prefix="q3tts-startup-cache-"))
-                    r = dict(start(a, q, fresh[-1] if kind == "artifact" else cache, how, ov), quantization=q, run=i,
+                    r = dict(start(a, q, fresh if kind == "artifact" else cache, how), quantization=q, run=i,
                              cache=kind)
                     res["runs"].append(r)
                     save(res, a.out)
@@ -194,10 +177,10 @@ def main() -> None:
                     c = r["counts"]
                     print(f"{q:<12} {i:>3} {kind:<8} {r['ready_s']:>8.1f} {r['import_s']:>7.1f} {r['load_s']:>6.1f} "
                           f"{r['engine_s']:>7.1f} {r['warmup_s']:>8.1f} {c['fx_hit']:>6}/{c['fx_miss']:<5} "
-                          f"{c['traced']:>6} {r['dynamo_s']:>8.1f} {int(r['overlap']):>7}",
+                          f"{c['traced']:>6} {r['dynamo_s']:>8.1f}",
                           file=sys.stderr, flush=True)
             finally:
-                for d in [cache, *fresh]:
+                for d in (cache, fresh):
                     shutil.rmtree(d, ignore_errors=True)
                 if os.path.exists(art):
                     os.remove(art)

@@ -31,7 +31,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -51,7 +50,6 @@ from .compile import (
     want_compile,
 )
 from .deadline import DeadlinePolicy, chunk_cut, full_chunks
-from .graphs import StartBeside, want_overlap
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
@@ -91,7 +89,7 @@ class Engine:
                  gpu_memory_utilization: float | None = None, gpu_memory: float | None = None,
                  kv_block_size: int | None = None, compile_cache: str | bool | None = None,
                  batch_invariant: bool | None = None, compile_artifact: str | None = None,
-                 deadline: bool | None = None, overlap_capture: bool | None = None):
+                 deadline: bool | None = None):
         """max_slots / max_seq_len None: fitted to the memory budget (q3tts.engine.memory.size_engine): a fraction
         of the GPU (gpu_memory_utilization, default 0.9; on a CPU of the host memory available, default 0.5) or
         gpu_memory GB. kv_block_size (e.g. 64): a paged KV cache, whose blocks follow the positions streams use (as
@@ -100,10 +98,7 @@ class Engine:
         restarts; False: torch's). compile_artifact: a file from `q3tts warmup --save` loaded into that cache
         before anything compiles (q3tts.engine.artifact). batch_invariant: q3tts.invariant's switch, set for the
         process (None: as it is). deadline: deadline-aware streaming (q3tts.engine.deadline; None: off unless
-        $Q3TTS_DEADLINE is 1); off: admission by count and token budget, chunks when full. overlap_capture: the
-        vocoder's warm-ups on a thread of their own while the runner compiles and warms up (then the vocoder's CUDA
-        graphs, then the runner's: q3tts.engine.graphs.StartBeside; None: $Q3TTS_OVERLAP_CAPTURE, else on for CUDA);
-        the same graphs either way, only the start's time differs."""
+        $Q3TTS_DEADLINE is 1); off: admission by count and token budget, chunks when full."""
         if batch_invariant is not None:
             invariant.set_enabled(batch_invariant)
         t0, counts = time.perf_counter(), compile_counts()
@@ -117,43 +112,20 @@ class Engine:
             self.artifact = load_artifact(compile_artifact, ckpt)
         elif compile_artifact:
             log.warning("compiled artifact %s unused: torch.compile is off", compile_artifact)
-        use_graphs = ckpt.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=use_graphs)
-        # NOTE(overlap): the vocoder's warm-ups (the artifact above brought their kernels) run beside the runner's
-        # compilation and warm-ups; its graphs are captured at the runner's handover, before the runner's own
-        vocoder = self.vocoder  # (its thread holds the vocoder only, never the engine: NOTE(keep-alive))
-        vocoder_start = StartBeside(lambda handover: vocoder.capture_graphs(True, handover), ckpt.device,
-                                    "q3tts-vocoder-start") if want_overlap(ckpt.device, overlap_capture) else None
-        try:
-            self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
-                                      use_cuda_graphs=use_graphs, compile=compile, block_size=kv_block_size,
-                                      num_blocks=num_blocks, compile_cache=compile_cache)
-            # a runner that compiles lazily (no CUDA graphs: at the first requests) records its compilations then
-            self._precompile_in_steps = self.runner.compiled and not self.runner.use_graphs
-            with precompiling(self.runner.compiled):
-                self.runner.capture_graphs(vocoder_start.join if vocoder_start else None)
-        except BaseException:
-            if vocoder_start:
-                vocoder_start.join(cancel=True)
-                vocoder_start.release()  # (no engine: nothing of its graphs will run)
-            raise
-        self.start_times: dict[str, float] = {}  # the vocoder's start beside the runner's (StartBeside.times)
-        if vocoder_start:
-            vocoder_start.join()  # (a runner without graphs handed over nothing)
-            weakref.finalize(self, vocoder_start.release)  # NOTE(keep-alive): its thread lives as long as this engine
-            self.start_times = vocoder_start.times
-            if self.vocoder.graphs:
-                t = self.start_times
-                log.info("vocoder's start beside the runner's: warm-ups done after %.1f s, the runner handed over "
-                         "after %.1f s, its graphs done after %.1f s", t.get("handover", 0), t.get("join", 0),
-                         t.get("done", 0))
-        else:
-            self.vocoder.capture_graphs()
+        self.runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=max_slots, max_len=max_seq_len,
+                                  use_cuda_graphs=use_cuda_graphs, compile=compile, block_size=kv_block_size,
+                                  num_blocks=num_blocks, compile_cache=compile_cache)
+        # a runner that compiles lazily (no CUDA graphs: at the first requests) records its compilations then
+        self._precompile_in_steps = self.runner.compiled and not self.runner.use_graphs
+        with precompiling(self.runner.compiled):
+            self.runner.capture_graphs()
         if deadline is None:
             deadline = os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes")
         self.policy = DeadlinePolicy.from_env(os.environ) if deadline else None
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
+        self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)
+        self.vocoder.capture_graphs()
         if self.runner.compiled and self.runner.use_graphs:
             flush_precompiled()  # every compilation is done: a restart installs their Dynamo entries
         if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)

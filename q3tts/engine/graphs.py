@@ -9,9 +9,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
-import threading
-import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -20,87 +17,7 @@ from ..kernels import MAX_ROWS
 from ..sampling import SamplingParams
 from .compile import compile_counts
 
-OVERLAP_ENV = "Q3TTS_OVERLAP_CAPTURE"
 log = logging.getLogger("q3tts.engine")
-
-
-def want_overlap(device: torch.device, flag: bool | None = None) -> bool:
-    """Whether the vocoder's start-up work runs on a thread beside the runner's (StartBeside): the flag, else
-    $Q3TTS_OVERLAP_CAPTURE (1 / 0), else on for CUDA (where its CUDA graphs are made; a CPU has nothing to overlap)."""
-    if flag is not None:
-        return flag
-    env = os.environ.get(OVERLAP_ENV, "").strip().lower()
-    if env:
-        return env not in ("0", "off", "false", "no")
-    return device.type == "cuda"
-
-
-class _Cancelled(Exception):
-    """The engine's start failed before the handover: the thread stops there."""
-
-
-class StartBeside:
-    """A part of the engine's start-up on a thread of its own: `fn(handover)` starts at once on the device's thread
-    (its warm-ups overlap this thread's work: on CUDA mostly cuDNN building convolution plans and kernels loading,
-    which hold no GIL), and calls handover() before anything that must not run beside other launches (its CUDA-graph
-    captures); handover() returns once this thread calls join() (which waits for fn's end and raises its error
-    here), or raises _Cancelled after join(cancel=True).
-    NOTE(overlap): so nothing captures while the other thread launches, syncs or frees: the two threads only overlap
-    in eager work, and each thread's captures run with the other one waiting (the engine's in join, this one's before
-    handover has returned). Warm-ups and captures of fn stay on one thread: PyTorch's cuDNN plan cache is per thread,
-    so plans built by its warm-ups serve its captures.
-    NOTE(keep-alive): once fn has returned the thread waits for release() (the engine's end) instead of ending: its
-    thread-local cuDNN plans and attention graphs (some of them kernels compiled at run time) live as long as it does,
-    and the graphs it captured may launch their kernels."""
-
-    def __init__(self, fn: Callable[[Callable[[], None]], object], device: torch.device, name: str):
-        self._go, self._done, self._released = threading.Event(), threading.Event(), threading.Event()
-        self._cancel = False
-        self.error: BaseException | None = None
-        # seconds from the start: the thread at its handover ("handover"), join called ("join"), fn done ("done")
-        self._t0, self.times = time.perf_counter(), {}
-        self._fn = fn  # (held here, not by the thread, which outlives it: fn may hold what the engine's end frees)
-        self._thread = threading.Thread(target=self._main, args=(device,), name=name, daemon=True)
-        self._thread.start()
-
-    def _main(self, device) -> None:
-        fn, self._fn = self._fn, None
-        try:
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                fn(self._handover)  # (the CUDA device is per thread: a new thread starts on device 0)
-                del fn
-        except _Cancelled:
-            return
-        except BaseException as e:  # noqa: BLE001 (any failure is the start's: join raises it on the engine's thread)
-            self.error = e
-            return
-        finally:
-            self.times["done"] = time.perf_counter() - self._t0
-            self._done.set()
-        self._released.wait()
-
-    def _handover(self) -> None:
-        self.times["handover"] = time.perf_counter() - self._t0
-        self._go.wait()
-        if self._cancel:
-            raise _Cancelled
-
-    def join(self, cancel: bool = False) -> None:
-        """Let the thread go on past its handover and wait for its end; raise its error here (cancel: the start failed
-        on this thread: the other stops at its handover and its own error, if any, is only logged)."""
-        self._cancel = cancel
-        self.times.setdefault("join", time.perf_counter() - self._t0)
-        self._go.set()
-        self._done.wait()  # fn's end (the thread itself stays: keep-alive)
-        error, self.error = self.error, None  # raised once
-        if error is not None and cancel:
-            log.warning("%s also failed: %s: %s", self._thread.name, type(error).__name__, error)
-        elif error is not None:
-            raise error
-
-    def release(self) -> None:
-        """The thread may end (the engine whose graphs it captured is gone)."""
-        self._released.set()
 
 
 @contextlib.contextmanager
@@ -159,11 +76,10 @@ def capture_beside(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph
 
 
 @torch.inference_mode()
-def capture_runner(runner, before_capture: Callable[[], None] | None = None) -> int:
+def capture_runner(runner) -> int:
     """Capture one graph per (batch bucket up to the allocated rows, length bucket up to max_len, sampler) of a
     ModelRunner's frame, and one per padded prompt length of its single-request prefill. Must run while no request
-    is active: the warm-up replays write into the rows they cover (all state is reset afterwards). before_capture:
-    called between the warm-ups and the captures (StartBeside.join: the vocoder's thread finishes first)."""
+    is active: the warm-up replays write into the rows they cover (all state is reset afterwards)."""
     keys = runner.graph_keys()
     lens = runner.prefill_graph_lens
     # one warm-up frame per (batch bucket, sampler), at its shortest span: the spans share every compiled variant
@@ -176,8 +92,6 @@ def capture_runner(runner, before_capture: Callable[[], None] | None = None) -> 
         runner.warm_up_frames(list(warm.values()))
         for L in lens:
             runner._prefill_into_scratch(L)
-    if before_capture is not None:
-        before_capture()
     compiled = compile_counts()
     with gc_paused():
         for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it

@@ -350,8 +350,7 @@ class ModelRunner:
             self.slots.position.zero_()
             self._frame(*key)
 
-    def capture_graphs(self, before_capture=None) -> int:
+    def capture_graphs(self) -> int:
         """One CUDA graph per graph_keys() and per prefill length (q3tts.engine.graphs.capture_runner); must run
-        while no request is active. Returns the number of frame graphs. before_capture: called after the warm-ups,
-        before the first capture."""
-        return capture_runner(self, before_capture) if self.use_graphs else 0
+        while no request is active. Returns the number of frame graphs."""
+        return capture_runner(self) if self.use_graphs else 0

@@ -16,7 +16,6 @@ ICL reference codes warm a request's row once at admission and are never decoded
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -146,28 +145,20 @@ class StreamingVocoder:
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
-    def capture_graphs(self, every_key: bool = False, before_capture: Callable[[], None] | None = None) -> int:
+    def capture_graphs(self) -> int:
         """One graph per (rows bucket up to call_rows[piece], piece size up to max_piece), sharing one memory
-        pool. The warm-up runs (Triton kernels' specializations, cuDNN/cuBLAS plans) write only the scratch row.
-        every_key: a warm-up for every graph (on a thread beside the runner's start, q3tts.engine.graphs.StartBeside:
-        cuDNN builds a plan for each new convolution shape on its first run, which then overlaps the runner's work
-        instead of coming inside the captures); before_capture: called between the warm-ups and the captures."""
+        pool. The warm-up runs (Triton kernels' specializations, cuDNN/cuBLAS plans) write only the scratch row."""
         if not self.use_graphs:
-            if before_capture is not None:
-                before_capture()
             return 0
         keys = [(1 << j, p) for p, rows in self.call_rows.items() for j in range(rows.bit_length())]
         static = {k: (torch.full((k[0],), self.scratch, device=self.device),
                       torch.zeros(k[0], self.K, k[1], dtype=torch.long, device=self.device)) for k in keys}
-        # else warm-ups per piece size at one row and at its most rows only: the row counts in between share their
-        # Triton specializations (which depend on the piece size only), and each warm-up is a decoder pass launched
-        # from Python
-        warm = set(keys) if every_key else {k for k in keys if k[0] in (1, self.call_rows[k[1]])}
+        # warm-ups per piece size at one row and at its most rows only: the row counts in between share their Triton
+        # specializations (which depend on the piece size only), and each warm-up is a decoder pass launched from Python
+        warm = {k for k in keys if k[0] in (1, self.call_rows[k[1]])}
         with side_stream():
             for k in sorted(warm):
                 self._run(*static[k])
-        if before_capture is not None:
-            before_capture()
         pool = None
         with gc_paused():
             for k in sorted(keys, reverse=True):  # the largest first: the shared pool is sized by it
