@@ -94,7 +94,8 @@ RB=1
 [ $R06 = 0 ] && load 06-closed 8006 --concurrency "$C06" --requests "$REQS" --max-new-tokens "$FRAMES"
 [ $R17 = 0 ] && {
   load 17-closed 8017 --concurrency "$C17" --requests "$REQS" --max-new-tokens "$FRAMES"
-  load 17-poisson 8017 --rate "$RATES" --duration "$POISSON_S" --max-new-tokens "$POISSON_FRAMES" --no-warmup
+  load 17-poisson 8017 --rate "$RATES" --duration "$POISSON_S" --max-new-tokens "$POISSON_FRAMES" --no-warmup \
+    --per-request
 }
 for port in 8006 8017; do curl -s "localhost:$port/metrics" > "$OUT/metrics-$port.txt"; done
 if [ "$BASE" = 1 ] && [ "$BASE_TOGETHER" != 1 ]; then  # the GPU too small for three: the Base server on its own
@@ -140,8 +141,18 @@ for name, run in runs.items():
                      lv["audio_s_per_s"], f"{t['p50']}/{t['p95']}/{t['p99']}",
                      f"{100 * lv['stalled_share']:.1f}%" if lv["stalled_share"] is not None else "-",
                      f"{s['p95']}/{s['max']}", (lv.get("server") or {}).get("compiled_graphs", "-")))
+slowest = []  # open-loop levels: their slowest first audio, and when in the level each request was sent
+for name, run in runs.items():
+    for lv in run["levels"]:
+        if lv["mode"] == "closed" or not lv.get("per_request"):
+            continue
+        top = sorted((r for r in lv["per_request"] if r.get("ttfa_s") is not None), key=lambda r: -r["ttfa_s"])[:3]
+        slowest.append(f"{lv['rate']:g} req/s, slowest first audio: " + ", ".join(
+            f"{1000 * r['ttfa_s']:.0f} ms (sent at {r['sent'] - lv['t0']:.2f} s)" for r in top))
 w = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
 print(f"stall matrix ({gpu}, {commit}, deadline policy {'on' if doc['deadline_policy'] else 'off'}, {wall} s)")
 for r in (head, *rows):
     print("  ".join(str(x).rjust(n) for x, n in zip(r, w)))
+for line in slowest:
+    print(line)
 PY
