@@ -144,13 +144,6 @@ def _padded_rows(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
     return data, lens
 
 
-def _short_rows(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of 1..BATCH_DP_MAX slots -> (data [R, n] float64, inf past each row's end; lengths [R]; kept [R, n]: the
-    official's longest non-decreasing subsequence of each row, False past its end: _kept_padded)."""
-    data, lens = _padded_rows(rows)
-    return data, lens, _kept_padded(data, lens)
-
-
 def _kept_padded(data: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """data [R, n] float64 (inf past each row's end), lens [R] in 1..n -> kept [R, n]: each row's longest
     non-decreasing subsequence as the official finds it (dp[i] = 1 + the largest dp[j] over j < i with data[j] <=

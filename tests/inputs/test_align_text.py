@@ -77,13 +77,14 @@ def test_fix_timestamps_equals_the_official():
 
 
 def _kept_rows(rows: list[list[float]]) -> list[list[bool]]:
-    """The package's kept slots of every row: fix_timestamps_rows' batch scan (_short_rows) for rows of up to
+    """The package's kept slots of every row: fix_timestamps_rows' batch scan (_kept_padded) for rows of up to
     BATCH_DP_MAX slots, the Fenwick tree past them."""
-    from q3tts.inputs.align_text import BATCH_DP_MAX, _longest_run_kept, _short_rows
+    from q3tts.inputs.align_text import BATCH_DP_MAX, _kept_padded, _longest_run_kept, _padded_rows
     out = [_longest_run_kept(r) if len(r) > BATCH_DP_MAX else [] for r in rows]
     short = [b for b, r in enumerate(rows) if 0 < len(r) <= BATCH_DP_MAX]
     if short:
-        _, lens, kept = _short_rows([rows[b] for b in short])
+        data, lens = _padded_rows([rows[b] for b in short])
+        kept = _kept_padded(data, lens)
         for k, b in enumerate(short):
             out[b] = kept[k, :lens[k]].tolist()
     return out
