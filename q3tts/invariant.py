@@ -89,11 +89,17 @@ if triton is not None:
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @triton.jit(do_not_specialize=["R"])
-    def _rms(x_ptr, w_ptr, y_ptr, R, D, eps, BD: tl.constexpr):
-        # one row per program: y = w * bf16(x * rsqrt(mean(x^2) + eps)), statistics in fp32 (as models.layers.RMSNorm)
+    def _rms(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, R, D, eps, ADD: tl.constexpr, BD: tl.constexpr):
+        # one row per program: y = w * bf16(x * rsqrt(mean(x^2) + eps)), statistics in fp32 (as models.layers.RMSNorm).
+        # ADD (kernels.prefill.add_rms_norm): x is first the residual sum x + delta rounded to the dtype (as the eager
+        # add stores it), stored at s_ptr; the norm of that stored sum is then this kernel's without ADD, bit for bit
         row = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BD)
         x = tl.load(x_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
+        if ADD:
+            sx = (x + tl.load(d_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + row * D + d, sx, mask=d < D)
+            x = sx.to(tl.float32)
         r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
         xn = (x * r).to(y_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
@@ -104,7 +110,7 @@ if triton is not None:
         R, D = x.shape
         y = torch.empty_like(x)
         if R:
-            _rms[(R,)](x, w, y, R, D, eps, BD=triton.next_power_of_2(D), num_warps=4)
+            _rms[(R,)](x, x, w, y, y, R, D, eps, ADD=False, BD=triton.next_power_of_2(D), num_warps=4)
         return y
 
     @_rms_op.register_fake

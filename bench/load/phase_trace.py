@@ -9,6 +9,11 @@ One JSON line per streaming request at its first audio: ms from its arrival (a W
 to its prompt laid out (`prompt`, streamed text only), its admission (`admit`), its first trailing text token handed to
 its row (`text`: frame 0 may run), its first chunk made (`first`), and that chunk's frames. The trace wraps a few of
 the engine's methods (a loop over the running rows per step: a diagnostic, not for timing the engine itself).
+
+Beside it, `<trace>.steps`: one JSON line per step that admitted newcomers, took SLOW_STEP_MS or more, or followed a
+gap of SLOW_STEP_MS or more since the previous step ended (the engine's thread waiting for work or held elsewhere):
+its start (s since the trace began), ms, the gap before it, newcomers, rows running after it, the engine's phases
+(admit / decode / vocode ms) and its chunks (first chunks among them).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import sys
 import time
 
 PHASES = ("prompt", "admit", "text", "first")
+SLOW_STEP_MS = 20.0
 
 
 class PhaseTrace:
@@ -66,6 +72,30 @@ class PhaseTrace:
 
         engine._set_prompt, engine.scheduler.schedule, engine._vocode = _set_prompt, _schedule, _vocode
         engine._feed_text = _feed_text
+        self._trace_steps(engine, path + ".steps")
+
+    def _trace_steps(self, engine, path: str) -> None:
+        out, step, c = open(path, "a", buffering=1), engine._step, engine.counters
+        t_begin, last_end = time.perf_counter(), [None]
+
+        def _step():
+            t0 = time.perf_counter()
+            phases, admitted = dict(c.phase_s), c.admitted
+            chunks = step()
+            t1 = time.perf_counter()
+            gap = (t0 - last_end[0]) * 1000 if last_end[0] is not None else 0.0
+            last_end[0] = t1
+            new, ms = c.admitted - admitted, (t1 - t0) * 1000
+            if new or ms >= SLOW_STEP_MS or gap >= SLOW_STEP_MS:
+                out.write(json.dumps({
+                    "t": round(t0 - t_begin, 4), "ms": round(ms, 2), "gap": round(gap, 2), "new": new,
+                    "rows": engine.scheduler.num_running,
+                    **{k: round((v - phases[k]) * 1000, 2) for k, v in c.phase_s.items()},
+                    "chunks": sum(ch.num_frames > 0 for ch in chunks),
+                    "firsts": sum(ch.frame_index == 0 and ch.num_frames > 0 for ch in chunks)}) + "\n")
+            return chunks
+
+        engine._step = _step
 
 
 def summary(path: str) -> dict:

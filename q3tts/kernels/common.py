@@ -4,6 +4,7 @@ programmatic dependent launch, and the bf16 rounding of the fused kernels."""
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -26,6 +27,17 @@ def pdl() -> bool:
     it off. Asked at the first launch (CUDA is up by then)."""
     return (ENABLED and os.environ.get("Q3TTS_PDL", "1") != "0" and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
+
+
+def unspecialized(*args: str) -> dict:
+    """triton.jit's keywords that compile a kernel once whatever these arguments are: an integer's value (Triton
+    otherwise compiles a variant for 1 and for multiples of 16) and a pointer's alignment (a variant per 16-byte
+    alignment). For kernels launched outside CUDA graphs on rows [lo, lo + N) of per-slot tensors: a newcomer's
+    slice starts at any row, and its first launch with a new alignment would compile (~0.1 s) while streams wait."""
+    names = list(args)
+    keys = inspect.signature(triton.jit).parameters
+    return {"do_not_specialize": names} | ({"do_not_specialize_on_alignment": names}
+                                           if "do_not_specialize_on_alignment" in keys else {})
 
 
 if triton is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import invariant
 from .common import triton
 
 if triton is not None:
@@ -58,22 +59,6 @@ if triton is not None:
         g = tl.load(gu_ptr + row * 2 * INTER + col, mask=keep, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * INTER + INTER + col, mask=keep, other=0.0).to(tl.float32)
         tl.store(out_ptr + i, _bf(_bf(g / (1.0 + tl.exp(-g))) * u).to(out_ptr.dtype.element_ty), mask=keep)
-
-    @triton.jit
-    def _add_rms(x_ptr, d_ptr, w_ptr, s_ptr, y_ptr, D, eps, BD: tl.constexpr):
-        # one row per program: s = x + delta rounded to the dtype (as the eager add stores it), then invariant._rms
-        # of s line for line (the same block, warps and reduction: the same bits as rms_norm of the stored s)
-        row = tl.program_id(0).to(tl.int64)
-        d = tl.arange(0, BD)
-        a = tl.load(x_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
-        b = tl.load(d_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32)
-        s = (a + b).to(s_ptr.dtype.element_ty)
-        tl.store(s_ptr + row * D + d, s, mask=d < D)
-        x = s.to(tl.float32)
-        r = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
-        xn = (x * r).to(y_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * D + d, (w * xn).to(y_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _add_ln(x_ptr, d_ptr, w_ptr, b_ptr, s_ptr, y_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr):
@@ -140,7 +125,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     s, y = torch.empty_like(x), torch.empty_like(x)
     R = x.numel() // D
     if R:
-        _add_rms[(R,)](x, delta, weight, s, y, D, eps, BD=triton.next_power_of_2(D), num_warps=4)
+        invariant._rms[(R,)](x, delta, weight, s, y, R, D, eps, ADD=True, BD=triton.next_power_of_2(D), num_warps=4)
     return s, y
 
 

@@ -82,22 +82,31 @@ def test_graph_equals_eager_bf16_real_dims(real06, batch):
 def test_nothing_compiles_after_warm_up(real06):
     """Once the engine is built (graphs captured, variants compiled, none while capturing), admitting any number of
     requests with any prompt length, streaming, compiles nothing: a compilation would stall every running stream for
-    seconds."""
+    seconds. Nor does a Triton kernel launched outside the graphs compile a variant for the newcomers' rows (they
+    start at row 1 here, behind a running stream: an odd offset into every per-slot tensor)."""
     import torch._dynamo.utils
 
     from q3tts.engine.request import StreamOptions
+    from tests.kernels import triton_variants
     tts = real06
     eng = Engine(tts.ckpt, max_slots=16, max_seq_len=512)
     assert eng.runner.compiled_while_capturing == 0  # every variant came with the warm-ups (one span per batch)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     words = "Streams join and leave the batch at every frame while others keep talking".split()
-    for group in (1, 13, 3, 1):  # one alone, a burst, a few; prompt lengths from a few tokens to > 64
-        reqs = [eng.add_request(tts.prepare_custom_voice(" ".join((words * 8)[: 2 + 7 * i]), "ryan",
-                                                         max_new_tokens=6)[0], StreamOptions(1, 4))
-                for i in range(group)]
+    prompt = lambda i, n: tts.prepare_custom_voice(" ".join((words * 8)[: 2 + 7 * i]), "ryan",  # noqa: E731
+                                                   max_new_tokens=n)[0]
+    run_to_completion(eng, [eng.add_request(prompt(0, 6), StreamOptions(1, 4))])  # as the server's warm-up
+    variants = triton_variants()
+    background = eng.add_request(prompt(1, 400), StreamOptions(1, 4))  # row 0 throughout (unless it samples EOS)
+    eng.step()
+    for group in (1, 13, 3, 1, 2):  # one alone, a burst, a few; prompt lengths from a few tokens to > 64
+        reqs = [eng.add_request(prompt(i, 6), StreamOptions(1, 4)) for i in range(group)]
         run_to_completion(eng, reqs)
         assert all(r.status.reason in ("stop", "length") and r.stream_done for r in reqs)
+    eng.abort(background.request_id)
+    run_to_completion(eng, [background])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+    assert triton_variants() == variants
 
 
 def test_long_prompts_compile_nothing_after_warm_up(real06):

@@ -79,3 +79,22 @@ def test_frame_noise_kernel_is_the_torch_hash():
         out = kernels.frame_noise_cuda(seed, step, vocab, first, num)
         ref = sampling.frame_noise(seed.cpu(), step.cpu(), vocab, first, num)
         assert torch.equal(out.cpu(), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+def test_frame_noise_compiles_once_for_any_rows():
+    """A newcomer's code 0 draws its noise on its rows' seed and step, a slice that starts at any row
+    (runner._sample_code0): one compiled variant serves every offset and row count, else the first admission at an
+    odd row compiles one while every running stream waits."""
+    from q3tts import sampling
+    from tests.kernels import triton_variants
+    seed = torch.randint(0, 2**40, (40,), device="cuda")
+    step = torch.randint(-1, 5000, (40,), device="cuda")
+    kernels.frame_noise_cuda(seed[:5], step[:5], 2048, 1, 15)  # its variant, if this process has none yet
+    before = triton_variants(kernels.sampling._frame_noise)
+    for lo, n, first, num in ((1, 1, 0, 1), (3, 2, 0, 1), (2, 16, 1, 15), (5, 3, 0, 1), (0, 32, 1, 15)):
+        out = kernels.frame_noise_cuda(seed[lo:lo + n], step[lo:lo + n], 2048, first, num)
+        ref = sampling.frame_noise(seed[lo:lo + n].cpu(), step[lo:lo + n].cpu(), 2048, first, num)
+        assert torch.equal(out.cpu(), ref), (lo, n)
+    assert triton_variants(kernels.sampling._frame_noise) == before

@@ -25,6 +25,11 @@ def test_a_streamed_text_request_s_phases_come_in_order(tmp_path):
         eng.step()
     (line,) = [json.loads(x) for x in path.read_text().splitlines()]
     assert 0 <= line["prompt"] <= line["admit"] <= line["text"] <= line["first"] and line["frames"] == 1
+    # the steps beside it: the admitting step is there, with its newcomer, its row and its phases
+    steps = [json.loads(x) for x in (tmp_path / "trace.jsonl.steps").read_text().splitlines()]
+    admitting = [s for s in steps if s["new"]]
+    assert len(admitting) == 1 and admitting[0]["new"] == 1 and admitting[0]["rows"] == 1
+    assert all(s["admit"] + s["decode"] + s["vocode"] <= s["ms"] + 0.05 for s in steps)  # rounding of each to 0.01
 
 
 def test_summary_gives_each_phase_and_gap(tmp_path):
