@@ -33,7 +33,7 @@ def unspecialized(*args: str) -> dict:
     """triton.jit's keywords that compile a kernel once whatever these arguments are: an integer's value (Triton
     otherwise compiles a variant for 1 and for multiples of 16) and a pointer's alignment (a variant per 16-byte
     alignment). For kernels launched outside CUDA graphs on rows [lo, lo + N) of per-slot tensors: a newcomer's
-    slice starts at any row, and its first launch with a new alignment would compile (~0.1 s) while streams wait."""
+    slice starts at any row, and its first launch with a new alignment would compile a variant while streams wait."""
     names = list(args)
     keys = inspect.signature(triton.jit).parameters
     return {"do_not_specialize": names} | ({"do_not_specialize_on_alignment": names}
