@@ -10,12 +10,15 @@ in a few batched calls:
   - on CUDA each (rows bucket, piece size) call is one CUDA graph with the gather and the scatter inside,
     replayed with padding rows that all point at a scratch row. One replay instead of several hundred
     small launches per call (the eager vocoder is launch-bound, bench/probe.py).
-ICL reference codes warm a request's row once at admission and are never decoded again (C5/C6).
+ICL reference codes warm a request's row once at admission and are never decoded again (C5/C6). The warmed state
+is a pure function of the reference, so it is kept per reference (LRU, WARM_CACHE_BYTES): the requests of a stored
+voice copy it into their rows instead of each decoding the reference eagerly while every stream waits.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import hashlib
+from collections import OrderedDict, defaultdict
 
 import numpy as np
 import torch
@@ -24,6 +27,8 @@ from .. import invariant
 from ..hostcopy import ints_to_device, to_device
 from ..models.codec import Code2Wav, Code2WavState
 from .graphs import capture, gc_paused, side_stream
+
+WARM_CACHE_BYTES = 64 << 20  # the warmed ICL states kept, in bytes: a few dozen references' one-row states
 
 
 def pieces(n: int, max_piece: int) -> list[int]:
@@ -67,6 +72,8 @@ class StreamingVocoder:
         self.use_graphs = use_graphs
         # (rows bucket, piece) -> (graph, static row index [R], static codes [R, K, piece], wav out [R, piece*1920])
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.warmed: OrderedDict[bytes, tuple[Code2WavState, int]] = OrderedDict()  # reference -> (state, bytes), LRU
+        self.warmed_bytes = 0
 
     # ------------------------------------------------------------------ rows
     @torch.inference_mode()
@@ -76,15 +83,30 @@ class StreamingVocoder:
         if not ref_codes:
             return []
         rows = [self.free_rows.pop() for _ in ref_codes]
-        dev, dt = self.device, self.dtype
-        idx = ints_to_device(rows, dev)  # an asynchronous copy (a pageable one waits for the device)
-        self.pool.assign_rows_(idx, self.code2wav.init_state(len(rows), dev, dt))
+        idx = ints_to_device(rows, self.device)  # an asynchronous copy (a pageable one waits for the device)
+        self.pool.assign_rows_(idx, self.code2wav.init_state(len(rows), self.device, self.dtype))
         for j, ref in enumerate(ref_codes):
             if ref is not None and ref.shape[0] > 0:
-                ref = to_device([ref.T[None]], dev)[0] if ref.device.type == "cpu" else ref.T[None]
-                warmed = self.code2wav.warm(ref, self.code2wav.init_state(1, dev, dt))
-                self.pool.assign_rows_(idx[j:j + 1], warmed)
+                self.pool.assign_rows_(idx[j:j + 1], self._warmed(ref))
         return rows
+
+    def _warmed(self, ref: torch.Tensor) -> Code2WavState:
+        """A fresh row's state after the reference codes ref [T, K]: Code2Wav.warm once per reference, then the kept
+        state (the same bits: warm is a pure function of the codes and runs one row either way)."""
+        host = ref if ref.device.type == "cpu" else ref.cpu()
+        key = hashlib.blake2b(f"{tuple(host.shape)}{host.dtype}".encode() + host.contiguous().numpy().tobytes(),
+                              digest_size=16).digest()
+        if key in self.warmed:
+            self.warmed.move_to_end(key)
+            return self.warmed[key][0]
+        codes = to_device([host.T[None]], self.device)[0] if ref.device.type == "cpu" else ref.T[None]
+        state = self.code2wav.warm(codes, self.code2wav.init_state(1, self.device, self.dtype))
+        size = sum(t.nbytes for t in (*state.tails, state.keys, state.values, state.pos))
+        self.warmed[key] = (state, size)
+        self.warmed_bytes += size
+        while self.warmed_bytes > WARM_CACHE_BYTES and len(self.warmed) > 1:  # the least recently used go first
+            self.warmed_bytes -= self.warmed.popitem(last=False)[1][1]
+        return state
 
     def close(self, row: int) -> None:
         self.free_rows.append(row)

@@ -55,6 +55,38 @@ def test_interleaved_streams_equal_full_decodes(max_call_frames):
     assert np.abs(np.concatenate(out["b"]) - with_ref).max() <= TOL
 
 
+def _state_of(state):
+    return (*state.tails, state.keys, state.values, state.pos)
+
+
+def test_a_reference_is_warmed_once_and_kept(monkeypatch):
+    """ICL rows opened with the same reference codes share one Code2Wav.warm, and each row holds what a fresh warm-up
+    makes, bit for bit; another reference is warmed on its own; past WARM_CACHE_BYTES the least recently used state is
+    dropped (and warmed again when its reference comes back)."""
+    from q3tts.engine import vocoder as V
+    model = tiny_model()
+    voc = StreamingVocoder(model, max_rows=4)
+    warm, calls = model.warm, []
+    monkeypatch.setattr(model, "warm", lambda codes, state: calls.append(codes.shape[-1]) or warm(codes, state))
+    ref, other = rand_codes(11, 5)[0].T, rand_codes(7, 6)[0].T
+    rows = voc.open([ref, None, ref.clone()])
+    assert calls == [11]
+    with torch.inference_mode():
+        fresh = _state_of(warm(ref.T[None], model.init_state(1, voc.device, voc.dtype)))
+    for row in (rows[0], rows[2]):
+        assert all(torch.equal(a, b) for a, b in zip(_state_of(voc.pool.select_rows(torch.tensor([row]))), fresh))
+    assert not voc.pool.select_rows(torch.tensor([rows[1]])).pos.any()  # no reference: a fresh row
+    for row in rows:
+        voc.close(row)
+    voc.open([other])
+    assert calls == [11, 7] and len(voc.warmed) == 2
+    monkeypatch.setattr(V, "WARM_CACHE_BYTES", voc.warmed_bytes // 2)  # room for one state (all are one size)
+    voc.open([rand_codes(5, 7)[0].T])  # kept alone: the two before it go, the least recently used first
+    assert calls == [11, 7, 5] and len(voc.warmed) == 1 and voc.warmed_bytes == V.WARM_CACHE_BYTES
+    voc.open([ref])  # warmed again
+    assert calls == [11, 7, 5, 11]
+
+
 def test_batch_invariant_mode_decodes_each_stream_as_alone():
     """In batch-invariant mode (q3tts.invariant) three streams decoded together give each stream's audio alone, bit
     for bit: each piece is its own call (a convolution's or GEMM's kernel, and its sums' order, may follow the rows)."""
