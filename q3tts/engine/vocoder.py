@@ -10,9 +10,9 @@ in a few batched calls:
   - on CUDA each (rows bucket, piece size) call is one CUDA graph with the gather and the scatter inside,
     replayed with padding rows that all point at a scratch row. One replay instead of several hundred
     small launches per call (the eager vocoder is launch-bound, bench/probe.py).
-ICL reference codes warm a request's row once at admission and are never decoded again (C5/C6). The warmed state
-is a pure function of the reference, so it is kept per reference (LRU, WARM_CACHE_BYTES): the requests of a stored
-voice copy it into their rows instead of each decoding the reference eagerly while every stream waits.
+ICL reference codes warm a request's row once at admission (decoded through it as a chunk whose audio is dropped) and
+are never decoded again (C5/C6). The warmed state is a pure function of the reference, so it is kept per reference
+(LRU, WARM_CACHE_BYTES): the requests of a stored voice copy it into their rows instead of each decoding it again.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import invariant
-from ..hostcopy import ints_to_device, to_device
+from ..hostcopy import ints_to_device
 from ..models.codec import Code2Wav, Code2WavState
 from .graphs import capture, gc_paused, side_stream
 
@@ -85,28 +85,31 @@ class StreamingVocoder:
         rows = [self.free_rows.pop() for _ in ref_codes]
         idx = ints_to_device(rows, self.device)  # an asynchronous copy (a pageable one waits for the device)
         self.pool.assign_rows_(idx, self.code2wav.init_state(len(rows), self.device, self.dtype))
-        for j, ref in enumerate(ref_codes):
+        for j, (row, ref) in enumerate(zip(rows, ref_codes)):
             if ref is not None and ref.shape[0] > 0:
-                self.pool.assign_rows_(idx[j:j + 1], self._warmed(ref))
+                self._warm(row, idx[j:j + 1], ref)
         return rows
 
-    def _warmed(self, ref: torch.Tensor) -> Code2WavState:
-        """A fresh row's state after the reference codes ref [T, K]: Code2Wav.warm once per reference, then the kept
-        state (the same bits: warm is a pure function of the codes and runs one row either way)."""
+    def _warm(self, row: int, idx: torch.Tensor, ref: torch.Tensor) -> None:
+        """Fresh row `row` (idx: it on the device) := its state after the reference codes ref [T, K]. The first request
+        of a reference decodes it through the row as a chunk of T frames (the pieces and, on CUDA, the captured graphs
+        of any chunk: no eager launches, no new shapes), its audio dropped; the state is then kept (a pure function of
+        the codes) and the reference's later requests copy it into their rows."""
         host = ref if ref.device.type == "cpu" else ref.cpu()
         key = hashlib.blake2b(f"{tuple(host.shape)}{host.dtype}".encode() + host.contiguous().numpy().tobytes(),
                               digest_size=16).digest()
-        if key in self.warmed:
+        kept = self.warmed.get(key)
+        if kept is not None:
             self.warmed.move_to_end(key)
-            return self.warmed[key][0]
-        codes = to_device([host.T[None]], self.device)[0] if ref.device.type == "cpu" else ref.T[None]
-        state = self.code2wav.warm(codes, self.code2wav.init_state(1, self.device, self.dtype))
+            self.pool.assign_rows_(idx, kept[0])
+            return
+        self.decode([(row, ref)])
+        state = self.pool.select_rows(idx)  # a copy (indexing), not a view of the pool
         size = sum(t.nbytes for t in (*state.tails, state.keys, state.values, state.pos))
         self.warmed[key] = (state, size)
         self.warmed_bytes += size
         while self.warmed_bytes > WARM_CACHE_BYTES and len(self.warmed) > 1:  # the least recently used go first
             self.warmed_bytes -= self.warmed.popitem(last=False)[1][1]
-        return state
 
     def close(self, row: int) -> None:
         self.free_rows.append(row)

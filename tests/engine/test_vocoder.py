@@ -60,21 +60,23 @@ def _state_of(state):
 
 
 def test_a_reference_is_warmed_once_and_kept(monkeypatch):
-    """ICL rows opened with the same reference codes share one Code2Wav.warm, and each row holds what a fresh warm-up
-    makes, bit for bit; another reference is warmed on its own; past WARM_CACHE_BYTES the least recently used state is
-    dropped (and warmed again when its reference comes back)."""
+    """An ICL row is warmed by decoding its reference through it as one chunk, audio dropped: its state is what
+    streaming those frames makes, bit for bit. Rows opened with the same reference share that one decode (the state is
+    kept); another reference is decoded on its own; past WARM_CACHE_BYTES the least recently used state is dropped
+    (and decoded again when its reference comes back)."""
     from q3tts.engine import vocoder as V
-    model = tiny_model()
-    voc = StreamingVocoder(model, max_rows=4)
-    warm, calls = model.warm, []
-    monkeypatch.setattr(model, "warm", lambda codes, state: calls.append(codes.shape[-1]) or warm(codes, state))
+    voc = StreamingVocoder(tiny_model(), max_rows=4)
+    decode, calls = voc.decode, []
+    monkeypatch.setattr(voc, "decode", lambda work, sizes=None: calls.append(work[0][1].shape[0]) or decode(work, sizes))
     ref, other = rand_codes(11, 5)[0].T, rand_codes(7, 6)[0].T
     rows = voc.open([ref, None, ref.clone()])
     assert calls == [11]
-    with torch.inference_mode():
-        fresh = _state_of(warm(ref.T[None], model.init_state(1, voc.device, voc.dtype)))
+    streamed = StreamingVocoder(tiny_model(), max_rows=1)  # the reference streamed as a chunk, its audio played
+    row = streamed.open([None])[0]
+    streamed.decode([(row, ref)])
+    want = _state_of(streamed.pool.select_rows(torch.tensor([row])))
     for row in (rows[0], rows[2]):
-        assert all(torch.equal(a, b) for a, b in zip(_state_of(voc.pool.select_rows(torch.tensor([row]))), fresh))
+        assert all(torch.equal(a, b) for a, b in zip(_state_of(voc.pool.select_rows(torch.tensor([row]))), want))
     assert not voc.pool.select_rows(torch.tensor([rows[1]])).pos.any()  # no reference: a fresh row
     for row in rows:
         voc.close(row)
@@ -83,7 +85,7 @@ def test_a_reference_is_warmed_once_and_kept(monkeypatch):
     monkeypatch.setattr(V, "WARM_CACHE_BYTES", voc.warmed_bytes // 2)  # room for one state (all are one size)
     voc.open([rand_codes(5, 7)[0].T])  # kept alone: the two before it go, the least recently used first
     assert calls == [11, 7, 5] and len(voc.warmed) == 1 and voc.warmed_bytes == V.WARM_CACHE_BYTES
-    voc.open([ref])  # warmed again
+    voc.open([ref])  # decoded again
     assert calls == [11, 7, 5, 11]
 
 
