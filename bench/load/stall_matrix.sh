@@ -17,7 +17,8 @@
 #   CPU dry run:  DEVICE=cpu OUT=/tmp/stall bash bench/load/stall_matrix.sh   (tiny checkpoints incl. a tiny Base one, tiny loads)
 # Env: DEVICE, OUT, LIMIT, SLOTS, C06 ("64,128"), C17 ("64"), CBASE ("64"), BASE (1), BASE_TOGETHER (by memory),
 #      RATES ("10,20"), REQS (2), FRAMES (126: 10 s), POISSON_FRAMES (63: 5 s), POISSON_S (8: seconds of arrivals
-#      per rate), CLIENT_CPUS ("12-15" on cuda).
+#      per rate), CLIENT_CPUS ("12-15" on cuda), TRACE (0; 1: each server's engine traced by bench/load/phase_trace.py
+#      into $OUT/trace-NAME.jsonl and its .steps, every level of that server in one file; a summary per server at the end).
 set -uo pipefail
 export Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}  # the servers' engines read it (q3tts.engine.engine)
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/stall_matrix}
@@ -58,7 +59,9 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
 trap cleanup EXIT
 serve() {  # serve NAME PORT: a server on /tmp/stall-ck-NAME, its log in $OUT/serve-NAME.log
-  python3 -m q3tts.cli serve --model "/tmp/stall-ck-$1" --device "$DEVICE" --port "$2" --max-concurrent "$SLOTS" \
+  local cmd=(-m q3tts.cli)
+  [ "${TRACE:-0}" = 1 ] && { rm -f "$OUT/trace-$1.jsonl" "$OUT/trace-$1.jsonl.steps"; cmd=(-m bench.load.phase_trace "$OUT/trace-$1.jsonl"); }
+  python3 "${cmd[@]}" serve --model "/tmp/stall-ck-$1" --device "$DEVICE" --port "$2" --max-concurrent "$SLOTS" \
     --max-seq-len 1024 --max-queue 1024 --voice-dir "/tmp/stall-voices-$1" > "$OUT/serve-$1.log" 2>&1 &
   PIDS+=($!)
 }
@@ -110,6 +113,13 @@ fi
 }
 cleanup
 PIDS=()
+if [ "${TRACE:-0}" = 1 ]; then
+  for f in "$OUT"/trace-*.jsonl; do
+    [ -s "$f" ] || continue
+    echo "trace $(basename "$f"): $(wc -l < "$f") first audios, $(wc -l < "$f.steps") steps logged"
+    python3 -m bench.load.phase_trace --summary "$f" | grep -E "admit|first"
+  done
+fi
 
 python3 - "$OUT" "$DEVICE" "$(( $(date +%s) - T0 ))" <<'PY'
 import json, os, subprocess, sys
