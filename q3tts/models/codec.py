@@ -340,7 +340,7 @@ class Transformer(nn.Module):
 class Code2WavState:
     """What a stream carries between `decode_step` calls; row b is one request (slot).
 
-    Code2Wav never mutates a state in place: decode_step / warm return a new one, so an
+    Code2Wav never mutates a state in place: decode_step returns a new one, so an
     old state stays a valid snapshot (e.g. to retry a chunk). Only its owner writes into it (assign_rows_).
     """
 
@@ -480,8 +480,3 @@ class Code2Wav(nn.Module):
         new = Code2WavState(tails, torch.stack([k[:, :, t:] for k in keys]),  # keep the last P of P + t
                             torch.stack([v[:, :, t:] for v in values]), state.pos + t, state.frames_processed + t)
         return wav, new
-
-    def warm(self, codes: Tensor, state: Code2WavState) -> Code2WavState:
-        """ICL: run reference codes [B, K, t] through the state and drop their audio, so the frames
-        that follow decode exactly as if the reference were in front of them."""
-        return self.decode_step(codes, state)[1]

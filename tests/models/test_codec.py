@@ -156,10 +156,12 @@ def test_batched_rows_equal_single_rows():
 
 
 def test_warm_icl_reference_then_stream():
+    """ICL: reference codes run through a state, their audio dropped (as engine.vocoder warms a row), then the frames
+    that follow decode as if the reference were in front of them."""
     model, gen = tiny_model(), rand_codes(30, 301)
     for R in (20, 11):
         ref = rand_codes(R, 300 + R)
-        state = model.warm(ref, model.init_state(1))
+        state = model.decode_step(ref, model.init_state(1))[1]
         out = torch.cat(stream(model, gen, schedule("3,7,1,16", 30), state)[0], dim=-1)
         with torch.no_grad():
             want = model(torch.cat([ref, gen], dim=-1))[:, R * SPF:]
@@ -167,7 +169,7 @@ def test_warm_icl_reference_then_stream():
     # per request in a batch: warm each row alone (different reference lengths), then stream together
     state, idx = model.init_state(2), torch.arange(2)
     for row, R in enumerate((20, 11)):
-        state.assign_rows_(idx[row:row + 1], model.warm(rand_codes(R, 300 + R), model.init_state(1)))
+        state.assign_rows_(idx[row:row + 1], model.decode_step(rand_codes(R, 300 + R), model.init_state(1))[1])
     assert state.pos.tolist() == [20, 11]
     out = torch.cat(stream(model, torch.cat([gen, gen]), [4, 26], state)[0], dim=-1)
     for row, R in enumerate((20, 11)):
