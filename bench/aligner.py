@@ -121,6 +121,10 @@ def measure_aligner(aligner: ForcedAligner, wavs: list, texts: list[str], sr: in
     r = dict(first_call_s=round(first, 2), batch_first_call_s=round(batch_first, 2), one_utterance_ms=ms(one),
              one_utterance_pass_ms=ms(one_pass), batch_ms=ms(batch), batch_prep_ms=ms(prep),
              batch_pass_ms=ms(batch_pass), batch_ms_per_utterance=round(batch * 1000 / len(wavs), 3))
+    if device.type == "cuda":  # the waveforms already on the device, as generate_*(word_timestamps=True) hands them
+        dev = [torch.from_numpy(w).to(device) for w in wavs]
+        r["batch_on_device_ms"] = ms(timed(lambda: aligner.align(dev, sr, texts, "English", rows_alone=True),
+                                           repeats, device)[0])
     if padded:
         r.update(graphs_captured=len(aligner._padded.graphs), capture_s=round(aligner._padded.capture_s, 2),
                  resampled_on_device=any(f is not None for f in aligner._padded.resamplers.values()))
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                          "graphs (ForcedAligner graphs=True: padded buckets, one CUDA graph per bucket, resampling "
                          "on the device)")
     ap.add_argument("--tts", default=None, help="also time synthesizing the batch with this TTS checkpoint")
+    ap.add_argument("--synth-repeats", type=int, default=5,
+                    help="with --tts: synthesis runs of the batch timed, each followed by one with word timestamps")
     ap.add_argument("--streams", type=int, default=16,
                     help="with --tts: synthesis streams timed alone and beside a busy aligner worker (0: skip)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -267,13 +273,36 @@ def main(argv: list[str] | None = None) -> int:
         speaker = (tts.get_supported_speakers() or [None])[0]
         frames = int(a.seconds * 12.5) + 1
         kw = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=frames)
-        synth, _ = timed(lambda: tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), **kw), 1, device)
-        result["synthesis_ms"] = round(synth * 1000, 1)
+        last = list(aligners)[-1] if aligners else None  # the last variant that ran
+        tts.aligner = aligners.get(last)
+
+        def synthesize(words: bool) -> float:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), word_timestamps=words, **kw)
+            assert len(out) == (3 if words else 2)
+            return time.perf_counter() - t0  # (the audio is on the host when it returns: synchronized)
+        synthesize(False)
+        plain, pairs = [], []  # pairs: synthesis with the words minus the synthesis before it, the same batch
+        for _ in range(a.synth_repeats):
+            plain.append(synthesize(False))
+            if last is not None:
+                pairs.append(synthesize(True) - plain[-1])
+        result["synthesis_ms"] = round(statistics.median(plain) * 1000, 1)
+        result["synthesis_runs_ms"] = [round(t * 1000, 1) for t in plain]
+        if pairs:  # the words' cost as a generate_* caller sees it: align() of the batch on the device's audio
+            added = statistics.median(pairs) * 1000
+            result["words_added_ms"] = round(added, 1)
+            result["words_added_runs_ms"] = [round(t * 1000, 1) for t in pairs]
+            result["words_added_share"] = round(added / result["synthesis_ms"], 4)
         for v in aligners:
             r = result[v]
             r["share_of_synthesis"] = round(r["batch_ms"] / result["synthesis_ms"], 4)
             r["pass_share_of_synthesis"] = round(r["batch_pass_ms"] / result["synthesis_ms"], 4)
-        last = list(aligners)[-1] if aligners else None  # the last variant that ran
+            if "batch_on_device_ms" in r:
+                r["on_device_share_of_synthesis"] = round(r["batch_on_device_ms"] / result["synthesis_ms"], 4)
+        print(json.dumps({k: result[k] for k in result if k.startswith(("synthesis", "words_added"))}), flush=True)
         if last is not None:
             for mb in (16, 64):
                 w = worker_batches(aligners[last], wavs, texts, sr, a.repeats, mb)

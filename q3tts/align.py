@@ -65,7 +65,9 @@ WARMUP_RATE = 24000  # Hz: Qwen3-TTS's audio, what the server's worker aligns (F
 @dataclass(slots=True)
 class _Item:
     words: list[str] | None  # None: its text not checked yet (text holds it: ForcedAligner._words_of)
-    wav: np.ndarray  # mono float32 at sample_rate; once prepared: at 16 kHz, in [-1, 1]
+    wav: np.ndarray | torch.Tensor  # mono float32 at sample_rate; once prepared: at 16 kHz, in [-1, 1]. A tensor
+    # on the aligner's CUDA device (a synthesis's own audio: TTS word_timestamps) until ready() needs it on the CPU:
+    # the padded pass copies it device to device
     sample_rate: int
     prepared: bool = False
     pinned: torch.Tensor | None = None  # wav's samples in page-locked memory (AlignerWorker.submit on CUDA): the
@@ -81,6 +83,8 @@ class _Item:
         on its own thread, not on the submitting caller's); samples not yet checked finite (finite False) are checked
         here first, where the CPU reads them anyway."""
         if not self.prepared:
+            if isinstance(self.wav, torch.Tensor):
+                self.wav = self.wav.cpu().numpy()
             if not self.finite and not _finite(self.wav):
                 raise ValueError(f"{self.label}audio has NaN or infinite samples")
             wav = resample(self.wav, self.sample_rate, SAMPLE_RATE)
@@ -243,7 +247,8 @@ class _PaddedPass:
         """Starts writing each row's samples into the front of its row of out [B', L] on the device (B' >= rows; what
         lies past a row's samples is left as it was) and returns the call that finishes it (waits for the rows'
         writes, issues the last copies): the caller's host work in between overlaps the writes. On CUDA rows already
-        in page-locked memory (torch tensors: staged at submission) are copied straight; otherwise through one pinned
+        in page-locked memory (torch tensors: staged at submission) or on the device are copied straight; otherwise
+        through one pinned
         buffer laid out as out, reused (grown when short): no fresh host pages to fault in. A large batch's rows are
         written (into it, or on the CPU into out itself) by the prep threads, a group of rows each, and on CUDA each
         group's rows are copied on asynchronously as soon as they are written. The next upload waits for the last
@@ -253,7 +258,7 @@ class _PaddedPass:
             for b, w in enumerate(wavs):
                 out[b, :w.shape[0]].copy_(w, non_blocking=True)  # (the host allocator keeps w's pages until done)
             return lambda copy=True: None
-        wavs = [w.numpy() if isinstance(w, torch.Tensor) else w for w in wavs]
+        wavs = [w.cpu().numpy() if isinstance(w, torch.Tensor) else w for w in wavs]
         if not cuda:
             host = out
         else:
@@ -465,20 +470,24 @@ class ForcedAligner:
         _forward checks them (_Item.finite). check_text False: its text is kept unchecked (_Item.text)."""
         what = f"item {i}: " if i >= 0 else ""
         words = self.words(text, language, what) if check_text else None
-        if isinstance(audio, torch.Tensor):
-            audio = audio.detach().float().cpu().numpy()
-        wav = np.asarray(audio)
-        if wav.dtype.kind != "f" or wav.ndim not in (1, 2) or wav.size == 0:
-            raise ValueError(f"{what}audio must be a non-empty float waveform [samples] (or 2-D with a channel axis), "
-                             f"got dtype {wav.dtype} shape {wav.shape}")
+        on_device = (isinstance(audio, torch.Tensor) and audio.is_cuda and audio.device == self.device
+                     and audio.dtype == torch.float32 and audio.ndim == 1 and audio.numel() > 0)
+        if on_device:  # kept where it is: the pass reads it there (align() returns before the caller can change it)
+            wav = audio.detach()
+        else:
+            wav = np.asarray(audio.detach().float().cpu() if isinstance(audio, torch.Tensor) else audio)
+            if wav.dtype.kind != "f" or wav.ndim not in (1, 2) or wav.size == 0:
+                raise ValueError(f"{what}audio must be a non-empty float waveform [samples] (or 2-D with a channel "
+                                 f"axis), got dtype {wav.dtype} shape {wav.shape}")
         try:
             sr = int(sample_rate)
         except (TypeError, ValueError):
             raise ValueError(f"{what}sample_rate must be an integer, got {sample_rate!r}") from None
         if not 8000 <= sr <= 192000:
             raise ValueError(f"{what}sample_rate {sr} is outside 8000..192000 Hz")
-        wav = to_mono(wav.astype(np.float32, copy=copy))
-        if finite and not _finite(wav):
+        if not on_device:
+            wav = to_mono(wav.astype(np.float32, copy=copy))
+        if finite and not (bool(torch.isfinite(wav).all()) if on_device else _finite(wav)):
             raise ValueError(f"{what}audio has NaN or infinite samples")
         if wav.shape[0] / sr > self.max_seconds:
             raise ValueError(f"{what}audio of {wav.shape[0] / sr:.1f} s is longer than this aligner's "
@@ -541,9 +550,11 @@ class ForcedAligner:
                 raise ValueError(f"batch size mismatch: {n} audio, {len(per[name])} {name}")
         args = list(zip(audio, per["sample_rate"], per["text"], per["language"], range(n)))
         # the samples the checks read (_item: a conversion to float32, a tensor's copy, a mix to mono; a float32 [N]
-        # array is only looked at, a pass over it left to the device): what the prep threads would share
+        # array, or such a tensor on the device, is only looked at, a pass over it left to the device): what the prep
+        # threads would share
         samples = sum(math.prod(a.shape) for a in audio if hasattr(a, "shape") and not (
-            isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 1))
+            a.ndim == 1 and (isinstance(a, np.ndarray) and a.dtype == np.float32
+                             or isinstance(a, torch.Tensor) and a.is_cuda and a.dtype == torch.float32)))
         return self._run(self._items(args, samples), rows_alone)
 
     def _features(self, items: list[_Item], rows_alone: bool) -> tuple[torch.Tensor, list[int]]:
@@ -648,6 +659,8 @@ class AlignerWorker:
         """A Future of the utterance's [WordTime]; ValueError at once for bad input."""
         item = self.aligner._item(audio, sample_rate, text, language, -1, ready=False,
                                   copy=self._stream is None)  # resampled on the thread (a copy: pinned, or copy)
+        if isinstance(item.wav, torch.Tensor):  # (made on another stream: the worker's pass reads a host copy)
+            item.wav = item.wav.cpu().numpy()
         if self._stream is not None:
             item.pinned = torch.from_numpy(item.wav).pin_memory()
             item.wav = item.pinned.numpy()  # (the caller's array is not kept)

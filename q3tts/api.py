@@ -186,9 +186,11 @@ class TTS:
         return self.driver.stream(prepared, StreamOptions(first_chunk_frames, chunk_frames), start, text_stream,
                                   request_ids)
 
-    def decode(self, codes: list[torch.Tensor], ref_codes: list[torch.Tensor | None] | None = None) -> list[np.ndarray]:
+    def decode(self, codes: list[torch.Tensor], ref_codes: list[torch.Tensor | None] | None = None,
+               on_device: list[torch.Tensor] | None = None) -> list[np.ndarray]:
         """Codes [T, 16] per request -> waveforms (float32, 24 kHz), as upstream: ICL reference codes are decoded
-        in front as context and their share of the audio is cut off."""
+        in front as context and their share of the audio is cut off. on_device: a list that receives the same
+        waveforms as they lie on the model's device (the aligner reads them there: word_timestamps)."""
         ref_codes = ref_codes or [None] * len(codes)
         full = [c if r is None else torch.cat([r.to(c.device), c], 0) for c, r in zip(codes, ref_codes)]
         wavs = []
@@ -199,11 +201,13 @@ class TTS:
                 wavs += self.ckpt.code2wav.decode_batch([full[i].to(self.device) for i in group])
         out = []
         for w, c, r in zip(wavs, full, ref_codes):
-            w = w.float().cpu().numpy()
             if r is not None:
                 w = w[int(r.shape[0] / max(c.shape[0], 1) * w.shape[0]):]  # upstream's proportional cut
-            out.append(w)
-        return out
+            out.append(w.float())
+        if on_device is not None:
+            on_device += out
+        flat = torch.cat(out).cpu() if out else torch.empty(0)  # one copy to the host, one sync
+        return [w.numpy() for w in flat.split([w.shape[0] for w in out])]
 
     def _stream(self, prepare, text, text_stream, non_streaming_mode, default_nsm: bool, first_chunk_frames: int,
                 chunk_frames: int, args: tuple, kwargs: dict) -> Iterator[AudioChunk]:
@@ -228,8 +232,9 @@ class TTS:
         return self.stream(prepare(text, *args, non_streaming_mode=nsm, **kwargs), first_chunk_frames, chunk_frames,
                            text_stream)
 
-    def _synthesize(self, prepared: list[PreparedRequest]) -> tuple[list[np.ndarray], int]:
-        return self.decode(self.generate_codes(prepared), [p.ref_codes for p in prepared]), self.sample_rate
+    def _synthesize(self, prepared: list[PreparedRequest],
+                    on_device: list[torch.Tensor] | None = None) -> tuple[list[np.ndarray], int]:
+        return self.decode(self.generate_codes(prepared), [p.ref_codes for p in prepared], on_device), self.sample_rate
 
     # ------------------------------------------------------------------ the three modes
     def generate_custom_voice(self, text, speaker, language=None, instruct=None, non_streaming_mode: bool = True,
@@ -252,24 +257,25 @@ class TTS:
             (list of float32 waveforms, 24000); with word_timestamps=True (waveforms, 24000, per waveform a list
             of WordTime(word, start_s, end_s)).
         """
-        def synthesize():
+        def synthesize(on_device=None):
             if (split := longform.options(kwargs)) is not None:
                 prepare = functools.partial(self.prepare_custom_voice, speaker=speaker, language=language,
                                             instruct=instruct, non_streaming_mode=non_streaming_mode)
                 return longform.generate(self, prepare, text, split, kwargs, language)
             return self._synthesize(self.prepare_custom_voice(text, speaker, language, instruct, non_streaming_mode,
-                                                              **kwargs))
+                                                              **kwargs), on_device)
         return self._timed(kwargs, text, language, synthesize)
 
     def generate_voice_design(self, text, instruct, language=None, non_streaming_mode: bool = True,
                               **kwargs) -> tuple[list[np.ndarray], int]:
         """VoiceDesign: a voice described in words (instruct); other arguments as generate_custom_voice."""
-        def synthesize():
+        def synthesize(on_device=None):
             if (split := longform.options(kwargs)) is not None:
                 prepare = functools.partial(self.prepare_voice_design, instruct=instruct, language=language,
                                             non_streaming_mode=non_streaming_mode)
                 return longform.generate(self, prepare, text, split, kwargs, language)
-            return self._synthesize(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs))
+            return self._synthesize(self.prepare_voice_design(text, instruct, language, non_streaming_mode, **kwargs),
+                                    on_device)
         return self._timed(kwargs, text, language, synthesize)
 
     def generate_voice_clone(self, text, language=None, ref_audio=None, ref_text=None, x_vector_only_mode=False,
@@ -277,15 +283,16 @@ class TTS:
                              **kwargs) -> tuple[list[np.ndarray], int]:
         """Base models: clone a voice from reference audio or from prompt items (x-vector only, or ICL with
         reference codes + transcript); other arguments as generate_custom_voice."""
-        def synthesize():
+        def synthesize(on_device=None):
             if (split := longform.options(kwargs)) is not None:  # the clone prompt is made once for every segment
                 prompt = longform.clone_prompt_once(self, ref_audio, ref_text, x_vector_only_mode, voice_clone_prompt,
                                                     kwargs)
                 prepare = functools.partial(self.prepare_voice_clone, language=language, voice_clone_prompt=prompt,
                                             non_streaming_mode=non_streaming_mode)
                 return longform.generate(self, prepare, text, split, kwargs, language)
-            return self._synthesize(self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
-                                                             voice_clone_prompt, non_streaming_mode, **kwargs))
+            prepared = self.prepare_voice_clone(text, language, ref_audio, ref_text, x_vector_only_mode,
+                                                voice_clone_prompt, non_streaming_mode, **kwargs)
+            return self._synthesize(prepared, on_device)
         return self._timed(kwargs, text, language, synthesize)
 
     # ------------------------------------------------------------------ streaming variants
@@ -344,12 +351,16 @@ class TTS:
         return texts, langs
 
     def _timed(self, kwargs: dict, text, language, synthesize):
-        """synthesize() -> (wavs, sr); with kwargs' word_timestamps, (wavs, sr, [WordTime] per wav)."""
+        """synthesize(on_device) -> (wavs, sr); with kwargs' word_timestamps, (wavs, sr, [WordTime] per wav). The
+        aligner reads the waveforms where the vocoder left them when synthesize puts them in on_device (one request a
+        text; a long text's joined segments come from the host)."""
         if not kwargs.pop("word_timestamps", False):
             return synthesize()
         texts, langs = self._alignable(text, language)
-        wavs, sr = synthesize()
-        words = self.aligner.align(wavs, [sr] * len(wavs), texts, langs[:len(wavs)], rows_alone=True)
+        on_device: list[torch.Tensor] = []
+        wavs, sr = synthesize(on_device)
+        audio = on_device if len(on_device) == len(wavs) else wavs
+        words = self.aligner.align(audio, [sr] * len(wavs), texts, langs[:len(wavs)], rows_alone=True)
         return wavs, sr, words
 
     def _stream_words(self, prepare, text, text_stream, nsm, first_chunk_frames, chunk_frames, args, kwargs):

@@ -395,6 +395,35 @@ def test_the_worker_gives_the_words_of_align(device):
         worker.close()
 
 
+@pytest.mark.gpu
+def test_audio_on_the_device_gives_the_words_of_host_audio():
+    """Waveforms already on the aligner's device (a synthesis's own audio) are read there, copied device to device
+    into the pass: the words of the same samples from the host, alone, batched and mixed with host rows; non-finite
+    samples are refused by name; the worker takes them too (through a host copy: they come from another stream)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    a = ForcedAligner.from_pretrained(checkpoint(), device="cuda", dtype=torch.float32, graphs=True)
+    names = ["c", "b", "d", "long"]
+    texts = [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0], CASES["long_windowed"]["text"][0]]
+    wavs = [audio(n) for n in names]
+    want = _rows_alone(a, names, texts)
+    dev = [torch.from_numpy(w).cuda() for w, _ in wavs]
+    rates = [sr for _, sr in wavs]
+    assert a.align(dev, rates, texts, "English", rows_alone=True) == want
+    mixed = [d if i % 2 else w for i, (d, (w, _)) in enumerate(zip(dev, wavs))]
+    assert a.align(mixed, rates, texts, "English", rows_alone=True) == want
+    assert a.align(dev[1], rates[1], texts[1], "English") == want[1]
+    bad = dev[2].clone()
+    bad[100] = float("nan")
+    with pytest.raises(ValueError, match="item 2: audio has NaN"):
+        a.align([dev[0], dev[1], bad], rates[:3], texts[:3], "English", rows_alone=True)
+    worker = AlignerWorker(a)
+    try:
+        assert worker.submit(dev[3], rates[3], texts[3], "English").result(timeout=120) == want[3]
+    finally:
+        worker.close()
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_non_finite_audio_is_refused_by_the_padded_pass(bad, padded_calls):
     """align() leaves the samples' finiteness to the padded pass, which checks it on the device beside the pass

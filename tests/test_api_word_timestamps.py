@@ -34,6 +34,36 @@ def test_offline_returns_words_beside_the_audio():
         assert [w.start_s for w in ws] == sorted(w.start_s for w in ws)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_aligner_reads_the_audio_where_the_vocoder_left_it(device, monkeypatch):
+    """generate_*(word_timestamps=True) hands the aligner the waveforms as they lie on the model's device (on CUDA no
+    round trip through the host), the samples it returns; the words are those of the returned audio aligned alone."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    t = tts() if device == "cpu" else TTS.from_pretrained(checkpoint("cv06"), device="cuda", dtype=torch.float32,
+                                                          aligner=aligner_on("cuda"))
+    given = []
+    orig = type(t.aligner).align
+
+    def spy(self, audio, *args, **kwargs):
+        given.append(audio)
+        return orig(self, audio, *args, **kwargs)
+    monkeypatch.setattr(type(t.aligner), "align", spy)
+    texts = ["Hello world, this is a test.", "One two."]
+    wavs, sr, words = t.generate_custom_voice(texts, speaker=["vivian", "dylan"], language="English",
+                                              word_timestamps=True, **GREEDY)
+    got = given[0]
+    assert all(isinstance(g, torch.Tensor) and g.device.type == device for g in got)
+    assert all(np.array_equal(g.cpu().numpy(), w) for g, w in zip(got, wavs))
+    assert words == [orig(t.aligner, w, sr, text, "English") for w, text in zip(wavs, texts)]
+
+
+def aligner_on(device: str):
+    from q3tts.align import ForcedAligner
+    from tests.test_align import checkpoint as aligner_checkpoint
+    return ForcedAligner.from_pretrained(aligner_checkpoint(), device=device, dtype=torch.float32, graphs=True)
+
+
 def test_without_the_flag_the_return_is_unchanged():
     out = tts().generate_custom_voice("Hello.", speaker="vivian", language="English", **GREEDY)
     assert len(out) == 2
