@@ -2,7 +2,8 @@
 RMSNorms and RoPE from the fused q|k|v projection straight into attention's [B, H, S, Dh] layout, and the MLP's
 SiLU(gate) * up. Eagerly these are a dozen kernels a layer, half of them strided or in fp32 (BENCHMARKS.md: the
 aligner's profile); here two. Each residual add with the norm after it (the LM's RMSNorm, the audio encoder's
-LayerNorm: both stacks are pre-norm) is one kernel too: add_rms_norm, add_layer_norm.
+LayerNorm: both stacks are pre-norm) is one kernel too: add_rms_norm, add_layer_norm. So is the audio encoder's first
+conv with its GELU (conv1_gelu): the taps read from the mel chunks, its activation written once.
 
 Each result is rounded to bf16 where the eager modules store one (models.layers.RMSNorm, apply_rope, F.silu then the
 product), so the values are the eager ones up to the last bit of the fp32 statistics (the sum of squares is reduced
@@ -59,6 +60,36 @@ if triton is not None:
         g = tl.load(gu_ptr + row * 2 * INTER + col, mask=keep, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * INTER + INTER + col, mask=keep, other=0.0).to(tl.float32)
         tl.store(out_ptr + i, _bf(_bf(g / (1.0 + tl.exp(-g))) * u).to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _conv1_gelu(x_ptr, w_ptr, b_ptr, out_ptr, NP, M, W, M1, T1, C, ITERS,
+                    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        # program (channel block, pixel group): ITERS blocks of BLOCK_P output pixels of the flattened [N * M1 * T1],
+        # BLOCK_C channels. Each block: the pixels' 3x3 taps of the zero-padded input [N, M, W] gathered as an
+        # [BLOCK_P, 16] patch tile (taps 9..15 zero), one tensor-core dot with the weight tile [16, BLOCK_C] (loaded
+        # once per program, a few KB from L2) summing the 9 exact bf16 products in fp32, then the bias, the conv's
+        # bf16 rounding, the GELU and one store of [BLOCK_P, BLOCK_C] rows contiguous along C. Pixel and input
+        # indices fit int32 (the wrapper checks); the output offsets (N * M1 * T1 * C elements) are int64.
+        c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+        k = tl.arange(0, 16)  # tap (k // 3, k % 3) of the window at input row 2i - 1, column 2j - 1
+        keep_c = c < C
+        w = tl.load(w_ptr + c[None, :] * 9 + k[:, None], mask=(k < 9)[:, None] & keep_c[None, :], other=0.0)
+        bias = tl.load(b_ptr + c, mask=keep_c, other=0.0).to(tl.float32)[None, :]
+        for it in range(ITERS):
+            q = (tl.program_id(1) * ITERS + it) * BLOCK_P + tl.arange(0, BLOCK_P)  # pixel n * M1 * T1 + i * T1 + j
+            keep = q < NP
+            n = q // (M1 * T1)
+            p = q - n * (M1 * T1)
+            i = p // T1
+            j = p - i * T1
+            r = 2 * i[:, None] + k[None, :] // 3 - 1  # [BLOCK_P, 16]
+            s = 2 * j[:, None] + k[None, :] % 3 - 1
+            tap = keep[:, None] & (k < 9)[None, :] & (r >= 0) & (r < M) & (s >= 0) & (s < W)
+            a = tl.load(x_ptr + n.to(tl.int64)[:, None] * M * W + r * W + s, mask=tap, other=0.0)
+            h = _bf(tl.dot(a, w) + bias)  # the conv's output as the module stores it
+            g = h * 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))  # exact GELU in fp32, as F.gelu computes it
+            dst = out_ptr + q.to(tl.int64)[:, None] * C + c[None, :]  # channels-last: [N, M1, T1, C]
+            tl.store(dst, g.to(out_ptr.dtype.element_ty), mask=keep[:, None] & keep_c[None, :])
 
     @triton.jit
     def _add_ln(x_ptr, d_ptr, w_ptr, b_ptr, s_ptr, y_ptr, D, eps, ADD: tl.constexpr, BD: tl.constexpr):
@@ -146,3 +177,29 @@ def add_layer_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Te
         _add_ln[(R,)](x, x if delta is None else delta, weight, bias, s, y, D, eps, ADD=delta is not None,
                       BD=triton.next_power_of_2(D), num_warps=4)
     return s, y
+
+
+def conv1_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """F.gelu(F.conv2d(x[:, None], weight, bias, stride=2, padding=1)) for one input channel, in one pass: x [N, M, W],
+    weight [C, 1, 3, 3], bias [C] -> [N, C, M1, T1] in channels-last memory ([N, M1, T1, C] permuted), the conv's
+    output rounded to the dtype before the GELU (as the module stores it), the GELU's once after. The taps are read
+    from x itself (no patch tensor) and the activation, the encoder's largest, is written once: eagerly the conv's
+    output is written, then read and written again by the GELU."""
+    N, M, W = x.shape
+    C = weight.shape[0]
+    assert weight.shape == (C, 1, 3, 3) and weight.is_contiguous() and bias.shape == (C,)
+    M1, T1 = (M - 1) // 2 + 1, (W - 1) // 2 + 1
+    NP = N * M1 * T1
+    out = x.new_empty(N, M1, T1, C)
+    # The exact GELU's erf, not the memory traffic, bounds this kernel: small blocks keep few values live through it
+    # (128 pixels x 32 channels in 4 warps: 32 fp32 accumulators a thread; wider channel blocks ran slower). Up to 16
+    # blocks a program, so the weight tile is loaded once for many, once there are about 512 pixel groups (a few
+    # per SM) to spread.
+    BLOCK_P, BLOCK_C = 128, 32
+    iters = max(1, min(16, NP // (BLOCK_P * 512)))
+    assert (NP + BLOCK_P * iters) < 2**31 and N * M * W < 2**31  # the kernel's pixel and input indices are int32
+    if NP:
+        _conv1_gelu[(triton.cdiv(C, BLOCK_C), triton.cdiv(NP, BLOCK_P * iters))](
+            x.contiguous(), weight, bias, out, NP, M, W, M1, T1, C, iters, BLOCK_P=BLOCK_P, BLOCK_C=BLOCK_C,
+            num_warps=4)
+    return out.permute(0, 3, 1, 2)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..hostcopy import ints_to_device
-from ..kernels.prefill import add_layer_norm, prefill_glue_applies
+from ..kernels.prefill import add_layer_norm, conv1_gelu, prefill_glue_applies
 
 SAMPLE_RATE = 16000
 N_FFT, HOP = 400, 160
@@ -251,6 +251,25 @@ def encoder_layer_padded(layer: AudioEncoderLayer, qkv_w: torch.Tensor, qkv_b: t
     return _add_layer_norm(next_norm, x, layer.fc2(F.gelu(layer.fc1(h))), fuse)
 
 
+def conv1_gemm_gelu(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """F.gelu(conv(x[:, None])) for the encoder's first conv (one input channel, 3x3, stride 2, padding 1): chunks
+    [C, M, w] -> [C, c, m1, t1] in channels-last memory. A GEMM over the 3x3 patches, its bias in the GEMM's
+    epilogue, its output channels-last as it comes, then F.gelu."""
+    C, M, w = x.shape
+    c = conv.out_channels
+    m1, t1 = _conv_len_once(M), _conv_len_once(w)
+    # the 3x3 patches as one strided view of the zero-padded input, gathered by one copy (F.unfold launches an
+    # im2col per chunk); K padded 9 -> 16 with zeros (in patches and weights alike: the sums are unchanged) for
+    # aligned GEMM rows
+    xp = F.pad(x, (1, 1, 1, 1))  # [C, M + 2, w + 2]
+    s0, s1, s2 = xp.stride()
+    patches = xp.as_strided((C, m1, t1, 3, 3), (s0, 2 * s1, 2 * s2, s1, s2))  # [C, m1, t1, kh, kw]
+    cols = xp.new_zeros(C, m1 * t1, 16)
+    cols[..., :9].view(C, m1, t1, 3, 3).copy_(patches)
+    h = F.linear(cols, F.pad(conv.weight.view(c, 9), (0, 7)), conv.bias)  # [C, m1 * t1, c]
+    return F.gelu(h).view(C, m1, t1, c).permute(0, 3, 1, 2)  # [C, c, m1, t1], channels-last memory
+
+
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
     """[length, channels]: sin | cos halves (the official SinusoidsPositionEmbedding)."""
     inc = np.log(max_timescale) / (channels // 2 - 1)
@@ -304,23 +323,16 @@ class AudioEncoder(nn.Module):
     def _convs_channels_last(self, x: torch.Tensor) -> torch.Tensor:
         """The 3 stride-2 convs + GELU of _conv on chunks [C, mel, w] -> [C, c, mel', t], each activation held
         channels-last (cuDNN's NHWC kernels read and write the large first activations as they lie: no layout
-        transposes). The first conv (one input channel) is a GEMM over the 3x3 patches, its bias in the GEMM's
-        epilogue, its output channels-last as it comes. The same sums as the convs, rounded by other kernels."""
-        C, M, w = x.shape
+        transposes). The first conv (one input channel) and its GELU: one kernel where the prefill glue applies
+        (kernels.prefill.conv1_gelu: the taps read from x, the activation written once), else conv1_gemm_gelu.
+        The same sums as the convs, rounded by other kernels."""
         conv = self.conv2d1
-        c = conv.out_channels
-        m1, t1 = _conv_len_once(M), _conv_len_once(w)
-        # the 3x3 patches as one strided view of the zero-padded input, gathered by one copy (F.unfold launches an
-        # im2col per chunk); K padded 9 -> 16 with zeros (in patches and weights alike: the sums are unchanged) for
-        # aligned GEMM rows
-        xp = F.pad(x, (1, 1, 1, 1))  # [C, M + 2, w + 2]
-        s0, s1, s2 = xp.stride()
-        patches = xp.as_strided((C, m1, t1, 3, 3), (s0, 2 * s1, 2 * s2, s1, s2))  # [C, m1, t1, kh, kw]
-        cols = xp.new_zeros(C, m1 * t1, 16)
-        cols[..., :9].view(C, m1, t1, 3, 3).copy_(patches)
-        h = F.linear(cols, F.pad(conv.weight.view(c, 9), (0, 7)), conv.bias)  # [C, m1 * t1, c]
-        h = F.gelu(h).view(C, m1, t1, c).permute(0, 3, 1, 2)  # [C, c, m1, t1], channels-last memory
-        return F.gelu(self.conv2d3(F.gelu(self.conv2d2(h))))  # cuDNN keeps the input's channels-last layout
+        if prefill_glue_applies(x):
+            h = conv1_gelu(x, conv.weight, conv.bias)
+        else:
+            h = conv1_gemm_gelu(conv, x)
+        # h [C, c, m1, t1] in channels-last memory: cuDNN keeps the input's channels-last layout
+        return F.gelu(self.conv2d3(F.gelu(self.conv2d2(h))))
 
     def _chunks(self, mel: torch.Tensor, frames: list[int]) -> tuple[torch.Tensor, list[int]]:
         """Every utterance's conv chunks through the convs -> (tokens [sum of chunk token counts, D] in utterance and

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from q3tts import kernels
-from q3tts.kernels.prefill import qk_norm_rope, silu_mul
+from q3tts.kernels.prefill import conv1_gelu, qk_norm_rope, silu_mul
 
 from .layer import bf16_layer
 
@@ -68,6 +68,32 @@ def test_silu_mul_is_silu_times_up():
     gate, up = gu.chunk(2, dim=-1)
     g64, u64 = gu.double().chunk(2, dim=-1)
     assert_as_accurate(silu_mul(gu), F.silu(gate) * up, F.silu(g64) * u64)
+
+
+@pytest.mark.parametrize("N, W", [(7, 100), (5, 37)])
+def test_conv1_gelu_is_the_conv_and_gelu(N, W):
+    """kernels.conv1_gelu (the aligner encoder's first conv, 1 -> 480 channels, 3x3, stride 2, padding 1, and its exact
+    GELU in one kernel) against the path it replaces (audio_encoder.conv1_gemm_gelu: a GEMM over the 3x3 patches, the
+    bias in its epilogue, then F.gelu) and a float64 twin of the same bf16 values. Both paths round twice: the fp32
+    sum of the 9 products (each exact: bf16 x bf16 fits fp32) plus the bias to bf16, then the GELU computed in fp32 to
+    bf16. The sums differ only in their order (cuBLAS's tensor-core GEMM against the kernel's Triton dot), that is in
+    the last fp32 bits, so a conv output moves one bf16 step only where it sits within those bits of a rounding tie, and its
+    GELU (slope under 1.13) then a step or two: rare, and of the size of the roundings both paths make. Hence the
+    module's bar (no larger error against float64 than the GEMM path's, by more than a quarter (max) / a tenth
+    (mean)) and at most one element in a thousand apart from the GEMM path. Width 100 (a chunk) and 37 (odd: the
+    edge taps' masks); N * 64 * t1 pixels not a multiple of the kernel's pixel block."""
+    from q3tts.models.audio_encoder import conv1_gemm_gelu
+    torch.manual_seed(6)
+    conv = torch.nn.Conv2d(1, 480, 3, 2, 1).to("cuda", torch.bfloat16)
+    x = torch.randn(N, 128, W, device="cuda").to(torch.bfloat16)
+    with torch.inference_mode():
+        got = conv1_gelu(x, conv.weight, conv.bias)
+        gemm = conv1_gemm_gelu(conv, x)
+        exact = F.gelu(F.conv2d(x[:, None].double(), conv.weight.double(), conv.bias.double(), stride=2, padding=1))
+    assert got.shape == gemm.shape == (N, 480, 64, (W - 1) // 2 + 1) and got.stride() == gemm.stride()
+    assert got.is_contiguous(memory_format=torch.channels_last)  # as cuDNN's next conv reads it
+    assert_as_accurate(got, gemm, exact)
+    assert (got != gemm).double().mean() <= 1e-3
 
 
 def test_padded_lm_layer_with_the_glue_is_the_eager_layer(monkeypatch):

@@ -83,9 +83,10 @@ def test_lm_row_is_unchanged_by_padding_after_it():
 
 
 def test_channels_last_convs_are_the_convs():
-    """The padded pass's conv front-end on CUDA (_convs_channels_last: the first conv as a GEMM over its 3x3 patches,
-    every activation channels-last) computes the convs' sums: in float32 they agree to float32's rounding of sums of
-    9 and 9 x channels products (1e-5 on activations of order 1), for chunk shapes of whole and odd lengths."""
+    """The padded pass's conv front-end on CUDA (_convs_channels_last: every activation channels-last; outside bf16
+    the first conv as a GEMM over its 3x3 patches) computes the convs' sums: in float32 they agree to float32's
+    rounding of sums of 9 and 9 x channels products (1e-5 on activations of order 1), for chunk shapes of whole and
+    odd lengths."""
     tower = aligner().thinker.audio_tower
     g = torch.Generator().manual_seed(1)
     for C, M, w in ((3, 128, 100), (2, 128, 37), (1, 20, 9)):
@@ -107,7 +108,7 @@ def test_channels_last_convs_are_the_convs():
 def test_channels_last_convs_on_cuda_are_as_accurate_as_cudnns():
     """On CUDA in bf16 (the padded pass's setting) the channels-last front-end against the float64 convs of the same
     bf16 weights and input: its error no larger than cuDNN's NCHW convs' own (max by a quarter, mean by a tenth;
-    its first conv rounds once where cuDNN rounds the sum and then the bias)."""
+    its first conv, kernels.prefill.conv1_gelu there, rounds once where cuDNN rounds the sum and then the bias)."""
     import copy
     cpu = aligner().thinker.audio_tower
     tower = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
