@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                          "on the device)")
     ap.add_argument("--tts", default=None, help="also time synthesizing the batch with this TTS checkpoint")
     ap.add_argument("--synth-repeats", type=int, default=5,
-                    help="with --tts: synthesis runs of the batch timed, each followed by one with word timestamps")
+                    help="with --tts: synthesis runs of the batch timed (their median is the shares' denominator)")
     ap.add_argument("--streams", type=int, default=16,
                     help="with --tts: synthesis streams timed alone and beside a busy aligner worker (0: skip)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -274,35 +274,24 @@ def main(argv: list[str] | None = None) -> int:
         frames = int(a.seconds * 12.5) + 1
         kw = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=frames)
         last = list(aligners)[-1] if aligners else None  # the last variant that ran
-        tts.aligner = aligners.get(last)
 
-        def synthesize(words: bool) -> float:
+        def synthesize() -> float:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            out = tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), word_timestamps=words, **kw)
-            assert len(out) == (3 if words else 2)
+            tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), **kw)
             return time.perf_counter() - t0  # (the audio is on the host when it returns: synchronized)
-        synthesize(False)
-        plain, pairs = [], []  # pairs: synthesis with the words minus the synthesis before it, the same batch
-        for _ in range(a.synth_repeats):
-            plain.append(synthesize(False))
-            if last is not None:
-                pairs.append(synthesize(True) - plain[-1])
-        result["synthesis_ms"] = round(statistics.median(plain) * 1000, 1)
-        result["synthesis_runs_ms"] = [round(t * 1000, 1) for t in plain]
-        if pairs:  # the words' cost as a generate_* caller sees it: align() of the batch on the device's audio
-            added = statistics.median(pairs) * 1000
-            result["words_added_ms"] = round(added, 1)
-            result["words_added_runs_ms"] = [round(t * 1000, 1) for t in pairs]
-            result["words_added_share"] = round(added / result["synthesis_ms"], 4)
+        synthesize()
+        runs = [synthesize() for _ in range(a.synth_repeats)]  # (runs of one batch spread by tens of ms)
+        result["synthesis_ms"] = round(statistics.median(runs) * 1000, 1)
+        result["synthesis_runs_ms"] = [round(t * 1000, 1) for t in runs]
         for v in aligners:
             r = result[v]
             r["share_of_synthesis"] = round(r["batch_ms"] / result["synthesis_ms"], 4)
             r["pass_share_of_synthesis"] = round(r["batch_pass_ms"] / result["synthesis_ms"], 4)
             if "batch_on_device_ms" in r:
                 r["on_device_share_of_synthesis"] = round(r["batch_on_device_ms"] / result["synthesis_ms"], 4)
-        print(json.dumps({k: result[k] for k in result if k.startswith(("synthesis", "words_added"))}), flush=True)
+        print(json.dumps({k: result[k] for k in result if k.startswith("synthesis")}), flush=True)
         if last is not None:
             for mb in (16, 64):
                 w = worker_batches(aligners[last], wavs, texts, sr, a.repeats, mb)

@@ -116,7 +116,8 @@ class _PaddedPass:
     floor, per-window key masks, right padding under is_causal). Rows under one conv chunk of frames (< 1 s) are
     padded differently by the official, so a batch with one runs eagerly."""
 
-    TOKEN_STEP = 16  # prompt tokens are padded to a multiple of this; rows to a power of two
+    TOKEN_STEP = 8  # prompt tokens are padded to a multiple of this (every padding token is a row's LM work); rows
+    # to a power of two
 
     def __init__(self, aligner: "ForcedAligner", resample_on_device: bool, max_graphs: int = 32):
         self.aligner, self.max_graphs = aligner, max_graphs

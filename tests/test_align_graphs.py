@@ -150,8 +150,8 @@ def test_rows_under_one_chunk_run_eagerly(padded_calls):
 def test_buckets():
     p = fast()._padded
     per = fast().cfg.audio.n_window_infer // (2 * fast().cfg.audio.n_window)
-    assert p.key([500] * 3, [100, 117, 90]) == (4, 5, 16000, 128)  # rows to a power of two, tokens to 16s
-    assert p.key([100], [33], 24000) == (1, 1, 24000, 48)
+    assert p.key([500] * 3, [100, 117, 90]) == (4, 5, 16000, 120)  # rows to a power of two, tokens to 8s
+    assert p.key([100], [33], 24000) == (1, 1, 24000, 40)
     # a bucket's rows hold every waveform of its frames: at most C chunks of frames, at 16 kHz or the input rate
     assert p.samples((1, 1, 16000)) == 100 * 160 + 159 and p.samples((1, 1, 24000)) == -(-(100 * 160 + 159) * 3 // 2)
     assert p.key([930, 500], [10, 10])[1] == 2 * per  # past one window: whole windows of chunks
