@@ -255,6 +255,9 @@ class _PaddedPass:
         group's rows are copied on asynchronously as soon as they are written. The next upload waits for the last
         copy (its event) before it writes the buffer again."""
         L, cuda = out.shape[1], self.aligner.device.type == "cuda"
+        if cuda and all(isinstance(w, torch.Tensor) and w.is_cuda for w in wavs):  # one launch for every row
+            torch._foreach_copy_([out[b, :w.shape[0]] for b, w in enumerate(wavs)], wavs)
+            return lambda copy=True: None
         if cuda and all(isinstance(w, torch.Tensor) for w in wavs):
             for b, w in enumerate(wavs):
                 out[b, :w.shape[0]].copy_(w, non_blocking=True)  # (the host allocator keeps w's pages until done)

@@ -396,20 +396,26 @@ def test_the_worker_gives_the_words_of_align(device):
 
 
 @pytest.mark.gpu
-def test_audio_on_the_device_gives_the_words_of_host_audio():
+def test_audio_on_the_device_gives_the_words_of_host_audio(monkeypatch):
     """Waveforms already on the aligner's device (a synthesis's own audio) are read there, copied device to device
     into the pass: the words of the same samples from the host, alone, batched and mixed with host rows; non-finite
     samples are refused by name; the worker takes them too (through a host copy: they come from another stream)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     a = ForcedAligner.from_pretrained(checkpoint(), device="cuda", dtype=torch.float32, graphs=True)
+    uploaded = []
+    orig = align_mod._PaddedPass._upload
+    monkeypatch.setattr(align_mod._PaddedPass, "_upload", lambda self, wavs, out: (
+        uploaded.append([isinstance(w, torch.Tensor) and w.is_cuda for w in wavs]), orig(self, wavs, out))[1])
     names = ["c", "b", "d", "long"]
     texts = [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0], CASES["long_windowed"]["text"][0]]
     wavs = [audio(n) for n in names]
     want = _rows_alone(a, names, texts)
     dev = [torch.from_numpy(w).cuda() for w, _ in wavs]
     rates = [sr for _, sr in wavs]
+    uploaded.clear()
     assert a.align(dev, rates, texts, "English", rows_alone=True) == want
+    assert uploaded and all(all(u) for u in uploaded)  # the rows went in as they lay: on the device
     mixed = [d if i % 2 else w for i, (d, (w, _)) in enumerate(zip(dev, wavs))]
     assert a.align(mixed, rates, texts, "English", rows_alone=True) == want
     assert a.align(dev[1], rates[1], texts[1], "English") == want[1]
