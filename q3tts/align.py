@@ -248,14 +248,14 @@ class _PaddedPass:
         """Starts writing each row's samples into the front of its row of out [B', L] on the device (B' >= rows; what
         lies past a row's samples is left as it was) and returns the call that finishes it (waits for the rows'
         writes, issues the last copies): the caller's host work in between overlaps the writes. On CUDA rows already
-        in page-locked memory (torch tensors: staged at submission) or on the device are copied straight; otherwise
-        through one pinned
-        buffer laid out as out, reused (grown when short): no fresh host pages to fault in. A large batch's rows are
+        on the device (one launch for all) or in page-locked memory (torch tensors: staged at submission) are copied
+        straight; otherwise through one pinned buffer laid out as out, reused (grown when short): no fresh host pages
+        to fault in. A large batch's rows are
         written (into it, or on the CPU into out itself) by the prep threads, a group of rows each, and on CUDA each
         group's rows are copied on asynchronously as soon as they are written. The next upload waits for the last
         copy (its event) before it writes the buffer again."""
         L, cuda = out.shape[1], self.aligner.device.type == "cuda"
-        if cuda and all(isinstance(w, torch.Tensor) and w.is_cuda for w in wavs):  # one launch for every row
+        if cuda and all(isinstance(w, torch.Tensor) and w.is_cuda for w in wavs):
             torch._foreach_copy_([out[b, :w.shape[0]] for b, w in enumerate(wavs)], wavs)
             return lambda copy=True: None
         if cuda and all(isinstance(w, torch.Tensor) for w in wavs):

@@ -20,7 +20,7 @@ from .common import triton
 if triton is not None:
     import triton.language as tl
 
-    from .common import _bf
+    from .common import _bf, unspecialized
 
     @triton.jit
     def _qk_norm_rope(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, S, stride_t, eps,
@@ -61,7 +61,9 @@ if triton is not None:
         u = tl.load(gu_ptr + row * 2 * INTER + INTER + col, mask=keep, other=0.0).to(tl.float32)
         tl.store(out_ptr + i, _bf(_bf(g / (1.0 + tl.exp(-g))) * u).to(out_ptr.dtype.element_ty), mask=keep)
 
-    @triton.jit
+    # one compiled variant whatever the bucket's shape (Triton would compile one apart for sizes of 1 or multiples of
+    # 16): a new bucket is captured while the engine serves
+    @triton.jit(**unspecialized("NP", "W", "M1", "T1", "ITERS"))
     def _conv1_gelu(x_ptr, w_ptr, b_ptr, out_ptr, NP, M, W, M1, T1, C, ITERS,
                     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
         # program (channel block, pixel group): ITERS blocks of BLOCK_P output pixels of the flattened [N * M1 * T1],
