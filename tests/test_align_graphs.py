@@ -412,10 +412,12 @@ def test_audio_on_the_device_gives_the_words_of_host_audio(monkeypatch):
     wavs = [audio(n) for n in names]
     want = _rows_alone(a, names, texts)
     dev = [torch.from_numpy(w).cuda() for w, _ in wavs]
-    rates = [sr for _, sr in wavs]
+    rates = [sr for _, sr in wavs]  # 16, 16, 24 and 8 kHz
     uploaded.clear()
-    assert a.align(dev, rates, texts, "English", rows_alone=True) == want
-    assert uploaded and all(all(u) for u in uploaded)  # the rows went in as they lay: on the device
+    assert a.align(dev[:2], rates[:2], texts[:2], "English", rows_alone=True) == want[:2]
+    assert a.align(dev[2], rates[2], texts[2], "English") == want[2]  # resampled on the device
+    assert uploaded == [[True, True], [True]]  # one input rate: the rows went in as they lay, on the device
+    assert a.align(dev, rates, texts, "English", rows_alone=True) == want  # rates mixed: prepared on the CPU
     mixed = [d if i % 2 else w for i, (d, (w, _)) in enumerate(zip(dev, wavs))]
     assert a.align(mixed, rates, texts, "English", rows_alone=True) == want
     assert a.align(dev[1], rates[1], texts[1], "English") == want[1]
