@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             tts.generate_custom_voice(texts, speaker=[speaker] * len(texts), **kw)
             return time.perf_counter() - t0  # (the audio is on the host when it returns: synchronized)
         synthesize()
-        runs = [synthesize() for _ in range(a.synth_repeats)]  # (runs of one batch spread by tens of ms)
+        runs = [synthesize() for _ in range(a.synth_repeats)]  # (a batch's runs spread: BENCHMARKS.md)
         result["synthesis_ms"] = round(statistics.median(runs) * 1000, 1)
         result["synthesis_runs_ms"] = [round(t * 1000, 1) for t in runs]
         for v in aligners:
