@@ -198,8 +198,11 @@ def _data_frames(path) -> int:
 
 def _interrupt(args, out, sig):
     """Run the CLI with args, send sig once the WAV at out holds 3 frames (chunks of 1 and 2 frames written:
-    chunks double from 1 frame); -> (the process, its stderr bytes)."""
-    p = _cli(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    chunks double from 1 frame); -> (the process, its stderr bytes). The CLI starts with SIGINT's default action, as
+    from a terminal: a test run started in the background (a non-interactive shell's `cmd &`) ignores SIGINT, and a
+    child would inherit that and never see the Ctrl-C this test sends."""
+    p = _cli(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 240
         while _data_frames(out) < 3 * 1920:
