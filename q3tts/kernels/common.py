@@ -32,8 +32,9 @@ def pdl() -> bool:
 def unspecialized(*args: str) -> dict:
     """triton.jit's keywords that compile a kernel once whatever these arguments are: an integer's value (Triton
     otherwise compiles a variant for 1 and for multiples of 16) and a pointer's alignment (a variant per 16-byte
-    alignment). For kernels launched outside CUDA graphs on rows [lo, lo + N) of per-slot tensors: a newcomer's
-    slice starts at any row, and its first launch with a new alignment would compile a variant while streams wait."""
+    alignment). For kernels whose first launch with new values would otherwise compile a variant while streams wait:
+    those launched outside CUDA graphs on rows [lo, lo + N) of per-slot tensors (a newcomer's slice starts at any
+    row), and those captured per shape bucket while the engine serves (the aligner's conv1_gelu)."""
     names = list(args)
     keys = inspect.signature(triton.jit).parameters
     return {"do_not_specialize": names} | ({"do_not_specialize_on_alignment": names}
