@@ -102,6 +102,25 @@ class _Item:
         return n if self.prepared else resampled_length(n, self.sample_rate, SAMPLE_RATE)
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A padded pass on its way: its results copied to the host behind it (on CUDA asynchronously, into page-locked
+    memory, done's event after the copy), so that the caller's host work until result() overlaps the device's."""
+    key: tuple[int, int, int, int]  # its LM bucket (rows, chunks, input rate, tokens)
+    host: torch.Tensor  # [B, S + 1] each row's classes at every prompt slot, then its samples all finite (1 / 0)
+    done: torch.cuda.Event | None  # recorded after host's copy (None: host is already written)
+    slot_at: np.ndarray  # [B, n] where each row's <timestamp> slots lie, in order (2 a word; past them other slots)
+    rows: list[np.ndarray]  # the rows' prompt ids
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+        """(classes [B, n] at each row's <timestamp> slots, [B] bool: the row's input samples all finite, the rows'
+        prompt ids), once the pass is done."""
+        if self.done is not None:
+            self.done.synchronize()
+        h = self.host.numpy()
+        return h[np.arange(h.shape[0])[:, None], self.slot_at], h[:, -1].astype(bool), self.rows
+
+
 class _PaddedPass:
     """The aligner's fast pass (ForcedAligner(graphs=True)): the batch right-padded to a bucket of (rows, audio
     chunks, input rate, prompt tokens) and run as the features (_features: resampling, log-mel) and
@@ -132,6 +151,7 @@ class _PaddedPass:
         self.capture_s = 0.0  # time spent capturing, all buckets
         self.staging: torch.Tensor | None = None  # [rows x samples] float32, pinned: the rows' waveforms on their way
         self.staged: torch.cuda.Event | None = None  # the last copy out of staging
+        self.after: torch.cuda.Event | None = None  # the last pass's end (its results' copy): the next one waits
 
     def audio_key(self, frames: list[int], rate: int = SAMPLE_RATE) -> tuple[int, int, int] | None:
         """(rows, chunks, input rate) of the features' and encoder's bucket for rows of these mel frames whose samples
@@ -297,17 +317,20 @@ class _PaddedPass:
                 raise error
         return finish
 
-    def __call__(self, items: list[_Item], frames: list[int]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
-        """(classes [B, n] (host) at each row's <timestamp> slots in order (its first 2 x words), [B] bool: the row's
-        input samples all finite, the rows' prompt ids) for the rows of these mel frames (the audio_pad runs as long
-        as tokens_after_cnn(frames)); None: the batch is not for the padded pass (a row under one chunk).
-        NOTE(aligner): one host sync, the results' copy: the host's part is the rows' samples and a few index rows,
-        copied from page-locked memory asynchronously (hostcopy), and two launches (the features' and encoder's
+    def __call__(self, items: list[_Item], frames: list[int]) -> _Launched | None:
+        """The pass of the rows of these mel frames (the audio_pad runs as long as tokens_after_cnn(frames)), launched;
+        None: the batch is not for the padded pass (a row under one chunk).
+        NOTE(aligner): no host sync until _Launched.result(): the host's part is the rows' samples and a few index
+        rows, copied from page-locked memory asynchronously (hostcopy), and two launches (the features' and encoder's
         graph, the LM's), so the host's work overlaps the device's. The samples' writes start first (the encoder's
         launch waits for them); the index rows and masks are made meanwhile; the prompts, the LM's inputs and where
-        the results lie are made while the encoder runs."""
+        the results lie are made while the encoder runs. A pass launched before this one may still be running: its
+        work is ordered before this one's on the stream it was launched on (the bucket's static inputs and outputs
+        are shared), and this one's stream waits for it (after), whichever thread launched it."""
         if self.audio_key(frames) is None:
             return None
+        if self.after is not None:
+            torch.cuda.current_stream(self.aligner.device).wait_event(self.after)
         rate, items = self._rate(items)
         ak = self.audio_key(frames, rate)
         a, (Bb, C, _), B, enc = self.aligner, ak, len(items), self.aligner.cfg.audio
@@ -356,8 +379,16 @@ class _PaddedPass:
             out = self._pass(dict(x, **xa, mel=self._features(ak, xa)))
         else:
             out = self._replay(key, x, lambda x: self._lm(x, audio)) if ak in self.graphs else self._lm(x, audio)
-        host = torch.cat([out[:B], xa["finite"][:B, None].to(out.dtype)], 1).cpu().numpy()  # [B, S + 1]: one copy
-        return host[np.arange(B)[:, None], slot_at], host[:, -1].astype(bool), rows
+        res = torch.cat([out[:B], xa["finite"][:B, None].to(out.dtype)], 1)  # [B, S + 1]: one copy
+        done = None
+        if res.is_cuda:
+            host = torch.empty(res.shape, dtype=res.dtype, pin_memory=True)
+            host.copy_(res, non_blocking=True)
+            done = self.after = torch.cuda.Event()
+            done.record()
+        else:
+            host = res
+        return _Launched(key, host, done, slot_at, rows)
 
 
 class ForcedAligner:
@@ -578,10 +609,27 @@ class ForcedAligner:
             frames = [valid_frames(it.wav.shape[0], L) for it in items]
         return mel.to(self.dtype), frames
 
-    @torch.inference_mode()  # every entry (align, the worker, a direct call): the graphs' inputs are inference tensors
     def _run(self, items: list[_Item], rows_alone: bool = False) -> list[list[WordTime]]:
+        return self._start(items, rows_alone)()
+
+    @torch.inference_mode()  # every entry (align, the worker, a direct call): the graphs' inputs are inference tensors
+    def _start(self, items: list[_Item], rows_alone: bool = False) -> Callable[[], list[list[WordTime]]]:
+        """The batch's pass launched; the call returned waits for it and gives each row's words. The padded pass
+        (graphs=True, rows aligned as alone or one utterance) returns while its results are on their way to the host,
+        so the caller's host work until that call (AlignerWorker: the next pass's launch) overlaps the device's; the
+        packed pass is done before it returns."""
         with self._lock:
-            return self._forward(items, rows_alone)
+            if self._padded is not None and (rows_alone or len(items) == 1):
+                frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
+                launched = self._padded(items, frames)  # None: a row under one chunk (the packed pass)
+                if launched is not None:
+                    def finish() -> list[list[WordTime]]:
+                        classes, finite, _ = launched.result()
+                        _raise_unless_finite(items, finite)
+                        return self._times(items, classes)
+                    return finish
+            words = self._forward(items, rows_alone)
+        return lambda: words
 
     def _prompts(self, items: list[_Item], frames: list[int]) -> list[np.ndarray]:
         """Each row's prompt ids: <|audio_start|>, tokens_after_cnn(frames) audio_pad, <|audio_end|>, the words with
@@ -591,16 +639,9 @@ class ForcedAligner:
                          + [self._ids["<|audio_end|>"]] + w, np.int64) for f, w in zip(frames, words_ids)]
 
     def _forward(self, items: list[_Item], rows_alone: bool) -> list[list[WordTime]]:
-        """One forward for the batch, one host sync (the classes): the padded pass (graphs=True) when every row is
-        aligned as alone, else every row's prompt packed end to end."""
+        """The packed pass: every row's prompt packed end to end, one forward for the batch, one host sync (the
+        classes)."""
         ts = self.cfg.timestamp_token_id
-        if self._padded is not None and (rows_alone or len(items) == 1):
-            frames = [it.num_samples // HOP for it in items]  # a row's own frames (log_mel of it alone)
-            out = self._padded(items, frames)  # ([B, n] classes at the slots, [B] finite, prompts) or None
-            if out is not None:
-                classes, finite, _ = out
-                _raise_unless_finite(items, finite)
-                return self._times(items, classes)
         self._words_of(items)  # (align()'s texts, where the padded pass did not check them)
         items = [it.ready() for it in items]
         mel, frames = self._features(items, rows_alone)
@@ -638,9 +679,10 @@ def _raise_unless_finite(items: list[_Item], finite: np.ndarray) -> None:
 class AlignerWorker:
     """One ForcedAligner shared by many callers (the server's streams, a TTS facade): each `submit` is checked at
     once (a bad item fails alone, before any work), queued, and a background thread aligns everything waiting as
-    one batch (up to max_batch rows, each row as if alone: rows_alone). On CUDA the thread runs on its own stream,
-    so synthesis steps queued meanwhile are not ordered behind the aligner's kernels, and each waveform is staged
-    in page-locked memory at submission (the pass copies it straight to the device). busy (e.g. an engine's
+    one batch (up to max_batch rows, each row as if alone: rows_alone), launching each pass before it hands out the
+    last one's words, so that a pass's host work overlaps the last one's device work. On CUDA the thread runs on its
+    own stream, so synthesis steps queued meanwhile are not ordered behind the aligner's kernels, and each waveform
+    is staged in page-locked memory at submission (the pass copies it straight to the device). busy (e.g. an engine's
     `not settled`): while it returns True a pass waits, at most max_defer_s from its oldest submission, so the
     aligner's work, which can wait, does not slow newcomers' admission and first audio.
 
@@ -687,13 +729,21 @@ class AlignerWorker:
         self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        # the pass launched last, its words not handed out yet: the next pass is launched before they are (its host
+        # work overlaps the device's), and they are handed out before the thread waits for anything else
+        launched: tuple[list[Future], Callable[[], list[list[WordTime]]]] | None = None
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
+                while not self._queue and not self._closed and launched is None:
                     self._cond.wait()
-                if self._closed and not self._queue:
+                if self._closed and not self._queue and launched is None:
                     return
-                until = self._queue[0][2] + self.max_defer_s
+                until = self._queue[0][2] + self.max_defer_s if self._queue else None
+            if until is None or self.busy is not None and self.busy():
+                self._hand_out(launched)
+                launched = None
+                if until is None:
+                    continue
             while self.busy is not None and not self._closed and time.monotonic() < until and self.busy():
                 time.sleep(WORKER_POLL_S)  # (utterances that come meanwhile join this pass)
             with self._cond:
@@ -703,12 +753,25 @@ class AlignerWorker:
                 continue
             try:
                 with torch.inference_mode(), (torch.cuda.stream(self._stream) if self._stream else nullcontext()):
-                    words = self.aligner._run([it for it, _ in batch], rows_alone=True)
-                    if self._stream is not None:
-                        self._stream.synchronize()
+                    finish = self.aligner._start([it for it, _ in batch], rows_alone=True)
             except BaseException as e:  # noqa: BLE001 - the callers get the error; the worker lives on
                 for _, f in batch:
                     f.set_exception(e)
                 continue
-            for (_, f), w in zip(batch, words):
-                f.set_result(w)
+            self._hand_out(launched)
+            launched = ([f for _, f in batch], finish)
+
+    @staticmethod
+    def _hand_out(launched: tuple[list[Future], Callable[[], list[list[WordTime]]]] | None) -> None:
+        """A launched pass's words (or its error) to its callers, once it is done."""
+        if launched is None:
+            return
+        futs, finish = launched
+        try:
+            words = finish()
+        except BaseException as e:  # noqa: BLE001 - the callers get the error; the worker lives on
+            for f in futs:
+                f.set_exception(e)
+            return
+        for f, w in zip(futs, words):
+            f.set_result(w)

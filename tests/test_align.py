@@ -315,8 +315,8 @@ def test_worker_passes_wait_while_busy_at_most_max_defer():
     busy.set()
     worker = AlignerWorker(aligner(), busy=busy.is_set, max_defer_s=30.0)
     passes = []
-    orig = worker.aligner._run
-    worker.aligner._run = lambda items, rows_alone=False: passes.append(len(items)) or orig(items, rows_alone)
+    orig = worker.aligner._start
+    worker.aligner._start = lambda items, rows_alone=False: passes.append(len(items)) or orig(items, rows_alone)
     try:
         first = worker.submit(*audio(CASES["en"]["audio"][0]), CASES["en"]["text"][0], "English")
         time.sleep(0.3)
@@ -331,5 +331,5 @@ def test_worker_passes_wait_while_busy_at_most_max_defer():
         assert worker.submit(*audio("b"), CASES["zh"]["text"][0], "Chinese").result(timeout=60) == expected(CASES["zh"])[0]
         assert time.monotonic() - t0 >= 0.2 and passes == [2, 1]  # busy all along: it went after max_defer_s
     finally:
-        del worker.aligner._run
+        del worker.aligner._start
         worker.close()

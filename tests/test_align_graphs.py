@@ -38,7 +38,7 @@ def padded_calls(monkeypatch):
 
     def spy(self, items, frames):
         out = orig(self, items, frames)
-        calls.append(self.key(frames, [len(r) for r in out[2]]) if out is not None else None)
+        calls.append(out.key if out is not None else None)
         return out
     monkeypatch.setattr(align_mod._PaddedPass, "__call__", spy)
     return calls
@@ -393,6 +393,40 @@ def test_the_worker_gives_the_words_of_align(device):
         assert [f.result(timeout=120) for f in futs] == want
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_worker_passes_overlap_and_each_gets_its_own_words(device, monkeypatch):
+    """Passes of one row each, launched back to back: each pass is launched before the last one's words are handed
+    out (on CUDA its inputs are written while the last one runs, into the static buffers of a bucket they may share),
+    and every utterance gets the words of align() alone; align() called meanwhile from another thread (another
+    stream) gets its own."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    a = ForcedAligner.from_pretrained(checkpoint(), device=device, dtype=torch.float32, graphs=True)
+    names = ["c", "b", "d", "long", "c", "d", "b", "long"]
+    texts = [CASES["en"]["text"][0], "one two three four", CASES["en_24k"]["text"][0], CASES["long_windowed"]["text"][0],
+             "five six seven", "eight nine", "ten eleven twelve", "thirteen"]
+    want = [a.align(*audio(n), t, "English") for n, t in zip(names, texts)]
+    order = []  # the worker thread's launches and hand-outs, in order
+    start, hand_out = a._start, AlignerWorker._hand_out
+
+    def log(what: str) -> None:
+        if threading.current_thread().name == "q3tts-aligner":
+            order.append(what)
+    monkeypatch.setattr(a, "_start", lambda items, rows_alone=False: log("start") or start(items, rows_alone))
+    monkeypatch.setattr(AlignerWorker, "_hand_out", staticmethod(
+        lambda launched: (launched is not None and log("hand out"), hand_out(launched))[1]))
+    release = threading.Event()
+    worker = AlignerWorker(a, max_batch=1, busy=lambda: not release.is_set(), max_defer_s=60.0)
+    try:
+        futs = [worker.submit(*audio(n), t, "English") for n, t in zip(names, texts)]
+        release.set()
+        assert a.align(*audio("d"), texts[2], "English") == want[2]  # beside the worker's passes
+        assert [f.result(timeout=120) for f in futs] == want
+    finally:
+        worker.close()
+    assert order == ["start"] + ["start", "hand out"] * (len(names) - 1) + ["hand out"]
 
 
 @pytest.mark.gpu
