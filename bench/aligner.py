@@ -21,7 +21,8 @@ then --rounds rounds of --streams synthesis streams at once: alone; beside an Al
 (the last variant) as the server runs it (its passes waiting while the engine admits and makes first audio); beside
 one that does not wait; and beside that one with the engine's steps on the default stream instead of their
 higher-priority one: first audio and the stall of a player that starts at each stream's first chunk, per round and
-their medians.
+their medians. With --stagger-ms, rounds of streams starting that far apart, alone and each with its own audio aligned
+by the served worker as it ends (the server's word_timestamps: later streams start beside earlier ones' passes).
 """
 
 from __future__ import annotations
@@ -166,9 +167,12 @@ def same_words(a: list[list], b: list[list]) -> dict:
                 max_time_diff_ms=round(max(diff, default=0.0) * 1000, 1))
 
 
-def streams_beside(tts, worker, texts: list[str], wavs: list, sr: int, num_streams: int, frames: int) -> dict:
-    """num_streams synthesis streams at once (a player per stream starting at its first chunk), with the aligner
-    worker kept busy aligning wavs meanwhile (worker given) or idle: first audio and the players' stall."""
+def streams_beside(tts, worker, texts: list[str], wavs: list, sr: int, num_streams: int, frames: int,
+                   own=None, stagger_s: float = 0.0) -> dict:
+    """num_streams synthesis streams (a player per stream starting at its first chunk), the i-th starting i x
+    stagger_s in, with the aligner worker kept busy aligning wavs meanwhile (worker given) or idle: first audio and
+    the players' stall. own (an AlignerWorker): each stream's own audio is aligned once it ends, as the server does
+    for a request with word_timestamps (the stream ends when its words come)."""
     from concurrent.futures import ThreadPoolExecutor
     speaker = (tts.get_supported_speakers() or [None])[0]
     done = threading.Event()
@@ -176,15 +180,21 @@ def streams_beside(tts, worker, texts: list[str], wavs: list, sr: int, num_strea
     from bench.load.load import SR, Player
 
     def one(i: int) -> tuple[float, float]:
+        time.sleep(i * stagger_s)
         t0 = time.perf_counter()
-        first, player = None, Player()  # the load client's listener: plays from the first chunk, pauses when dry
-        for c in tts.generate_custom_voice_stream(texts[i % len(texts)], speaker=speaker, language="English",
+        first, player, pcm = None, Player(), []  # the load client's listener: plays from the first chunk, pauses when dry
+        text = texts[i % len(texts)]
+        for c in tts.generate_custom_voice_stream(text, speaker=speaker, language="English",
                                                   do_sample=False, subtalker_dosample=False, max_new_tokens=frames,
                                                   first_chunk_frames=1, chunk_frames=8):
             assert c.sample_rate == SR, c.sample_rate
             now = time.perf_counter()
             first = now - t0 if first is None else first
             player.feed(now, 2 * c.audio.shape[-1])  # (bytes of s16 PCM)
+            pcm.append(c.audio)
+        if own is not None:
+            own.submit(np.concatenate(pcm), SR, text, "English").result()
+            aligned[0] += 1
         return first, player.stall_s
 
     aligned = [0]
@@ -206,7 +216,8 @@ def streams_beside(tts, worker, texts: list[str], wavs: list, sr: int, num_strea
     if bg:
         bg.join()
     firsts = sorted(f for f, _ in res)
-    return dict(streams=num_streams, first_audio_p50_ms=round(firsts[len(firsts) // 2] * 1000, 1),
+    return dict(streams=num_streams, stagger_ms=round(stagger_s * 1000, 1),
+                first_audio_p50_ms=round(firsts[len(firsts) // 2] * 1000, 1),
                 first_audio_max_ms=round(firsts[-1] * 1000, 1),
                 stall_max_ms=round(max(s for _, s in res) * 1000, 1),
                 stall_total_ms=round(sum(s for _, s in res) * 1000, 1), utterances_aligned_meanwhile=aligned[0])
@@ -235,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-batch", type=int, default=0,
                     help="with --streams: also rounds beside a served worker of this many rows a pass (the served "
                          "worker has q3tts.align.WORKER_MAX_BATCH)")
+    ap.add_argument("--stagger-ms", type=float, default=0.0,
+                    help="with --streams: also rounds of streams starting this far apart, alone and each with its "
+                         "own audio aligned as it ends by a served worker (the server's word_timestamps), "
+                         "interleaved")
     ap.add_argument("--out", default=None, help="write the JSON result here too")
     a = ap.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -318,12 +333,21 @@ def main(argv: list[str] | None = None) -> int:
                 workers[f"beside_batch{a.compare_batch}"] = AlignerWorker(
                     aligners[last], max_batch=a.compare_batch, busy=lambda: not tts.engine.settled)
             rounds = {name: [] for name in workers}
+            stagger = a.stagger_ms / 1000
+            if stagger:
+                rounds.update(staggered_alone=[], staggered_own_words=[])
             try:
                 streams_beside(tts, None, texts, wavs, sr, a.streams, frames)  # warm-up (first streams of the TTS)
                 for _ in range(a.rounds):
                     for name, worker in workers.items():
                         driver.step_stream = None if name == "beside_default_priority" else prio
                         rounds[name].append(streams_beside(tts, worker, texts, wavs, sr, a.streams, frames))
+                    driver.step_stream = prio
+                    if stagger:
+                        rounds["staggered_alone"].append(streams_beside(tts, None, texts, wavs, sr, a.streams, frames,
+                                                                        stagger_s=stagger))
+                        rounds["staggered_own_words"].append(streams_beside(
+                            tts, None, texts, wavs, sr, a.streams, frames, own=served, stagger_s=stagger))
             finally:
                 driver.step_stream = None
                 for w in {id(w): w for w in workers.values() if w is not None}.values():

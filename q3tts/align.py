@@ -51,10 +51,11 @@ __all__ = ["AlignerWorker", "ForcedAligner", "WordTime"]
 PREP_THREADS = 8  # CPU threads of a large batch's preparation (ForcedAligner._in_groups)
 PREP_MIN_SAMPLES = 1 << 20  # audio samples from which a batch's preparation is spread over them
 PREP_MIN_ROWS = 8  # rows of a group at least
-# the most rows of one AlignerWorker pass: passes of 16 rows still fill the GPU's GEMMs (rows x tokens), finish a burst
-# of utterances no later than passes of 64 (BENCHMARKS.md: the worker's figures), and keep a pass short, so that
-# newcomers' first chunks, which the engine's steps queue meanwhile (async_engine.step_stream), wait behind less
-WORKER_MAX_BATCH = 16
+# the most rows of one AlignerWorker pass: a burst of utterances (streams ending together) goes in few passes, each
+# pass's fixed host and launch work paid once for many rows; newcomers' first chunks do not wait for a long pass,
+# which does not start while the engine admits (busy) and runs on a stream below the engine's steps (BENCHMARKS.md:
+# the worker's figures, passes of 16 and 64 rows)
+WORKER_MAX_BATCH = 64
 # a worker's pass that can wait (its audio is out already) waits while the engine admits newcomers and makes their
 # first chunks (AlignerWorker's busy), at most this long from its oldest utterance's submission
 WORKER_MAX_DEFER_S = 0.25
