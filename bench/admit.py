@@ -1,6 +1,6 @@
 """What admitting a wave of newcomers costs on the host: `ModelRunner.admit` of N CustomVoice requests at once, by
 wave size, and its prompt-embedding part, each the median wall time over --runs (after --warmup), synchronized
-before and after (admit syncs at its end: it returns the waves' code 0).
+before and after (admit returns the wave's code 0 on the device: the sync after it waits for the wave).
 
 The engine is built as `q3tts serve` builds it (TTS.from_pretrained with serve's defaults, then build_engine:
 torch.compile and CUDA graphs where serve has them; --slots: serve's --max-concurrent). Prints one JSON object:

@@ -78,8 +78,8 @@ class PacedRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
-    def admit(self, lo, prepared) -> list[int]:  # the engine's entry (the real one embeds, then prefill_batch)
-        return self.prefill_batch(lo, prepared, [], [p.params for p in prepared])
+    def admit(self, lo, prepared) -> torch.Tensor:  # the engine's entry (the real one embeds, then prefill_batch)
+        return torch.tensor(self.prefill_batch(lo, prepared, [], [p.params for p in prepared]))  # as its [N] code 0
 
     def prefill_batch(self, lo, prefills, trailings, params, graphs: bool = True) -> list[int]:
         W = len(prefills)

@@ -294,11 +294,11 @@ class Engine:
         self.counters.admission_wait_s += sum(now - r.arrival_time for r in sched.prefill)
         lo = len(sched.decode)
         assert [r.slot for r in sched.prefill] == list(range(lo, lo + len(sched.prefill))), "newcomers: rows [B, B+N)"
-        codes0 = self.runner.admit(lo, [r.prepared for r in sched.prefill])
+        codes0 = self.runner.admit(lo, [r.prepared for r in sched.prefill])  # [N] on the device
         streaming = [r for r in sched.prefill if r.stream is not None]
         for req, row in zip(streaming, self.vocoder.open([r.prepared.ref_codes for r in streaming])):
             req.vocoder_row = row
-        return codes0
+        return codes0.tolist()  # the wave's host sync, once the vocoder rows' host work overlapped its prefill
 
     def _release_vocoder(self, req: EngineRequest) -> None:
         if req.vocoder_row is not None:

@@ -132,10 +132,11 @@ class ModelRunner:
                              code="input_too_long")
 
     @torch.inference_mode()
-    def admit(self, lo: int, prepared: list[PreparedRequest]) -> list[int]:
+    def admit(self, lo: int, prepared: list[PreparedRequest]) -> torch.Tensor:
         """Embed the prompts of N prepared requests (laid out, checked by check_prompt) and prefill them into rows
-        [lo, lo+N) -> their code 0 of frame 0. The wave is embedded in one pass (embed_prompts) and its slots written
-        per field (Slots.admit): a host->device copy each, none per row, whatever N."""
+        [lo, lo+N) -> their code 0 of frame 0 [N], on the device: no host sync (the caller reads it once its own host
+        work is done). The wave is embedded in one pass (embed_prompts) and its slots written per field (Slots.admit):
+        a host->device copy each, none per row, whatever N."""
         lens = [len(p.layout) for p in prepared]
         alone, buckets, L = self._prefill_shape(lens)
         x, trailing = embed_prompts(self.talker, [p.layout for p in prepared], [p.speaker_embedding for p in prepared],
@@ -181,7 +182,8 @@ class ModelRunner:
         for i, pre in enumerate(prefills):
             x[i, : lens[i]] = pre.to(self.dtype)
         trailing = torch.cat([t.to(self.device) for t in trailings]) if N else x.new_zeros(0, D)
-        return self.prefill_padded(lo, x, lens, alone, buckets, trailing, [t.shape[0] for t in trailings], params)
+        return self.prefill_padded(lo, x, lens, alone, buckets, trailing, [t.shape[0] for t in trailings],
+                                   params).tolist()
 
     def _prefill_shape(self, lens: list[int], graphs: bool = True) -> tuple[bool, list[int], int]:
         """For prompts of these lengths -> (prefilled one by one as alone, each one's padded length, the batch's
@@ -192,9 +194,10 @@ class ModelRunner:
         return alone, buckets, max(buckets)
 
     def prefill_padded(self, lo: int, x: torch.Tensor, lens: list[int], alone: bool, buckets: list[int],
-                       trailing: torch.Tensor, trailing_lens: list[int], params: list[SamplingParams]) -> list[int]:
+                       trailing: torch.Tensor, trailing_lens: list[int], params: list[SamplingParams]) -> torch.Tensor:
         """prefill_batch on the wave's padded prompts x [N, L, D] (lens: the real lengths; alone, buckets: from
-        _prefill_shape) and its trailing text packed [sum S_i, D] (row i's trailing_lens[i] rows in order)."""
+        _prefill_shape) and its trailing text packed [sum S_i, D] (row i's trailing_lens[i] rows in order) -> their
+        code 0 of frame 0 [N] on the device (rows [lo, lo+N) of last_code0: read it before the next frame)."""
         N, D, s = len(lens), self.cfg.hidden_size, self.slots
         r = slice(lo, lo + N)
         assert max(lens, default=0) < self.max_len and max(trailing_lens, default=0) <= self.max_len, "check_prompt"
@@ -219,7 +222,7 @@ class ModelRunner:
             h = self._prefill_forward(x, kv, table, last - 1)
         s.last_hidden[r] = h
         self._sample_code0(lo, lo + N, h, capped=False)
-        return s.last_code0[r].tolist()
+        return s.last_code0[r]
 
     def prefill_len(self, N: int, L: int) -> int:
         """The padded length a prefill of N prompts of up to L tokens runs at: on CUDA one prompt of up to

@@ -110,8 +110,7 @@ class Talker(nn.Module):
         table = self.model.text_embedding.weight
         if table.device.type != "cpu":
             return ids
-        return Fill((ids.shape[0], table.shape[1]), table.dtype,
-                    lambda out: torch.index_select(table.detach(), 0, ids, out=out))
+        return Fill((ids.shape[0], table.shape[1]), table.dtype, lambda out: take_rows(table, ids, out))
 
     def project_staged_text(self, staged: torch.Tensor) -> torch.Tensor:
         """The device copy of a staged_text section (rows [M, text_hidden] or ids [M]) -> [M, D], as embed_text."""
@@ -194,6 +193,17 @@ def embed_prompt(talker: Talker, layout, speaker_embedding: torch.Tensor | None 
     trailing = (talker.embed_text(torch.from_numpy(trail) if on_host else trail_dev) if trail.size
                 else x.new_zeros(0, talker.cfg.hidden_size))
     return x, trailing
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a dtype's bits, as an integer dtype
+
+
+def take_rows(table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, H] = table [V, H] rows ids [M] (host tensors; IndexError for an id outside the table), copied bit for
+    bit by numpy on the calling thread: torch's index_select spreads a gather of this size over its intra-op
+    threads, and waking them costs the engine's step a millisecond or more."""
+    bits = _BITS[table.element_size()]
+    np.take(table.detach().view(bits).numpy(), ids.numpy(), axis=0, out=out.view(bits).numpy())
 
 
 def embed_prompts(talker: Talker, layouts: list, speaker_embeddings: list[torch.Tensor | None],

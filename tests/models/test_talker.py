@@ -156,3 +156,20 @@ def test_a_wave_embeds_each_prompt_as_alone_in_batch_invariant_mode(real_checkpo
         assert torch.equal(x[i, :n], xa[0]) and torch.equal(x[i, :n], xo), i
         assert torch.equal(trailing[i], ta) and torch.equal(trailing[i], to), i
         assert not x[i, n:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_take_rows_is_index_select_bit_for_bit(dtype):
+    """The host-resident text table's rows gathered by take_rows (numpy, on the calling thread) are index_select's,
+    bit for bit (NaN and infinity too: a copy of the bits), repeated ids included; an id outside the table is an
+    IndexError, as index_select's."""
+    from q3tts.models.talker import take_rows
+    table = torch.randn(50, 24).to(dtype)
+    table[3, 0], table[4, 1] = float("nan"), float("inf")
+    ids = torch.tensor([3, 4, 0, 49, 3, 17])
+    out = torch.empty(6, 24, dtype=dtype)
+    take_rows(table, ids, out)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(out.view(bits), torch.index_select(table, 0, ids).view(bits))
+    with pytest.raises(IndexError):
+        take_rows(table, torch.tensor([0, 50]), torch.empty(2, 24, dtype=dtype))
