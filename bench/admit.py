@@ -8,6 +8,11 @@ per N, admit_ms, embed_ms (the wave's embedding, synchronized) and embed_host_ms
 no sync: its launch cost); with --profile N, the counts of the host-side events of one admit of N that matter here
 (copies, syncs) from torch.profiler.
 
+--behind S: whole engine steps as the server runs them (the deadline policy on): S streams running, then --runs
+steps per wave size that each admit N newcomers of 3 frames, three steps without newcomers after each (they finish
+there). Per N, the median step_ms, its admission phase (admit_phase_ms: the engine's counter) and the steps without
+newcomers (plain_step_ms); steps that admitted another number are left out (`admitted_other`).
+
     python3 -m q3tts.cli make-checkpoint --tiny /tmp/tiny && python3 -m bench.admit --ckpt /tmp/tiny --device cpu
     python3 -m bench.make_checkpoint --model 0.6B-CustomVoice --out /tmp/ck06 && python3 -m bench.admit --ckpt /tmp/ck06
 
@@ -25,6 +30,7 @@ import time
 import torch
 
 from q3tts import TTS
+from q3tts.engine import StreamOptions
 from q3tts.models import talker as talker_mod
 
 TEXTS = ["Hello there.", "The quick brown fox jumps over the lazy dog, twice, before breakfast.",
@@ -35,10 +41,11 @@ PROFILED = ("cudaMemcpyAsync", "cudaStreamSynchronize", "Memcpy HtoD (Pageable -
             "Memcpy HtoD (Pinned -> Device)", "aten::copy_", "aten::addmm", "aten::index_put_", "aten::index")
 
 
-def wave(tts: TTS, n: int) -> list:
+def wave(tts: TTS, n: int, **kwargs) -> list:
     speakers = sorted(tts.ckpt.cfg.talker.spk_id)
     texts = [TEXTS[i % len(TEXTS)] for i in range(n)]
-    return tts.prepare_custom_voice(texts, [speakers[i % len(speakers)] for i in range(n)], ["Auto"] * n, seed=1)
+    return tts.prepare_custom_voice(texts, [speakers[i % len(speakers)] for i in range(n)], ["Auto"] * n, seed=1,
+                                    **kwargs)
 
 
 def embed(runner, prepared: list) -> None:
@@ -86,6 +93,47 @@ def profile(runner, prepared: list, device: torch.device) -> dict:
     return {k: counts.get(k, 0) for k in PROFILED}
 
 
+def steps(tts: TTS, eng, waves: list[int], behind: int, runs: int) -> dict:
+    """Whole steps admitting each wave size behind `behind` running streams (--behind)."""
+    long = tts.prepare_custom_voice([TEXTS[i % len(TEXTS)] for i in range(behind)], ["vivian"] * behind, seed=1,
+                                    max_new_tokens=eng.runner.max_len)
+    running = [eng.add_request(p, stream=StreamOptions()) for p in long]
+    while any(r.slot is None or r.first_sent_at is None for r in running):
+        eng.step()
+    c = eng.counters
+
+    def step() -> tuple[float, float, int]:
+        admitted, phase = c.admitted, c.phase_s["admit"]
+        t0 = time.perf_counter()
+        eng.step()
+        return 1000 * (time.perf_counter() - t0), 1000 * (c.phase_s["admit"] - phase), c.admitted - admitted
+
+    out = {}
+    for n in waves:
+        timed_steps, plain, other = [], [], 0
+        for _ in range(runs):
+            for p in wave(tts, n, max_new_tokens=4):  # 3 frames: done within the plain steps after
+                eng.add_request(p, stream=StreamOptions())
+            ms, phase, admitted = step()
+            if admitted == n:
+                timed_steps.append((ms, phase))
+            else:
+                other += 1
+            for _ in range(3):
+                plain.append(step()[0])
+            while eng.scheduler.queue_depth or eng.scheduler.num_running > behind:
+                step()
+        med = lambda xs: round(statistics.median(xs), 3) if xs else None  # noqa: E731
+        out[n] = {"step_ms": med([t for t, _ in timed_steps]), "admit_phase_ms": med([p for _, p in timed_steps]),
+                  "max_step_ms": round(max((t for t, _ in timed_steps), default=0.0), 3),
+                  "plain_step_ms": med(plain), "steps": len(timed_steps), "admitted_other": other}
+    for r in running:
+        eng.abort(r.request_id)
+    while eng.has_work():
+        eng.step()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", required=True, help="a checkpoint directory (bench.make_checkpoint, or --tiny)")
@@ -97,10 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", type=int, default=0, help="also profile one admit of this wave size")
+    ap.add_argument("--behind", type=int, default=0, help="also time whole steps admitting each wave behind this "
+                    "many running streams")
     a = ap.parse_args(argv)
     waves = [int(n) for n in a.waves.split(",")]
     tts = TTS.from_pretrained(a.ckpt, device=a.device)
-    eng = tts.build_engine(max_slots=max(a.slots, max(waves)), max_seq_len=a.max_seq_len)
+    eng = tts.build_engine(max_slots=max(a.slots, max(waves)), max_seq_len=a.max_seq_len,
+                           deadline=True if a.behind else None)
     runner, dev = eng.runner, tts.ckpt.device
     assert runner.num_rows >= max(waves), f"{runner.num_rows} slots for a wave of {max(waves)}: pass --slots"
     out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "dtype": str(tts.ckpt.dtype),
@@ -118,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile:
         out["profile"] = {"N": a.profile, "events": profile(runner, wave(tts, a.profile), dev)}
     runner.slots.reset()
+    if a.behind:
+        out["steps"] = {"behind": a.behind, "waves": steps(tts, eng, waves, a.behind, a.runs)}
     print(json.dumps(out, indent=1))
     return 0
 

@@ -111,15 +111,14 @@ class _Launched:
     host: torch.Tensor  # [B, S + 1] each row's classes at every prompt slot, then its samples all finite (1 / 0)
     done: torch.cuda.Event | None  # recorded after host's copy (None: host is already written)
     slot_at: np.ndarray  # [B, n] where each row's <timestamp> slots lie, in order (2 a word; past them other slots)
-    rows: list[np.ndarray]  # the rows' prompt ids
 
-    def result(self) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-        """(classes [B, n] at each row's <timestamp> slots, [B] bool: the row's input samples all finite, the rows'
-        prompt ids), once the pass is done."""
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(classes [B, n] at each row's <timestamp> slots, [B] bool: the row's input samples all finite), once the
+        pass is done."""
         if self.done is not None:
             self.done.synchronize()
         h = self.host.numpy()
-        return h[np.arange(h.shape[0])[:, None], self.slot_at], h[:, -1].astype(bool), self.rows
+        return h[np.arange(h.shape[0])[:, None], self.slot_at], h[:, -1].astype(bool)
 
 
 class _PaddedPass:
@@ -389,7 +388,7 @@ class _PaddedPass:
             done.record()
         else:
             host = res
-        return _Launched(key, host, done, slot_at, rows)
+        return _Launched(key, host, done, slot_at)
 
 
 class ForcedAligner:
@@ -625,7 +624,7 @@ class ForcedAligner:
                 launched = self._padded(items, frames)  # None: a row under one chunk (the packed pass)
                 if launched is not None:
                     def finish() -> list[list[WordTime]]:
-                        classes, finite, _ = launched.result()
+                        classes, finite = launched.result()
                         _raise_unless_finite(items, finite)
                         return self._times(items, classes)
                     return finish

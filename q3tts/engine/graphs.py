@@ -91,14 +91,14 @@ def capture_runner(runner) -> int:
     with side_stream():
         runner.warm_up_frames(list(warm.values()))
         for L in lens:
-            runner._prefill_into_scratch(L)
+            runner._prefill_one(L)
     compiled = compile_counts()
     with gc_paused():
         for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
             runner.graphs[key], _ = capture(lambda: runner._frame(*key), runner._pool)  # noqa: B023 (called at once)
             runner._pool = runner.graphs[key].pool()
         for L in lens:
-            runner.prefill_graphs[L], _ = capture(lambda: runner._prefill_into_scratch(L), runner._pool)  # noqa: B023
+            runner.prefill_graphs[L], _ = capture(lambda: runner._prefill_one(L), runner._pool)  # noqa: B023
     # a variant compiled inside a capture (a span that needed its own) is a bug: it ran no warm-up, and its kernels
     # were tuned while capturing
     now = compile_counts()

@@ -12,7 +12,8 @@ A row whose streamed text has not reached its next token sits the frame out (`ac
 others, its state is left as it was, so it runs the same frame later. A frame has fixed shapes for fixed (B, n),
 reads no host value and syncs nothing, so on CUDA it is one CUDA graph per (batch bucket, length bucket, sampler),
 replayed with padding rows. One request's prefill is a graph too, per padded prompt length (PREFILL_GRAPH_LENS),
-into a scratch cache row then copied into the request's row (q3tts.engine.graphs).
+into a scratch cache row then copied into the request's row, with its code 0 drawn into its row by a device index
+(q3tts.engine.graphs).
 """
 
 from __future__ import annotations
@@ -198,30 +199,30 @@ class ModelRunner:
         """prefill_batch on the wave's padded prompts x [N, L, D] (lens: the real lengths; alone, buckets: from
         _prefill_shape) and its trailing text packed [sum S_i, D] (row i's trailing_lens[i] rows in order) -> their
         code 0 of frame 0 [N] on the device (rows [lo, lo+N) of last_code0: read it before the next frame)."""
-        N, D, s = len(lens), self.cfg.hidden_size, self.slots
+        N, s = len(lens), self.slots
         r = slice(lo, lo + N)
         assert max(lens, default=0) < self.max_len and max(trailing_lens, default=0) <= self.max_len, "check_prompt"
         last = s.admit(lo, params, lens, trailing, trailing_lens)  # [N] the prompts' lengths, on the device
-        if alone:
-            h = torch.empty(N, D, device=self.device, dtype=self.dtype)
+        if alone:  # NOTE(alone): each newcomer's prefill and code 0 exactly as when it comes alone, row by row
             for i, b in enumerate(buckets):
                 graph = self.prefill_graphs.get(b)
-                if graph is not None:  # its bucket's captured forward into the scratch cache, then copied into its row
+                if graph is not None:  # its bucket's captured prefill (scratch cache) and code 0; the cache row copied
                     self.prefill_in[:, :b] = x[i, :b]
-                    self.prefill_last.copy_(last[i:i + 1] - 1)
+                    self.prefill_last.fill_(lens[i] - 1)
+                    self.prefill_row.fill_(lo + i)
                     graph.replay()
                     self.kv[:, :, lo + i, :, :b] = self.prefill_kv[:, :, 0, :, :b]
-                    h[i] = self.prefill_h[0]
                 else:
                     table = None if self.block_table is None else self.block_table[lo + i:lo + i + 1]
                     kv = self.kv if table is not None else self.kv[:, :, lo + i:lo + i + 1]
-                    h[i] = self._prefill_forward(x[i:i + 1, :b], kv, table, last[i:i + 1] - 1)[0]
+                    h = self._prefill_forward(x[i:i + 1, :b], kv, table, last[i:i + 1] - 1)
+                    self._first_code0(h, torch.full((1,), lo + i, device=self.device))
         else:
             kv = self.kv if self.block_table is not None else self.kv[:, :, r]
             table = None if self.block_table is None else self.block_table[r]
             h = self._prefill_forward(x, kv, table, last - 1)
-        s.last_hidden[r] = h
-        self._sample_code0(lo, lo + N, h, capped=False)
+            s.last_hidden[r] = h
+            self._sample_code0(lo, lo + N, h, capped=False)
         return s.last_code0[r]
 
     def prefill_len(self, N: int, L: int) -> int:
@@ -251,16 +252,34 @@ class ModelRunner:
         return out[torch.arange(N, device=self.device), last]
 
     # ------------------------------------------------------------------ the frame
+    def _draw_code0(self, h: torch.Tensor, rows: slice | torch.Tensor, capped: bool) -> torch.Tensor:
+        """h [B, D] final talker hidden of rows (a slice, or their indices [B] on the device) -> their code 0 [B]: the
+        rules on the rows' history, then the sampler on their noise. Reads the slots, writes nothing."""
+        t, s = self.cfg, self.slots
+        p = s.sampling.rows(rows)
+        generated = s.num_generated[rows]
+        logits = linear(h, self.talker.codec_head.weight).float()
+        logits = self._rules(logits, s.seen[rows], p.repetition_penalty, generated, t.codec_eos_token_id,
+                             t.vocab_size - 1024)
+        noise = uniform_noise(s.seed[rows], generated, 0, logits.shape[-1])
+        return self.depth.draw(capped, s.topk_ok[rows], logits, p.do_sample, p.temperature, p.top_k, p.top_p, noise)
+
+    def _first_code0(self, h: torch.Tensor, row: torch.Tensor) -> None:
+        """One newcomer's prefill result: h [1, D] its prompt's last hidden, row [1] its row on the device -> its code
+        0 of frame 0, history and counters, written by index (no host value: a prefill graph captures it with its
+        row as an input). The uncapped sampler, as for any newcomer (its parameters are not checked on the host)."""
+        s = self.slots
+        code0 = self._draw_code0(h, row, capped=False)
+        s.last_hidden.index_copy_(0, row, h)
+        s.seen.index_copy_(0, row, s.seen[row].scatter_(1, code0[:, None], True))
+        s.num_generated.index_copy_(0, row, s.num_generated[row] + 1)
+        s.last_code0.index_copy_(0, row, code0)
+
     def _sample_code0(self, lo: int, hi: int, h: torch.Tensor, capped: bool, act: torch.Tensor | None = None) -> None:
         """h: [B, D] final talker hidden of rows [lo, hi) -> last_code0; updates history and counters
         (act [B] bool: only of those rows)."""
-        t, s, r = self.cfg, self.slots, slice(lo, hi)
-        p = s.sampling.rows(r)
-        logits = linear(h, self.talker.codec_head.weight).float()
-        logits = self._rules(logits, s.seen[r], p.repetition_penalty, s.num_generated[r], t.codec_eos_token_id,
-                             t.vocab_size - 1024)
-        noise = uniform_noise(s.seed[r], s.num_generated[r], 0, logits.shape[-1])
-        code0 = self.depth.draw(capped, s.topk_ok[r], logits, p.do_sample, p.temperature, p.top_k, p.top_p, noise)
+        s, r = self.slots, slice(lo, hi)
+        code0 = self._draw_code0(h, r, capped)
         if act is None:
             s.seen[r].scatter_(1, code0[:, None], True)
             s.num_generated[r] += 1
@@ -330,21 +349,24 @@ class ModelRunner:
         return [(B, n, c) for B in self.batch_buckets for n in lens for c in (True, False)]
 
     def alloc_prefill_scratch(self) -> None:
-        """The prefill graphs' static input and outputs, and a scratch cache of one row that they write, copied into
-        the admitted row afterwards. The input an inference tensor and the cache not, as an eager prefill's: the
-        compiled layers guard on their inputs' dispatch keys (more compilations at start-up otherwise)."""
+        """The prefill graphs' static inputs (the padded prompt, its last index, the newcomer's row) and a scratch
+        cache of one row that they write, copied into the admitted row afterwards. The inputs inference tensors and
+        the cache not, as an eager prefill's: the compiled layers guard on their inputs' dispatch keys (more
+        compilations at start-up otherwise)."""
         cfg, D, dev, dt = self.cfg, self.cfg.hidden_size, self.device, self.dtype
         Lp = max(b for b in PREFILL_GRAPH_LENS if b <= self.max_len)
         with torch.inference_mode():
             self.prefill_in = torch.zeros(1, Lp, D, device=dev, dtype=dt)
             self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
-            self.prefill_h = torch.zeros(1, D, device=dev, dtype=dt)
+            self.prefill_row = torch.zeros(1, dtype=torch.long, device=dev)
         self.prefill_kv = torch.zeros(cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, Lp + KV_SPARE,
                                       cfg.head_dim, device=dev, dtype=dt)
 
-    def _prefill_into_scratch(self, L: int) -> None:
-        """One request's prefill at padded length L from the static input into the scratch cache (a prefill graph)."""
-        self.prefill_h.copy_(self._prefill_forward(self.prefill_in[:, :L], self.prefill_kv, None, self.prefill_last))
+    def _prefill_one(self, L: int) -> None:
+        """One newcomer's admission at padded length L (a prefill graph): its prompt from the static input into the
+        scratch cache, then its code 0 of frame 0 into its row (prefill_row; _first_code0)."""
+        h = self._prefill_forward(self.prefill_in[:, :L], self.prefill_kv, None, self.prefill_last)
+        self._first_code0(h, self.prefill_row)
 
     def warm_up_frames(self, keys) -> None:
         """One frame per key before capturing (compilation, allocations, cuBLAS handles), each from position 0: past

@@ -23,8 +23,9 @@ if triton is not None:
         x = ((x >> 16) ^ x) * 0x45D9F3B & 0x7FFFFFFF
         return (x >> 16) ^ x
 
-    # a newcomer's code 0 draws its noise eagerly on the seed and step of rows [lo, lo + N) (runner._sample_code0):
-    # one variant for every row offset and N, compiled by the warm-up (seed and step are read one value a program)
+    # a wave prefilled in one batch draws its code 0's noise eagerly on the seed and step of rows [lo, lo + N)
+    # (runner._sample_code0): one variant for every row offset and N, compiled by the warm-up (seed and step are read
+    # one value a program)
     @triton.jit(**unspecialized("seed_ptr", "step_ptr", "B", "first_stream"))
     def _frame_noise(seed_ptr, step_ptr, out_ptr, B, V, first_stream, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # stream-major rows: stream row // B, batch row row % B

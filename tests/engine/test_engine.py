@@ -96,7 +96,7 @@ class ScratchReplay:
 
     def replay(self) -> None:
         self.replays += 1
-        self.runner._prefill_into_scratch(self.L)
+        self.runner._prefill_one(self.L)
 
 
 def with_prefill_replays(runner, monkeypatch):
