@@ -64,3 +64,25 @@ def test_the_paced_runner_tells_its_regimes():
 
     assert PacedRunner(CPU(), 0.0, 0.0, alone_max=10).prefill_alone_max() == 10
     assert PacedRunner(CPU(), 0.0, 0.0).prefill_alone_max() == 0
+
+
+def test_host_ms_is_spent_busy_on_the_stepping_thread():
+    """--host-ms: each frame's part that holds the GIL is a busy loop on the engine's thread (its CPU time), before the
+    GIL-free wait (a sleep: no CPU time)."""
+    import time
+
+    from bench.load.paced_server import PacedRunner
+
+    class Runner:
+        K = 2
+
+    busy = PacedRunner(Runner(), 0.0, decode_s=0.01, host_s=0.02)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    out = busy.decode_frame(3, [True] * 3)
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    assert out.codes.shape == (3, 2) and wall >= 0.03
+    assert cpu >= 0.015  # the 20 ms spin (a scheduler's preemption may take a few ms of it); the sleep adds none
+    idle = PacedRunner(Runner(), 0.0, decode_s=0.02)
+    c0 = time.thread_time()
+    idle.decode_frame(3, [True] * 3)
+    assert time.thread_time() - c0 < 0.01
