@@ -15,7 +15,9 @@ Two kinds of level:
 
 Every request streams pcm, so every byte is timed as it arrives (aiohttp clients, made for many concurrent
 connections; httpx's, kept as --client httpx, delayed requests by up to seconds from 64 streams on). Per request:
-time to first audio (first audio byte after the request was sent), audio seconds, real-time factor (wall time /
+time to first audio (first audio byte after the request was sent; with aiohttp also the client's own wait until the
+request's headers were written, `client_send`, and first audio from then, `ttfa_from_send`: a burst of requests from one
+client process goes out one after another), audio seconds, real-time factor (wall time /
 audio seconds) and its stalls: a player that starts at the first byte and pauses whenever it has played all it
 received; a stall is such a pause. Its total is also the buffer a listener needs after the first byte never to
 pause (both are the largest lateness of a chunk against the audio before it). Per level: aggregate audio seconds
@@ -104,12 +106,32 @@ async def one_request(client: aiohttp.ClientSession | httpx.AsyncClient, body: d
     if isinstance(client, httpx.AsyncClient):
         async with client.stream("POST", "/v1/audio/speech", json=body) as r:
             return {"sent": sent, **await timed_body(t0, r.status_code, r.headers, r.aiter_raw(), r.aread)}
-    async with client.post("/v1/audio/speech", json=body) as r:
-        return {"sent": sent, **await timed_body(t0, r.status, r.headers, r.content.iter_any(), r.read)}
+    on_wire: dict[str, float] = {}  # HEADERS_SENT: when aiohttp wrote the request's headers (client_trace)
+    async with client.post("/v1/audio/speech", json=body, trace_request_ctx=on_wire) as r:
+        return {"sent": sent, **await timed_body(t0, r.status, r.headers, r.content.iter_any(), r.read,
+                                                 on_wire.get(HEADERS_SENT))}
 
 
-async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[bytes], read) -> dict:
-    """One response's body read as it arrives -> the request's figures."""
+HEADERS_SENT = "headers_sent"
+
+
+def client_trace() -> aiohttp.TraceConfig:
+    """aiohttp's hook at the moment a request's headers are written: the client's own delay before it (its event
+    loop busy with other streams, a new connection) is not the server's, and a burst of requests from one process
+    goes out one after another."""
+    async def headers_sent(session, ctx, params) -> None:
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx[HEADERS_SENT] = time.perf_counter()
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(headers_sent)
+    return trace
+
+
+async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[bytes], read,
+                     on_wire: float | None = None) -> dict:
+    """One response's body read as it arrives -> the request's figures (on_wire: when its headers were written, the
+    aiohttp client's; client_send_s is the wait before it)."""
     if status != 200:
         return {"error": f"{status}: {(await read())[:300].decode(errors='replace')}"}
     player = Player()
@@ -120,7 +142,7 @@ async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[byte
     audio_s = player.nbytes / 2 / SR
     return {"ttfa_s": (player.first or t1) - t0, "wall_s": t1 - t0, "audio_s": audio_s,
             "rtf": (t1 - t0) / audio_s if audio_s else None, "stall_s": player.stall_s, "gap_s": player.gap_s,
-            "replica": headers.get("x-q3tts-replica")}
+            "replica": headers.get("x-q3tts-replica"), "client_send_s": None if on_wire is None else on_wire - t0}
 
 
 @asynccontextmanager
@@ -134,8 +156,8 @@ async def streaming_client(kind: str, url: str, connections: int, headers: dict)
             yield client
     else:
         async with aiohttp.ClientSession(url, headers=headers, timeout=aiohttp.ClientTimeout(total=600),
-                                         connector=aiohttp.TCPConnector(limit=connections + 4 if connections else 0)
-                                         ) as client:
+                                         connector=aiohttp.TCPConnector(limit=connections + 4 if connections else 0),
+                                         trace_configs=[client_trace()]) as client:
             yield client
 
 
@@ -296,7 +318,7 @@ def run_processes(jobs: list[dict], cpus: list[int] | None) -> list[dict]:
     return [got[i] for i in range(len(jobs))]
 
 
-PER_REQUEST = ("sent", "ttfa_s", "audio_s", "stall_s", "gap_s", "replica", "error")
+PER_REQUEST = ("sent", "ttfa_s", "client_send_s", "audio_s", "stall_s", "gap_s", "replica", "error")
 
 
 def level_summary(results: list[dict], wall: float, stall_tolerance_s: float) -> dict:
@@ -305,6 +327,7 @@ def level_summary(results: list[dict], wall: float, stall_tolerance_s: float) ->
     rtfs = [r["rtf"] for r in ok if r["rtf"] is not None]
     stalls = [r["stall_s"] for r in ok]
     lags = [r["send_lag_s"] for r in results if "send_lag_s" in r]
+    sends = [r["client_send_s"] for r in ok if r.get("client_send_s") is not None]
     return {
         "requests": len(results),
         "errors": len(results) - len(ok),
@@ -313,6 +336,10 @@ def level_summary(results: list[dict], wall: float, stall_tolerance_s: float) ->
         "audio_s": round(audio, 3),
         "audio_s_per_s": round(audio / wall, 3) if wall else None,
         "ttfa_ms": summary([r["ttfa_s"] for r in ok], 1000, 1, (50, 95, 99)),
+        # aiohttp: the client's own wait from a request's start to its headers written, and first audio from then
+        "client_send_ms": summary(sends, 1000, 1, (50, 95)) if sends else None,
+        "ttfa_from_send_ms": summary([r["ttfa_s"] - r["client_send_s"] for r in ok if r.get("client_send_s") is not None],
+                                     1000, 1, (50, 95, 99)) if sends else None,
         "rtf": summary(rtfs),
         "all_faster_than_real_time": bool(rtfs) and max(rtfs) < 1.0,
         # the streams whose player paused for more than the tolerance in all; the pauses' total and longest

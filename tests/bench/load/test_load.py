@@ -42,6 +42,12 @@ def test_load_counts_every_byte_the_server_sends(paced, client, tmp_path):
     ttfa = level["ttfa_ms"]
     assert 0 < ttfa["p50"] <= ttfa["p95"] <= ttfa["p99"] <= ttfa["max"] <= 1000 * level["wall_s"]
     assert level["replicas"] == {"null": 6}
+    if client == "aiohttp":  # the client's own wait until each request's headers were written, and first audio after
+        send, after = level["client_send_ms"], level["ttfa_from_send_ms"]
+        assert 0 <= send["p50"] <= send["max"] < ttfa["max"]
+        assert 0 < after["p50"] <= ttfa["p50"] and after["max"] <= ttfa["max"]
+    else:
+        assert level["client_send_ms"] is None and level["ttfa_from_send_ms"] is None
     server = level["server"]  # the /metrics deltas cover this level's 6 requests and no other
     assert server["engine_steps"] >= 10 and server["ttfa_ms_mean"] > 0
     # frames every ~1 ms against 80 ms of audio each: no stream ever waits
