@@ -12,7 +12,8 @@ admission's prefill of its W newcomers (prefill-ms + prefill-ms-per-request x W,
 admit times measured by wave size; --alone-max: the waves up to it are what the engine tells the deadline policy
 are prefill graph replays, as a CUDA runner would; --text-ms: each call that hands a row its streamed text, as a GPU
 runner's host->device copy and projection of it; --host-ms: part of each frame spent holding the GIL instead, as a GPU
-runner's Python launches of a step do); the frames are code 1 (never EOS) and the audio silence. Given the step times
+runner's Python launches of a step do; --prefill-host-share: that share of each admission's wait spent holding the GIL,
+as a GPU runner's host-bound admission does); the frames are code 1 (never EOS) and the audio silence. Given the step times
 measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
 HTTP side or the client is the limit, without a GPU.
 """
@@ -59,14 +60,22 @@ def prefill_wait_s(table: list[tuple[int, float]], W: int) -> float:
     return max(0.0, ms1 + (ms1 - ms0) * (W - w1) / (w1 - w0)) / 1000
 
 
+def busy(seconds: float) -> None:
+    """Hold the GIL for `seconds` (a busy loop), as the interpreter launching a step's work does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 class PacedRunner:
     """The engine's ModelRunner with prefill and frame as GIL-free waits; the rest (slots, prompts) is the real one."""
 
     def __init__(self, runner, prefill_s: float, decode_s: float, prefill_per_request_s: float = 0.0,
                  prefill_table: list[tuple[int, float]] | None = None, alone_max: int | None = None,
-                 text_s: float = 0.0, host_s: float = 0.0):
+                 text_s: float = 0.0, host_s: float = 0.0, prefill_host_share: float = 0.0):
         self._runner, self.prefill_s, self.decode_s = runner, prefill_s, decode_s
         self.host_s = host_s  # each frame's part that holds the GIL (Python at work), before its GIL-free wait
+        self.prefill_host_share = prefill_host_share  # of each admission's wait, the share that holds the GIL
         self.text_s = text_s  # each call that embeds streamed text into rows (the real one runs too)
         self.prefill_per_request_s = prefill_per_request_s  # a batched prefill's part that grows with its rows
         self.prefill_table = prefill_table  # given: replaces both (the wave's wait by its size)
@@ -85,8 +94,10 @@ class PacedRunner:
 
     def prefill_batch(self, lo, prefills, trailings, params, graphs: bool = True) -> list[int]:
         W = len(prefills)
-        time.sleep(prefill_wait_s(self.prefill_table, W) if self.prefill_table
-                   else self.prefill_s + self.prefill_per_request_s * W)
+        wait = (prefill_wait_s(self.prefill_table, W) if self.prefill_table
+                else self.prefill_s + self.prefill_per_request_s * W)
+        busy(self.prefill_host_share * wait)
+        time.sleep((1 - self.prefill_host_share) * wait)
         return [1] * len(prefills)
 
     def append_text(self, feeds) -> None:
@@ -95,9 +106,7 @@ class PacedRunner:
 
     def decode_frame(self, B: int, active: list[bool]):
         from q3tts.engine.scheduler import FrameResult
-        end = time.perf_counter() + self.host_s
-        while time.perf_counter() < end:  # the GIL held, as by the interpreter launching work
-            pass
+        busy(self.host_s)
         time.sleep(self.decode_s)
         return FrameResult(torch.ones(B, self._runner.K, dtype=torch.long), [1] * B)
 
@@ -119,7 +128,8 @@ class PacedVocoder:
 
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
               prefill_ms_per_request: float = 0.0, prefill_table: list[tuple[int, float]] | None = None,
-              alone_max: int | None = None, text_ms: float = 0.0, trace: str | None = None, host_ms: float = 0.0):
+              alone_max: int | None = None, text_ms: float = 0.0, trace: str | None = None, host_ms: float = 0.0,
+              prefill_host_share: float = 0.0):
     """The server's app on the tiny random CustomVoice checkpoint of the tests, its device work paced."""
     from q3tts import TTS
     from q3tts.server.app import create_app
@@ -132,7 +142,7 @@ def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, 
                                          voice_dir=tempfile.mkdtemp(prefix="q3tts-paced-")))
     engine = app.state.engine.engine  # its thread waits for work: no step runs before the first request
     engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000, prefill_ms_per_request / 1000,
-                                prefill_table, alone_max, text_ms / 1000, host_ms / 1000)
+                                prefill_table, alone_max, text_ms / 1000, host_ms / 1000, prefill_host_share)
     engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
     if trace:
         from bench.load.phase_trace import PhaseTrace
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="each call that hands rows their streamed text (a GPU runner's copy and projection of it)")
     ap.add_argument("--host-ms", type=float, default=0.0,
                     help="of each frame, the part that holds the GIL (a busy loop) before --decode-ms's GIL-free wait")
+    ap.add_argument("--prefill-host-share", type=float, default=0.0,
+                    help="of each admission's wait, the share spent holding the GIL (0-1; a host-bound admission)")
     ap.add_argument("--trace", default=None, help="append a JSON line per streaming request at its first audio: "
                     "ms from its arrival to its prompt laid out, its admission and its first chunk")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
@@ -169,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--alone-max {a.alone_max}: expected an integer >= 0, with --prefill-table")
     if a.prefill_table and (a.prefill_ms is not None or a.prefill_ms_per_request is not None):
         ap.error("--prefill-table replaces --prefill-ms and --prefill-ms-per-request: give one or the other")
+    if not 0 <= a.prefill_host_share <= 1:
+        ap.error(f"--prefill-host-share {a.prefill_host_share}: expected a share from 0 to 1")
     if a.switch_interval_ms:
         sys.setswitchinterval(a.switch_interval_ms / 1000)
     import uvicorn
@@ -181,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         from q3tts.engine.runner import PREFILL_GRAPH_MAX_REQUESTS
         a.alone_max = PREFILL_GRAPH_MAX_REQUESTS
     app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, alone_max=a.alone_max,
-                    text_ms=a.text_ms, trace=a.trace, host_ms=a.host_ms, **given)
+                    text_ms=a.text_ms, trace=a.trace, host_ms=a.host_ms, prefill_host_share=a.prefill_host_share,
+                    **given)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 
