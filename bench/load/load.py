@@ -142,7 +142,8 @@ async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[byte
     audio_s = player.nbytes / 2 / SR
     return {"ttfa_s": (player.first or t1) - t0, "wall_s": t1 - t0, "audio_s": audio_s,
             "rtf": (t1 - t0) / audio_s if audio_s else None, "stall_s": player.stall_s, "gap_s": player.gap_s,
-            "replica": headers.get("x-q3tts-replica"), "client_send_s": None if on_wire is None else on_wire - t0}
+            "replica": headers.get("x-q3tts-replica"), "client_send_s": None if on_wire is None else on_wire - t0,
+            "request_id": headers.get("x-request-id")}  # the server's id (bench.load.phase_trace --join)
 
 
 @asynccontextmanager
@@ -318,7 +319,7 @@ def run_processes(jobs: list[dict], cpus: list[int] | None) -> list[dict]:
     return [got[i] for i in range(len(jobs))]
 
 
-PER_REQUEST = ("sent", "ttfa_s", "client_send_s", "audio_s", "stall_s", "gap_s", "replica", "error")
+PER_REQUEST = ("sent", "ttfa_s", "client_send_s", "audio_s", "stall_s", "gap_s", "replica", "request_id", "error")
 
 
 def level_summary(results: list[dict], wall: float, stall_tolerance_s: float) -> dict:

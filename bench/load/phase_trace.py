@@ -3,11 +3,17 @@
     python -m bench.load.phase_trace trace.jsonl serve --model DIR ...   `q3tts serve` (the command line after the
                                                                           file), its engine traced
     python -m bench.load.phase_trace --summary trace.jsonl               percentiles of each phase
+    python -m bench.load.phase_trace --join trace.jsonl load.json        a traced server's requests joined with the
+                                                                          client's (`bench.load.load --per-request`)
     python -m bench.load.paced_server --trace trace.jsonl ...            the paced server, traced
 
 One JSON line per streaming request at its first audio: ms from its arrival (a WebSocket utterance: its first text)
 to its prompt laid out (`prompt`, streamed text only), its admission (`admit`), its first trailing text token handed to
-its row (`text`: frame 0 may run), its first chunk made (`first`), and that chunk's frames. The trace wraps a few of
+its row (`text`: frame 0 may run), its first chunk made (`first`), and that chunk's frames; with its id (`id`) and its
+arrival on the wall clock (`arrival`, s since the epoch). `--join` matches them by id with a load run's requests
+(their send time and first audio byte, on the same machine's wall clock) and splits each first audio in three: from
+the client's send to the request's arrival in the server's handler (`to_handler`), the engine's part until its first
+chunk is made (`engine`), and from there to the client's first byte (`to_client`). The trace wraps a few of
 the engine's methods (a loop over the running rows per step: a diagnostic, not for timing the engine itself).
 
 Beside it, `<trace>.steps`: one JSON line per step that admitted newcomers, took SLOW_STEP_MS or more, or followed a
@@ -33,6 +39,7 @@ class PhaseTrace:
     def __init__(self, engine, path: str):
         self.out = open(path, "a", buffering=1)
         self.at: dict[str, dict] = {}  # request id -> phase -> perf_counter
+        self.wall = time.time() - time.perf_counter()  # perf_counter -> the wall clock
         set_prompt, schedule, vocode = engine._set_prompt, engine.scheduler.schedule, engine._vocode
         feed_text = engine._feed_text
 
@@ -66,8 +73,8 @@ class PhaseTrace:
                 if c.frame_index == 0 and c.num_frames and c.request_id in arrival:
                     at, t0 = self.at.pop(c.request_id, {}), arrival[c.request_id]
                     ms = {k: round((v - t0) * 1000, 1) for k, v in at.items()}
-                    self.out.write(json.dumps({**ms, "first": round((now - t0) * 1000, 1),
-                                               "frames": c.num_frames}) + "\n")
+                    self.out.write(json.dumps({**ms, "first": round((now - t0) * 1000, 1), "frames": c.num_frames,
+                                               "id": c.request_id, "arrival": round(t0 + self.wall, 6)}) + "\n")
             return chunks
 
         engine._set_prompt, engine.scheduler.schedule, engine._vocode = _set_prompt, _schedule, _vocode
@@ -102,12 +109,7 @@ def summary(path: str) -> dict:
     """Per phase and per gap between a request's consecutive phases: n, p50 / p95 / max ms over the trace's requests;
     and the first chunks' sizes."""
     rows = [json.loads(line) for line in open(path)]
-
-    def pct(v: list[float]) -> dict:
-        v = sorted(v)
-        return {"n": len(v), **({"p50": v[len(v) // 2], "p95": v[min(len(v) - 1, int(0.95 * len(v)))], "max": v[-1]}
-                                if v else {})}
-
+    pct = _pct
     out = {k: pct([r[k] for r in rows if k in r]) for k in PHASES}
     gaps: dict[str, list[float]] = {}  # between each request's consecutive phases
     for r in rows:
@@ -120,8 +122,42 @@ def summary(path: str) -> dict:
     return out
 
 
+def join(trace_path: str, load_path: str) -> dict:
+    """Per level of a load run (`bench.load.load --per-request`) against the traced server: its requests found in the
+    trace, and p50 / p95 / max ms of each part of their first audio (the module's docstring)."""
+    traced = {}
+    for line in open(trace_path):
+        r = json.loads(line)
+        if "id" in r:
+            traced[r["id"]] = r
+    out = {}
+    for lv in json.load(open(load_path))["levels"]:
+        name = f"C={lv['concurrency']}" if lv["mode"] == "closed" else f"{lv['rate']} req/s"
+        parts: dict[str, list[float]] = {"to_handler": [], "engine": [], "to_client": []}
+        for q in lv.get("per_request") or []:
+            t = traced.get(q.get("request_id"))
+            if t is None or q.get("ttfa_s") is None:
+                continue
+            made = t["arrival"] + t["first"] / 1000  # the first chunk made, wall clock
+            parts["to_handler"].append(round(1000 * (t["arrival"] - q["sent"]), 1))
+            parts["engine"].append(t["first"])
+            parts["to_client"].append(round(1000 * (q["sent"] + q["ttfa_s"] - made), 1))
+        out[name] = {"requests": len(lv.get("per_request") or []), **{k: _pct(v) for k, v in parts.items()}}
+    return out
+
+
+def _pct(v: list[float]) -> dict:
+    v = sorted(v)
+    return {"n": len(v), **({"p50": v[len(v) // 2], "p95": v[min(len(v) - 1, int(0.95 * len(v)))], "max": v[-1]}
+                            if v else {})}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--join"] and len(argv) == 3:
+        for level, parts in join(argv[1], argv[2]).items():
+            print(f"{level:>14}: {parts}")
+        return 0
     if argv[:1] == ["--summary"] and len(argv) == 2:
         for k, v in summary(argv[1]).items():
             print(f"{k:>14}: {v}")

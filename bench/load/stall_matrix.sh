@@ -18,7 +18,9 @@
 # Env: DEVICE, OUT, LIMIT, SLOTS, C06 ("64,128"), C17 ("64"), CBASE ("64"), BASE (1), BASE_TOGETHER (by memory),
 #      RATES ("10,20"), REQS (2), FRAMES (126: 10 s), POISSON_FRAMES (63: 5 s), POISSON_S (8: seconds of arrivals
 #      per rate), CLIENT_CPUS ("12-15" on cuda), TRACE (0; 1: each server's engine traced by bench/load/phase_trace.py
-#      into $OUT/trace-NAME.jsonl and its .steps, every level of that server in one file; a summary per server at the end).
+#      into $OUT/trace-NAME.jsonl and its .steps, every level of that server in one file, the loads with --per-request;
+#      a summary per server at the end, and each level's first audio split by `phase_trace --join`: to the handler,
+#      the engine, back to the client).
 set -uo pipefail
 export Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}  # the servers' engines read it (q3tts.engine.engine)
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/stall_matrix}
@@ -76,7 +78,8 @@ load() {  # load NAME PORT ARGS...: one bench/load/load.py run against a server,
   local name=$1 port=$2; shift 2
   [ "$(left)" -gt 5 ] || { echo "no time left for $name"; return 1; }
   timeout "$(left)" python3 -m $LOAD --url "http://127.0.0.1:$port" --processes "$PROCS" \
-    ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --out "$OUT/load-$name.json" "$@" > /dev/null 2> "$OUT/load-$name.err"
+    ${CLIENT_CPUS:+--client-cpus "$CLIENT_CPUS"} --out "$OUT/load-$name.json" "$@" \
+    $([ "${TRACE:-0}" = 1 ] && echo --per-request) > /dev/null 2> "$OUT/load-$name.err"
   echo "load $name: exit $? after $(( $(date +%s) - T0 )) s"
 }
 base_voice() {  # the stored ICL voice "icl" on the Base server (a fresh voice directory: the name is free)
@@ -118,6 +121,10 @@ if [ "${TRACE:-0}" = 1 ]; then
     [ -s "$f" ] || continue
     echo "trace $(basename "$f"): $(wc -l < "$f") first audios, $(wc -l < "$f.steps") steps logged"
     python3 -m bench.load.phase_trace --summary "$f" | grep -E "admit|first"
+    name=$(basename "$f" .jsonl); name=${name#trace-}
+    for l in "$OUT"/load-"$name"-*.json; do
+      [ -s "$l" ] && { echo "  $(basename "$l" .json):"; python3 -m bench.load.phase_trace --join "$f" "$l"; }
+    done
   done
 fi
 

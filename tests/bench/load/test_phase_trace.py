@@ -1,9 +1,9 @@
-"""bench/load/phase_trace.py: the phases of a streamed-text request on a CPU engine, in order, and the summary's
-percentiles and gaps."""
+"""bench/load/phase_trace.py: the phases of a streamed-text request on a CPU engine, in order, the summary's
+percentiles and gaps, and a load run's requests joined with the traced server's by id."""
 
 import json
 
-from bench.load.phase_trace import PhaseTrace, summary
+from bench.load.phase_trace import PhaseTrace, join, summary
 from q3tts.engine.engine import Engine
 from q3tts.engine.request import StreamOptions
 from tests.golden import fixtures as fx
@@ -40,3 +40,32 @@ def test_summary_gives_each_phase_and_gap(tmp_path):
     assert s["prompt"] == {"n": 20, "p50": 100.0, "p95": 190.0, "max": 190.0}
     assert s["admit->first"] == {"n": 20, "p50": 4.0, "p95": 4.0, "max": 4.0} and s["text"] == {"n": 0}
     assert s["first_frames"] == {1: 10, 2: 10}
+
+
+def test_join_finds_every_request_of_a_load_run_and_splits_its_first_audio(tmp_path):
+    """The paced server traced, a closed-loop run with --per-request: each request is found in the trace by the id the
+    server answers with (X-Request-Id), and its first audio splits into the client's way to the handler, the engine's
+    part and the way back, each within the first audio the client measured."""
+    import pytest
+    pytest.importorskip("aiohttp")
+    from bench.load import load
+    from bench.load.paced_server import paced_app
+    from tests.server.live import serve
+
+    trace, out = tmp_path / "trace.jsonl", tmp_path / "load.json"
+    live = serve(paced_app(slots=4, decode_ms=1.0, vocode_ms=1.0, prefill_ms=1.0, trace=str(trace)), "uvicorn-traced")
+    try:
+        assert load.main(["--url", live.base_url, "--concurrency", "3", "--requests", "2", "--max-new-tokens", "6",
+                          "--per-request", "--no-warmup", "--out", str(out)]) == 0
+    finally:
+        live.stop()
+    (level,) = json.loads(out.read_text())["levels"]
+    ids = [r["request_id"] for r in level["per_request"]]
+    assert len(set(ids)) == 6 and all(ids)
+    parts = join(str(trace), str(out))["C=3"]
+    assert parts["requests"] == 6 and {parts[k]["n"] for k in ("to_handler", "engine", "to_client")} == {6}
+    longest = level["ttfa_ms"]["max"]
+    # the wall clock's reading of perf_counter may be off by a fraction of a millisecond: -1 ms
+    assert -1 <= parts["to_handler"]["p50"] <= parts["to_handler"]["max"] < longest
+    assert 0 < parts["engine"]["p50"] <= parts["engine"]["max"] < longest
+    assert -1 <= parts["to_client"]["p50"] <= parts["to_client"]["max"] < longest
