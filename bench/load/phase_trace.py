@@ -109,14 +109,13 @@ def summary(path: str) -> dict:
     """Per phase and per gap between a request's consecutive phases: n, p50 / p95 / max ms over the trace's requests;
     and the first chunks' sizes."""
     rows = [json.loads(line) for line in open(path)]
-    pct = _pct
-    out = {k: pct([r[k] for r in rows if k in r]) for k in PHASES}
+    out = {k: _pct([r[k] for r in rows if k in r]) for k in PHASES}
     gaps: dict[str, list[float]] = {}  # between each request's consecutive phases
     for r in rows:
         present = [k for k in PHASES if k in r]
         for a, b in zip(present, present[1:]):
             gaps.setdefault(f"{a}->{b}", []).append(round(r[b] - r[a], 1))
-    out.update({k: pct(v) for k, v in gaps.items()})
+    out.update({k: _pct(v) for k, v in gaps.items()})
     frames = [r["frames"] for r in rows]
     out["first_frames"] = {f: frames.count(f) for f in sorted(set(frames))}
     return out
