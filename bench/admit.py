@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     assert runner.num_rows >= max(waves), f"{runner.num_rows} slots for a wave of {max(waves)}: pass --slots"
     out = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "dtype": str(tts.ckpt.dtype),
            "slots": runner.num_rows, "max_seq_len": runner.max_len, "graphs": bool(runner.use_graphs),
-           "compiled": bool(runner.compiled), "wave_embedding": "embed_prompts" if hasattr(talker_mod, "embed_prompts")
+           "compiled": bool(runner.compiled), "wave_graphs": len(getattr(runner, "wave_graphs", ())),
+           "wave_embedding": "embed_prompts" if hasattr(talker_mod, "embed_prompts")
            else "embed_prompt per prompt", "runs": a.runs, "waves": {}}
     for n in waves:
         prepared = wave(tts, n)

@@ -78,8 +78,9 @@ def capture_beside(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph
 @torch.inference_mode()
 def capture_runner(runner) -> int:
     """Capture one graph per (batch bucket up to the allocated rows, length bucket up to max_len, sampler) of a
-    ModelRunner's frame, and one per padded prompt length of its single-request prefill. Must run while no request
-    is active: the warm-up replays write into the rows they cover (all state is reset afterwards)."""
+    ModelRunner's frame, one per padded prompt length of its single-request prefill and one per (wave size, padded
+    length) of its batched prefill. Must run while no request is active: the warm-up replays write into the rows
+    they cover (all state is reset afterwards)."""
     keys = runner.graph_keys()
     lens = runner.prefill_graph_lens
     # one warm-up frame per (batch bucket, sampler), at its shortest span: the spans share every compiled variant
@@ -92,8 +93,13 @@ def capture_runner(runner) -> int:
         runner.warm_up_frames(list(warm.values()))
         for L in lens:
             runner._prefill_one(L)
+        for key in runner.wave_keys():
+            runner._prefill_wave(*key)
     compiled = compile_counts()
     with gc_paused():
+        for key in sorted(runner.wave_keys(), reverse=True):  # the most tokens first: the shared pool sized by them
+            runner.wave_graphs[key], _ = capture(lambda: runner._prefill_wave(*key), runner._pool)  # noqa: B023
+            runner._pool = runner.wave_graphs[key].pool()
         for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
             runner.graphs[key], _ = capture(lambda: runner._frame(*key), runner._pool)  # noqa: B023 (called at once)
             runner._pool = runner.graphs[key].pool()

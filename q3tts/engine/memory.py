@@ -29,6 +29,11 @@ NON_TORCH_RESERVE = 512 * MIB  # CUDA graph executables, cuBLAS / cuDNN workspac
 # span then never reaches the end of the cache, where torch.compile compiled each layer variant apart (a slice to the
 # end is contiguous: more compilations of the decoder layer in a start-up)
 KV_SPARE = 1
+# A wave of more newcomers than the runner prefills one by one replays one batched prefill graph per chunk of up to
+# the largest of these rows, at the least of these padded lengths that holds its prompts (engine.runner): one graph
+# per (size, length) that fits the slots and max_len, all writing one scratch cache of the largest
+PREFILL_WAVE_SIZES = (16, 32, 64)
+PREFILL_WAVE_LENS = (32, 64, 128)
 
 
 @dataclass(slots=True)
@@ -76,6 +81,21 @@ def prefill_workspace(talker_cfg, max_len: int, max_prefill_tokens: int, max_slo
     return scores + acts
 
 
+def wave_buckets(max_slots: int, max_len: int) -> tuple[list[int], list[int]]:
+    """The batched prefill graphs' wave sizes and padded lengths for these slots and positions."""
+    return ([n for n in PREFILL_WAVE_SIZES if n <= max_slots], [n for n in PREFILL_WAVE_LENS if n <= max_len])
+
+
+def wave_scratch_bytes(talker_cfg, max_slots: int, max_len: int, elem: int = 2) -> int:
+    """The batched prefill graphs' scratch: a KV cache of the largest wave x the longest padded length (+ KV_SPARE)
+    and its padded prompt embeddings (contiguous caches on CUDA; 0 where no bucket fits)."""
+    sizes, lens = wave_buckets(max_slots, max_len)
+    if not sizes or not lens:
+        return 0
+    N, L = max(sizes), max(lens)
+    return N * ((L + KV_SPARE) * kv_bytes_per_position(talker_cfg, elem) + L * talker_cfg.hidden_size * elem)
+
+
 def vocoder_workspace(max_slots: int, max_piece: int, max_call_frames: int) -> int:
     """The streaming vocoder's largest call: rows x piece frames, capped at max_call_frames."""
     frames = min(max_call_frames, max_slots * max_piece)
@@ -94,7 +114,8 @@ def workspace(talker_cfg, max_slots: int, max_len: int, elem: int = 2, max_prefi
     """What the engine needs beyond weights and per-slot state (the sizing's reserve)."""
     return (NON_TORCH_RESERVE + prefill_workspace(talker_cfg, max_len, max_prefill_tokens, max_slots, elem)
             + vocoder_workspace(max_slots, max_piece, max_call_frames)
-            + (paged_workspace(talker_cfg, max_slots, max_len, elem) if paged else 0))
+            + (paged_workspace(talker_cfg, max_slots, max_len, elem) if paged
+               else wave_scratch_bytes(talker_cfg, max_slots, max_len, elem)))
 
 
 @dataclass(slots=True)

@@ -13,7 +13,8 @@ others, its state is left as it was, so it runs the same frame later. A frame ha
 reads no host value and syncs nothing, so on CUDA it is one CUDA graph per (batch bucket, length bucket, sampler),
 replayed with padding rows. One request's prefill is a graph too, per padded prompt length (PREFILL_GRAPH_LENS),
 into a scratch cache row then copied into the request's row, with its code 0 drawn into its row by a device index
-(q3tts.engine.graphs).
+(q3tts.engine.graphs). A larger wave of newcomers replays one batched prefill graph per chunk of up to the largest wave
+size (memory.PREFILL_WAVE_SIZES x PREFILL_WAVE_LENS), into a scratch cache of that many rows, alike.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..sampling import SamplingParams, uniform_noise
 from .compile import compile_model, use_compile_cache, want_compile
 from .depth import DepthLoop
 from .graphs import capture_runner
-from .memory import KV_SPARE, alloc_len
+from .memory import KV_SPARE, alloc_len, wave_buckets
 from .scheduler import FrameResult
 from .slots import Slots, alloc_kv
 
@@ -81,6 +82,13 @@ class ModelRunner:
         self.prefill_graph_lens = [L for L in PREFILL_GRAPH_LENS if L <= self.max_len] if block_size is None else []
         if self.use_graphs and self.prefill_graph_lens:
             self.alloc_prefill_scratch()
+        self.wave_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # wave_keys() -> graph
+        # the batched prefill graphs' wave sizes and padded lengths (none in batch-invariant mode: every newcomer's
+        # prefill runs alone there)
+        self.wave_sizes, self.wave_lens = wave_buckets(S, self.max_len) \
+            if self.use_graphs and block_size is None and not invariant.ENABLED else ([], [])
+        if self.wave_sizes and self.wave_lens:
+            self.alloc_wave_scratch()
         self.compiled = want_compile(dev, compile)  # the vocoder follows the same decision
         # torch's compile cache directory (None: torch's default, or no compile), set before anything compiles
         self.compile_cache = use_compile_cache(compile_cache) if self.compiled else None
@@ -174,8 +182,9 @@ class ModelRunner:
         """Admit N requests into rows [lo, lo+N); returns their code 0 of frame 0.
         prefills: N x [L_i, D] prompt embeddings, trailings: N x [S_i, D]; each passed check_prompt.
         On CUDA up to PREFILL_GRAPH_MAX_REQUESTS prompts (contiguous cache; any number in batch-invariant mode) are
-        prefilled one by one, each as alone (its bucket's prefill graph if captured); else (and with graphs=False, the
-        warm-up of the compiled variants) in one batched forward."""
+        prefilled one by one, each as alone (its bucket's prefill graph if captured); more by wave graphs where
+        captured (_replay_wave), else (and with graphs=False, the warm-up of the compiled variants) in one batched
+        forward."""
         N, D = len(prefills), self.cfg.hidden_size
         lens = [p.shape[0] for p in prefills]
         alone, buckets, L = self._prefill_shape(lens, graphs)
@@ -184,7 +193,7 @@ class ModelRunner:
             x[i, : lens[i]] = pre.to(self.dtype)
         trailing = torch.cat([t.to(self.device) for t in trailings]) if N else x.new_zeros(0, D)
         return self.prefill_padded(lo, x, lens, alone, buckets, trailing, [t.shape[0] for t in trailings],
-                                   params).tolist()
+                                   params, graphs).tolist()
 
     def _prefill_shape(self, lens: list[int], graphs: bool = True) -> tuple[bool, list[int], int]:
         """For prompts of these lengths -> (prefilled one by one as alone, each one's padded length, the batch's
@@ -195,10 +204,12 @@ class ModelRunner:
         return alone, buckets, max(buckets)
 
     def prefill_padded(self, lo: int, x: torch.Tensor, lens: list[int], alone: bool, buckets: list[int],
-                       trailing: torch.Tensor, trailing_lens: list[int], params: list[SamplingParams]) -> torch.Tensor:
+                       trailing: torch.Tensor, trailing_lens: list[int], params: list[SamplingParams],
+                       graphs: bool = True) -> torch.Tensor:
         """prefill_batch on the wave's padded prompts x [N, L, D] (lens: the real lengths; alone, buckets: from
         _prefill_shape) and its trailing text packed [sum S_i, D] (row i's trailing_lens[i] rows in order) -> their
-        code 0 of frame 0 [N] on the device (rows [lo, lo+N) of last_code0: read it before the next frame)."""
+        code 0 of frame 0 [N] on the device (rows [lo, lo+N) of last_code0: read it before the next frame).
+        graphs False: no wave graph either (the warm-up of the batched forward's compiled variants)."""
         N, s = len(lens), self.slots
         r = slice(lo, lo + N)
         assert max(lens, default=0) < self.max_len and max(trailing_lens, default=0) <= self.max_len, "check_prompt"
@@ -217,13 +228,42 @@ class ModelRunner:
                     kv = self.kv if table is not None else self.kv[:, :, lo + i:lo + i + 1]
                     h = self._prefill_forward(x[i:i + 1, :b], kv, table, last[i:i + 1] - 1)
                     self._first_code0(h, torch.full((1,), lo + i, device=self.device))
-        else:
-            kv = self.kv if self.block_table is not None else self.kv[:, :, r]
-            table = None if self.block_table is None else self.block_table[r]
-            h = self._prefill_forward(x, kv, table, last - 1)
-            s.last_hidden[r] = h
-            self._sample_code0(lo, lo + N, h, capped=False)
+        else:  # chunks of up to the largest wave size: each its wave graph where one fits, else one batched forward
+            step = (max(self.wave_sizes, default=N) if graphs else N) or 1
+            for c in range(0, N, step):
+                n = min(step, N - c)
+                if not (graphs and self._replay_wave(lo + c, x[c:c + n], last[c:c + n])):
+                    self._prefill_rows(lo + c, x[c:c + n], last[c:c + n])
         return s.last_code0[r]
+
+    def _prefill_rows(self, lo: int, x: torch.Tensor, last: torch.Tensor) -> None:
+        """One batched forward launched from Python: prompts x [N, L, D] (lengths last [N], on the device) into rows
+        [lo, lo+N), and their code 0 of frame 0."""
+        N, r = x.shape[0], slice(lo, lo + x.shape[0])
+        kv = self.kv if self.block_table is not None else self.kv[:, :, r]
+        table = None if self.block_table is None else self.block_table[r]
+        h = self._prefill_forward(x, kv, table, last - 1)
+        self.slots.last_hidden[r] = h
+        self._sample_code0(lo, lo + N, h, capped=False)
+
+    def _replay_wave(self, lo: int, x: torch.Tensor, last: torch.Tensor) -> bool:
+        """Prompts x [n, L, D] (lengths last [n]) into rows [lo, lo+n) by the least wave graph (N, Lb) that holds
+        them, if any: its N - n padding rows are the free rows behind them (their writes, into free rows' state, are
+        rewritten when a request takes the row), so [lo, lo+N) must lie inside the slots. False: none fits."""
+        n, L = x.shape[:2]
+        N = next((b for b in self.wave_sizes if b >= n), None)
+        Lb = next((b for b in self.wave_lens if b >= L), None)
+        graph = self.wave_graphs.get((N, Lb))
+        if graph is None or lo + N > self.num_rows:
+            return False
+        # rows [n, N) and positions [L, Lb) keep an earlier wave's finite values: NOTE(C1), never read
+        self.wave_in[:n, :L] = x
+        self.wave_last[:n] = last - 1
+        self.wave_last[n:N] = 0
+        self.wave_rows[:N] = self.row_ids[lo:lo + N]
+        graph.replay()
+        self.kv[:, :, lo:lo + n, :, :L] = self.wave_kv[:, :, :n, :, :L]
+        return True
 
     def prefill_len(self, N: int, L: int) -> int:
         """The padded length a prefill of N prompts of up to L tokens runs at: on CUDA one prompt of up to
@@ -265,9 +305,10 @@ class ModelRunner:
         return self.depth.draw(capped, s.topk_ok[rows], logits, p.do_sample, p.temperature, p.top_k, p.top_p, noise)
 
     def _first_code0(self, h: torch.Tensor, row: torch.Tensor) -> None:
-        """One newcomer's prefill result: h [1, D] its prompt's last hidden, row [1] its row on the device -> its code
-        0 of frame 0, history and counters, written by index (no host value: a prefill graph captures it with its
-        row as an input). The uncapped sampler, as for any newcomer (its parameters are not checked on the host)."""
+        """Newcomers' prefill results: h [N, D] their prompts' last hidden, row [N] their rows on the device (distinct)
+        -> their code 0 of frame 0, history and counters, written by index (no host value: a prefill graph captures
+        it with its rows as an input). The uncapped sampler, as for any newcomer (its parameters are not checked on
+        the host)."""
         s = self.slots
         code0 = self._draw_code0(h, row, capped=False)
         s.last_hidden.index_copy_(0, row, h)
@@ -361,6 +402,30 @@ class ModelRunner:
             self.prefill_row = torch.zeros(1, dtype=torch.long, device=dev)
         self.prefill_kv = torch.zeros(cfg.num_hidden_layers, 2, 1, cfg.num_key_value_heads, Lp + KV_SPARE,
                                       cfg.head_dim, device=dev, dtype=dt)
+
+    def wave_keys(self) -> list[tuple[int, int]]:
+        """(wave size, padded length): one batched prefill graph each."""
+        return [(N, L) for N in self.wave_sizes for L in self.wave_lens]
+
+    def alloc_wave_scratch(self) -> None:
+        """The wave graphs' static inputs (the padded prompts, their last indices, their rows) and the scratch cache
+        of the largest wave that they write, copied into the admitted rows afterwards (as alloc_prefill_scratch's;
+        memory.wave_scratch_bytes counts it in the engine's workspace)."""
+        cfg, D, dev, dt = self.cfg, self.cfg.hidden_size, self.device, self.dtype
+        N, L = max(self.wave_sizes), max(self.wave_lens)
+        with torch.inference_mode():
+            self.wave_in = torch.zeros(N, L, D, device=dev, dtype=dt)
+            self.wave_last = torch.zeros(N, dtype=torch.long, device=dev)
+            self.row_ids = torch.arange(self.num_rows, device=dev)
+            self.wave_rows = self.row_ids[:N].clone()  # distinct rows for the warm-ups too
+        self.wave_kv = torch.zeros(cfg.num_hidden_layers, 2, N, cfg.num_key_value_heads, L + KV_SPARE, cfg.head_dim,
+                                   device=dev, dtype=dt)
+
+    def _prefill_wave(self, N: int, L: int) -> None:
+        """A wave of N newcomers at padded length L (a wave graph): their prompts from the static input into the
+        scratch cache, then their code 0 of frame 0 into their rows (wave_rows; _first_code0)."""
+        h = self._prefill_forward(self.wave_in[:N, :L], self.wave_kv[:, :, :N], None, self.wave_last[:N])
+        self._first_code0(h, self.wave_rows[:N])
 
     def _prefill_one(self, L: int) -> None:
         """One newcomer's admission at padded length L (a prefill graph): its prompt from the static input into the

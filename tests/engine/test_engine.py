@@ -150,6 +150,65 @@ def test_a_few_admitted_together_replay_their_prefill_graphs_each_as_alone(monke
         assert runner.slots.last_code0[:G].tolist() == codes0  # (CPU: the batched forward is bit-identical too)
 
 
+class WaveReplay(ScratchReplay):
+    """A CPU stand-in for a captured batched prefill graph of N rows at padded length L."""
+
+    def __init__(self, runner, N: int, L: int):
+        super().__init__(runner, L)
+        self.N = N
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.runner._prefill_wave(self.N, self.L)
+
+
+def with_wave_replays(runner, sizes=None):
+    """Give a CPU runner what capture_graphs gives a CUDA one for waves: the scratch, one replay per (size, length)."""
+    from q3tts.engine.memory import wave_buckets
+    runner.wave_sizes, runner.wave_lens = wave_buckets(runner.num_rows, runner.max_len)
+    runner.wave_sizes = sizes or runner.wave_sizes
+    runner.alloc_wave_scratch()
+    runner.wave_graphs = {key: WaveReplay(runner, *key) for key in runner.wave_keys()}
+    return runner
+
+
+@pytest.mark.parametrize("lo, sizes, replays", [(1, None, {(16, 128): 1}),  # one wave graph, 4 padding rows
+                                                (1, [8], {(8, 128): 2}),  # chunks of 8: 8 + 4 rows
+                                                (20, None, {})])  # rows 20..35 pass the 32 slots: one forward
+def test_a_wave_replays_its_wave_graphs_each_row_as_alone(lo, sizes, replays):
+    """More than PREFILL_GRAPH_MAX_REQUESTS newcomers replay the least wave graph (CPU stand-ins) holding them, in
+    chunks of the largest wave size, into a scratch cache then their rows: code 0, the last hidden, the KV rows and
+    the positions are bit-identical to each one's prefill alone (CPU: unpadded); the rows before the wave (running
+    streams) are untouched, and the padding rows write only free rows. Where the padded wave would pass the slots
+    (or graphs=False), one batched forward."""
+    from q3tts.engine.runner import PREFILL_GRAPH_MAX_REQUESTS as G
+    tts, four = prepared_lengths("cv06")
+    ps = [four[i % len(four)] for i in range(G + 2)]
+    with torch.inference_mode():
+        embeds = [embed_prompt(tts.ckpt.talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
+    pre, trail, params = [e[0] for e in embeds], [e[1] for e in embeds], [p.params for p in ps]
+    runner = with_wave_replays(Engine(tts.ckpt, max_slots=32, max_seq_len=256).runner, sizes)
+    runner.kv.fill_(7.0)
+    runner.slots.last_hidden.fill_(7.0)  # the rows outside the wave's: must keep these
+    codes0 = runner.prefill_batch(lo, pre, trail, params)
+    assert {k: g.replays for k, g in runner.wave_graphs.items() if g.replays} == replays
+    end = lo + len(ps) if not replays else lo + max(k[0] for k in replays) * (2 if sizes else 1)
+    assert bool((runner.kv[:, :, :lo] == 7).all()) and bool((runner.slots.last_hidden[:lo] == 7).all())
+    assert bool((runner.kv[:, :, end:] == 7).all()) and bool((runner.slots.last_hidden[end:] == 7).all())
+    for i, p in enumerate(four):
+        single = Engine(tts.ckpt, max_slots=1, max_seq_len=256).runner
+        assert single.prefill_batch(0, pre[i:i + 1], trail[i:i + 1], params[i:i + 1]) == [codes0[i]]
+        L = pre[i].shape[0]
+        for j in range(i, len(ps), len(four)):
+            assert torch.equal(single.slots.last_hidden[0], runner.slots.last_hidden[lo + j])
+            assert torch.equal(single.kv[:, :, 0, :, :L], runner.kv[:, :, lo + j, :, :L])
+            assert runner.slots.position_cpu[lo + j] == L and int(runner.slots.position[lo + j]) == L
+    for g in runner.wave_graphs.values():
+        g.replays = 0
+    assert runner.prefill_batch(lo, pre, trail, params, graphs=False) == codes0
+    assert not any(g.replays for g in runner.wave_graphs.values())
+
+
 def test_a_too_long_request_is_refused_and_the_others_run_as_alone():
     tts = fx.tts("cv06")
     ok = tts.prepare_custom_voice(["Hi.", "Hello there, a longer one.", "你好。"], ["vivian", "ryan", "dylan"], **GREEDY)

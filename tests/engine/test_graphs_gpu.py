@@ -89,7 +89,7 @@ def test_nothing_compiles_after_warm_up(real06):
     from q3tts.engine.request import StreamOptions
     from tests.kernels import triton_variants
     tts = real06
-    eng = Engine(tts.ckpt, max_slots=16, max_seq_len=512)
+    eng = Engine(tts.ckpt, max_slots=32, max_seq_len=512)
     assert eng.runner.compiled_while_capturing == 0  # every variant came with the warm-ups (one span per batch)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     words = "Streams join and leave the batch at every frame while others keep talking".split()
@@ -99,7 +99,9 @@ def test_nothing_compiles_after_warm_up(real06):
     variants = triton_variants()
     background = eng.add_request(prompt(1, 400), StreamOptions(1, 4))  # row 0 throughout (unless it samples EOS)
     eng.step()
-    for group in (1, 13, 3, 1, 2):  # one alone, a burst, a few; prompt lengths from a few tokens to > 64
+    # one alone, a burst (13: a wave graph into rows 1..16; 20: rows 1..32 pass the slots, a batched forward), a few;
+    # prompt lengths from a few tokens to > 64
+    for group in (1, 13, 3, 1, 20, 2):
         reqs = [eng.add_request(prompt(i, 6), StreamOptions(1, 4)) for i in range(group)]
         run_to_completion(eng, reqs)
         assert all(r.status.reason in ("stop", "length") and r.stream_done for r in reqs)
@@ -140,3 +142,41 @@ def test_paged_graphs_equal_contiguous_eager_fp32():
     paged = generate_codes(Engine(tts.ckpt, max_slots=4, max_seq_len=256, kv_block_size=16), p)
     for a, b in zip(paged, codes_with(tts, p, False)):
         assert torch.equal(a, b)
+
+
+def test_wave_graphs_equal_the_same_wave_from_python_fp32():
+    """A wave of more newcomers than PREFILL_GRAPH_MAX_REQUESTS replays its wave graph (20 rows: the (32, 64) graph,
+    12 padding rows) behind a running row: code 0, the last hidden and the KV rows are bit-identical to the same
+    padded wave launched from Python into the same rows (fp32), and the padding rows write nothing outside the free
+    rows behind the wave."""
+    from q3tts.models.talker import embed_prompt
+    from tests.engine.test_engine import WaveReplay
+    tts = TTS.from_pretrained(fx.checkpoint("cv06"), device="cuda", dtype=torch.float32)
+    words = "A burst of newcomers arrives at once while one stream keeps talking".split()
+    ps = tts.prepare_custom_voice([" ".join((words * 5)[: 24 + i]) for i in range(20)], "ryan", seed=3,
+                                  max_new_tokens=8)  # prompts of 34 to 53 positions
+    with torch.inference_mode():
+        embeds = [embed_prompt(tts.ckpt.talker, p.layout, p.speaker_embedding, p.ref_codes) for p in ps]
+    pre, trail, params = [e[0] for e in embeds], [e[1] for e in embeds], [p.params for p in ps]
+    assert 32 < max(x.shape[0] for x in pre) <= 64
+    runner = Engine(tts.ckpt, max_slots=64, max_seq_len=256).runner
+    assert set(runner.wave_graphs) == {(N, L) for N in (16, 32, 64) for L in (32, 64, 128)}
+    assert runner.compiled_while_capturing == 0
+    replays = []
+    graph = runner.wave_graphs[(32, 64)]
+    runner.wave_graphs[(32, 64)] = type("Counted", (), {"replay": lambda self: (replays.append(1), graph.replay())})()
+
+    def admit():
+        with torch.inference_mode():
+            runner.kv.fill_(7.0)
+            runner.slots.last_hidden.fill_(7.0)
+            codes0 = runner.prefill_batch(1, pre, trail, params)
+            return codes0, runner.kv[:, :, :33 + 8].clone(), runner.slots.last_hidden.clone()
+    replayed = admit()
+    assert replays == [1]
+    runner.wave_graphs = {key: WaveReplay(runner, *key) for key in runner.wave_graphs}
+    launched = admit()
+    assert runner.wave_graphs[(32, 64)].replays == 1
+    assert replayed[0] == launched[0]
+    assert torch.equal(replayed[1], launched[1]) and torch.equal(replayed[2], launched[2])
+    assert bool((replayed[1][:, :, 0] == 7).all()) and bool((replayed[2][33:] == 7).all())
