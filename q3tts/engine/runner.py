@@ -42,10 +42,10 @@ from .slots import Slots, alloc_kv
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_KV_SPAN = 64
 PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256)  # one request's prefill is a captured graph up to these padded lengths
-# Up to this many requests admitted in one step replay their prefill graphs one after another rather than run one
-# batched forward launched from Python (launch-bound, with a fixed floor): up to about this many replays stay under
-# that floor (BENCHMARKS.md, "What a wave of newcomers costs")
-PREFILL_GRAPH_MAX_REQUESTS = 10
+# Up to this many requests admitted in one step replay their prefill graphs one after another, each as alone, rather
+# than share one wave graph (memory.PREFILL_WAVE_SIZES) or a batched forward: one replay costs about 2 ms, the least
+# wave graph about 5 ms for up to 16 (BENCHMARKS.md, "Batched prefill graphs")
+PREFILL_GRAPH_MAX_REQUESTS = 4
 log = logging.getLogger("q3tts.engine")
 
 

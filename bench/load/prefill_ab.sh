@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The admission regime's effect on first audio (issue 33), A/B/C in one server (bench/load/prefill_serve.py switches
+# it by signal): a `q3tts serve` (128 slots, max_seq_len 1024, the deadline policy on) on MODEL (default
+# 1.7B-CustomVoice), then ROUNDS rounds, each running every setting in turn (eager: the batched forward past 10
+# newcomers; waves10 / waves4: wave graphs, up to 10 / 4 newcomers alone), the order rotated per round; per setting
+# one warm-up burst (the policy's cost fits), a closed-loop burst level of C streams (2 requests of 10 s each) and a
+# Poisson level of RATE req/s of 5 s utterances for POISSON_S s. JSON per (round, setting, level) in $OUT, one
+# summary line per level, then the medians per setting.
+#   run: command: bash bench/load/prefill_ab.sh      CPU dry run: DEVICE=cpu C=2 RATE=2 POISSON_S=2 FRAMES=12 bash bench/load/prefill_ab.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/prefill_ab} Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+mkdir -p "$OUT"
+DEVICE=${DEVICE:-cuda} C=${C:-64} RATE=${RATE:-20} POISSON_S=${POISSON_S:-8} ROUNDS=${ROUNDS:-3} FRAMES=${FRAMES:-126}
+PORT=${PORT:-8017} WAIT=${WAIT:-300} MODEL=${MODEL:-1.7B-CustomVoice} LIMIT=${LIMIT:-100000}
+CLIENT_CPUS=${CLIENT_CPUS:-$([ "$DEVICE" = cuda ] && echo 14-15 || echo 0-1)}
+CKPT=${CKPT:-/tmp/prefill-ab-ck}
+T0=$(date +%s)
+if [ -z "${SERVER_PID:-}" ]; then
+  if [ ! -d "$CKPT" ]; then
+    if [ "$DEVICE" = cpu ]; then python3 -m q3tts.cli make-checkpoint --tiny "$CKPT" > /dev/null
+    else python3 -m bench.make_checkpoint --model "$MODEL" --out "$CKPT" > /dev/null; fi || exit 1
+  fi
+  python3 -m bench.load.prefill_serve serve --model "$CKPT" --device "$DEVICE" --port "$PORT" --max-concurrent \
+    "${SLOTS:-128}" --max-seq-len 1024 --max-queue 1024 --voice-dir "$OUT/voices" > "$OUT/serve.log" 2>&1 &
+  SERVER_PID=$!
+  trap 'kill $SERVER_PID 2>/dev/null' EXIT
+fi
+until curl -sf "localhost:$PORT/ready" > /dev/null; do
+  kill -0 "$SERVER_PID" 2>/dev/null || { echo "server exited"; tail -20 "$OUT/serve.log"; exit 1; }
+  [ $(( $(date +%s) - T0 )) -lt "$WAIT" ] || { echo "server not ready within $WAIT s"; exit 1; }
+  sleep 1
+done
+echo "server ready after $(( $(date +%s) - T0 )) s"
+load() {  # load NAME ARGS...: one bench.load.load run, JSON in $OUT/ab-NAME.json
+  local name=$1; shift
+  [ $(( LIMIT - ($(date +%s) - T0) )) -gt 20 ] || { echo "no time left for $name"; return 1; }
+  python3 -m bench.load.load --url "http://127.0.0.1:$PORT" --processes 2 --client-cpus "$CLIENT_CPUS" \
+    --out "$OUT/ab-$name.json" "$@" > /dev/null 2> "$OUT/ab-$name.err" || { echo "load $name failed"; tail -3 "$OUT/ab-$name.err"; }
+}
+declare -A SIG=([eager]=USR1 [waves10]=USR2 [waves4]=HUP)
+ORDER=(eager waves10 waves4)
+for r in $(seq "$ROUNDS"); do
+  for i in 0 1 2; do
+    s=${ORDER[$(( (i + r - 1) % 3 ))]}
+    kill -"${SIG[$s]}" "$SERVER_PID"
+    sleep 0.3
+    load "warm-$r-$s" --concurrency "$C" --requests 1 --max-new-tokens 24 --no-server-metrics
+    load "$r-$s-closed" --concurrency "$C" --requests 2 --max-new-tokens "$FRAMES"
+    load "$r-$s-poisson" --rate "$RATE" --duration "$POISSON_S" --max-new-tokens $(( (FRAMES + 1) / 2 )) --no-warmup
+  done
+done
+kill -HUP "$SERVER_PID"
+python3 - "$OUT" <<'PY'
+import collections, glob, json, os, statistics, sys
+per = collections.defaultdict(list)
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "ab-[0-9]*.json"))):
+    name = os.path.basename(path)[3:-5]
+    setting, kind = name.split("-")[1:]
+    for lv in json.load(open(path))["levels"]:
+        t, srv = lv["ttfa_ms"], lv.get("server") or {}
+        per[(setting, kind)].append((t["p50"], t["p95"], t["p99"]))
+        print(f"{name:>18} audio s/s {lv['audio_s_per_s']:>7} first audio p50/p95/p99 {t['p50']}/{t['p95']}/{t['p99']} ms, "
+              f"server mean {srv.get('ttfa_ms_mean')} ms, admission wait {srv.get('admission_wait_ms_mean')} ms, "
+              f"stalled {lv['stalled_share']}, errors {lv['errors']}")
+for (setting, kind), v in sorted(per.items()):
+    med = [round(statistics.median(x), 1) for x in zip(*v)]
+    print(f"median of {len(v)}: {setting:>8} {kind:>8} first audio p50/p95/p99 {med[0]}/{med[1]}/{med[2]} ms")
+PY

@@ -1,0 +1,54 @@
+"""`q3tts serve` whose admission regime signals switch while it runs, for an interleaved A/B in one server and one
+build of its graphs (bench/load/prefill_ab.sh):
+
+    SIGUSR1  "eager":   no wave graph, up to 10 newcomers alone: a wave of more is one batched forward (c58503a's)
+    SIGUSR2  "waves10": wave graphs, up to 10 newcomers alone
+    SIGHUP   "waves4":  wave graphs, up to 4 newcomers alone (the engine's default)
+
+The runner's PREFILL_GRAPH_MAX_REQUESTS is read at each step (ModelRunner.prefill_alone_max, which the engine hands the
+deadline policy with every step's sample), and a runner's wave graphs are looked up at each wave: a switch applies from
+the next step on. The policy's prefill cost fits keep their earlier samples (run a warm-up level after a switch).
+
+    python3 -m bench.load.prefill_serve serve --model DIR ...     (the arguments of `q3tts serve`)
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from q3tts.engine import runner as runner_mod
+
+RUNNERS: list = []  # every ModelRunner built in this process
+SETTINGS = {"eager": (False, 10), "waves10": (True, 10), "waves4": (True, 4)}  # name -> (wave graphs, alone max)
+
+
+def track_runners() -> None:
+    """Record each ModelRunner as it is built (the server builds its engine inside the CLI's main)."""
+    init = runner_mod.ModelRunner.__init__
+
+    def __init__(self, *a, **kw):
+        init(self, *a, **kw)
+        self._captured_waves = {}
+        RUNNERS.append(self)
+
+    runner_mod.ModelRunner.__init__ = __init__
+
+
+def apply(name: str) -> None:
+    """Switch every runner to a setting of SETTINGS."""
+    waves, alone_max = SETTINGS[name]
+    runner_mod.PREFILL_GRAPH_MAX_REQUESTS = alone_max
+    for r in RUNNERS:
+        r._captured_waves = r._captured_waves or r.wave_graphs  # the graphs as captured, kept while switched off
+        r.wave_graphs = r._captured_waves if waves else {}
+    print(f"prefill setting {name}: wave graphs {'on' if waves else 'off'}, alone max {alone_max}", file=sys.stderr,
+          flush=True)
+
+
+if __name__ == "__main__":
+    from q3tts.cli import main
+    track_runners()
+    for sig, name in ((signal.SIGUSR1, "eager"), (signal.SIGUSR2, "waves10"), (signal.SIGHUP, "waves4")):
+        signal.signal(sig, lambda *_, name=name: apply(name))
+    raise SystemExit(main(sys.argv[1:]))
