@@ -3,7 +3,7 @@
 # it by signal): a `q3tts serve` (128 slots, max_seq_len 1024, the deadline policy on) on MODEL (default
 # 1.7B-CustomVoice), then ROUNDS rounds, each running every setting in turn (eager: the batched forward past 10
 # newcomers; waves10 / waves4: wave graphs, up to 10 / 4 newcomers alone), the order rotated per round; per setting
-# one warm-up burst (the policy's cost fits), a closed-loop burst level of C streams (2 requests of 10 s each) and a
+# one warm-up burst (the policy's cost fits), a closed-loop burst level of C streams (REQS requests of 10 s each) and a
 # Poisson level of RATE req/s of 5 s utterances for POISSON_S s. JSON per (round, setting, level) in $OUT, one
 # summary line per level, then the medians per setting.
 #   run: command: bash bench/load/prefill_ab.sh      CPU dry run: DEVICE=cpu C=2 RATE=2 POISSON_S=2 FRAMES=12 bash bench/load/prefill_ab.sh
@@ -11,7 +11,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/prefill_ab} Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 mkdir -p "$OUT"
-DEVICE=${DEVICE:-cuda} C=${C:-64} RATE=${RATE:-20} POISSON_S=${POISSON_S:-8} ROUNDS=${ROUNDS:-3} FRAMES=${FRAMES:-126}
+DEVICE=${DEVICE:-cuda} C=${C:-64} REQS=${REQS:-2} RATE=${RATE:-20} POISSON_S=${POISSON_S:-8} ROUNDS=${ROUNDS:-3} FRAMES=${FRAMES:-126}
 PORT=${PORT:-8017} WAIT=${WAIT:-300} MODEL=${MODEL:-1.7B-CustomVoice} LIMIT=${LIMIT:-100000}
 CLIENT_CPUS=${CLIENT_CPUS:-$([ "$DEVICE" = cuda ] && echo 14-15 || echo 0-1)}
 CKPT=${CKPT:-/tmp/prefill-ab-ck}
@@ -46,7 +46,7 @@ for r in $(seq "$ROUNDS"); do
     kill -"${SIG[$s]}" "$SERVER_PID"
     sleep 0.3
     load "warm-$r-$s" --concurrency "$C" --requests 1 --max-new-tokens 24 --no-server-metrics
-    load "$r-$s-closed" --concurrency "$C" --requests 2 --max-new-tokens "$FRAMES"
+    load "$r-$s-closed" --concurrency "$C" --requests "$REQS" --max-new-tokens "$FRAMES"
     load "$r-$s-poisson" --rate "$RATE" --duration "$POISSON_S" --max-new-tokens $(( (FRAMES + 1) / 2 )) --no-warmup
   done
 done

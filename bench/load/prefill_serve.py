@@ -7,7 +7,8 @@ build of its graphs (bench/load/prefill_ab.sh):
 
 The runner's PREFILL_GRAPH_MAX_REQUESTS is read at each step (ModelRunner.prefill_alone_max, which the engine hands the
 deadline policy with every step's sample), and a runner's wave graphs are looked up at each wave: a switch applies from
-the next step on. The policy's prefill cost fits keep their earlier samples (run a warm-up level after a switch).
+the next step on. It also empties the deadline policy's prefill cost fits, as a server started with the setting has
+them (the other setting's samples would steer its first waves; run a warm-up level after a switch).
 
     python3 -m bench.load.prefill_serve serve --model DIR ...     (the arguments of `q3tts serve`)
 """
@@ -17,22 +18,29 @@ from __future__ import annotations
 import signal
 import sys
 
+from q3tts.engine import engine as engine_mod
 from q3tts.engine import runner as runner_mod
+from q3tts.engine.deadline import PrefillCost
 
 RUNNERS: list = []  # every ModelRunner built in this process
+ENGINES: list = []  # every Engine built in this process
 SETTINGS = {"eager": (False, 10), "waves10": (True, 10), "waves4": (True, 4)}  # name -> (wave graphs, alone max)
 
 
 def track_runners() -> None:
-    """Record each ModelRunner as it is built (the server builds its engine inside the CLI's main)."""
-    init = runner_mod.ModelRunner.__init__
+    """Record each ModelRunner and Engine as it is built (the server builds its engine inside the CLI's main)."""
+    init, engine_init = runner_mod.ModelRunner.__init__, engine_mod.Engine.__init__
 
     def __init__(self, *a, **kw):
         init(self, *a, **kw)
         self._captured_waves = {}
         RUNNERS.append(self)
 
-    runner_mod.ModelRunner.__init__ = __init__
+    def engine__init__(self, *a, **kw):
+        engine_init(self, *a, **kw)
+        ENGINES.append(self)
+
+    runner_mod.ModelRunner.__init__, engine_mod.Engine.__init__ = __init__, engine__init__
 
 
 def apply(name: str) -> None:
@@ -42,6 +50,9 @@ def apply(name: str) -> None:
     for r in RUNNERS:
         r._captured_waves = r._captured_waves or r.wave_graphs  # the graphs as captured, kept while switched off
         r.wave_graphs = r._captured_waves if waves else {}
+    for e in ENGINES:
+        if e.policy is not None:
+            e.policy.times.prefill = PrefillCost()
     print(f"prefill setting {name}: wave graphs {'on' if waves else 'off'}, alone max {alone_max}", file=sys.stderr,
           flush=True)
 
