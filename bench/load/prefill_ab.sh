@@ -50,7 +50,7 @@ for r in $(seq "$ROUNDS"); do
     load "$r-$s-poisson" --rate "$RATE" --duration "$POISSON_S" --max-new-tokens $(( (FRAMES + 1) / 2 )) --no-warmup
   done
 done
-kill -HUP "$SERVER_PID"
+kill -USR2 "$SERVER_PID"  # back to the default
 python3 - "$OUT" <<'PY'
 import collections, glob, json, os, statistics, sys
 per = collections.defaultdict(list)

@@ -2,8 +2,8 @@
 build of its graphs (bench/load/prefill_ab.sh):
 
     SIGUSR1  "eager":   no wave graph, up to 10 newcomers alone: a wave of more is one batched forward (c58503a's)
-    SIGUSR2  "waves10": wave graphs, up to 10 newcomers alone
-    SIGHUP   "waves4":  wave graphs, up to 4 newcomers alone (the engine's default)
+    SIGUSR2  "waves10": wave graphs, up to 10 newcomers alone (the engine's default)
+    SIGHUP   "waves4":  wave graphs, up to 4 newcomers alone
 
 The runner's PREFILL_GRAPH_MAX_REQUESTS is read at each step (ModelRunner.prefill_alone_max, which the engine hands the
 deadline policy with every step's sample), and a runner's wave graphs are looked up at each wave: a switch applies from
