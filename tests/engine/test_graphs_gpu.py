@@ -99,8 +99,8 @@ def test_nothing_compiles_after_warm_up(real06):
     variants = triton_variants()
     background = eng.add_request(prompt(1, 400), StreamOptions(1, 4))  # row 0 throughout (unless it samples EOS)
     eng.step()
-    # one alone, a burst (13: a wave graph into rows 1..16; 20: rows 1..32 pass the slots, a batched forward), a few;
-    # prompt lengths from a few tokens to > 64
+    # one alone, bursts (13, and 20: 16 then 4, the scheduler's cap per step: a wave graph (16, 128) into rows 1..16,
+    # then alone), a few; prompt lengths from 12 to 114 positions
     for group in (1, 13, 3, 1, 20, 2):
         reqs = [eng.add_request(prompt(i, 6), StreamOptions(1, 4)) for i in range(group)]
         run_to_completion(eng, reqs)
