@@ -13,24 +13,10 @@ mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda} C=${C:-64,128} ROUNDS=${ROUNDS:-4} FRAMES=${FRAMES:-126} PORT=${PORT:-8006}
 SHORT_MS=${SHORT_MS:-0.5} WAIT=${WAIT:-300} CLIENT_CPUS=${CLIENT_CPUS:-$([ "$DEVICE" = cuda ] && echo 14-15 || echo 0-1)}
 export SHORT_MS
-CKPT=${CKPT:-/tmp/gil-ck}
-if [ -z "${SERVER_PID:-}" ]; then
-  if [ ! -d "$CKPT" ]; then
-    if [ "$DEVICE" = cpu ]; then python3 -m q3tts.cli make-checkpoint --tiny "$CKPT" > /dev/null
-    else python3 -m bench.make_checkpoint --model 0.6B-CustomVoice --out "$CKPT" > /dev/null; fi || exit 1
-  fi
-  python3 -m bench.load.switch_serve serve --model "$CKPT" --device "$DEVICE" --port "$PORT" --max-concurrent \
-    "${SLOTS:-128}" --max-seq-len 1024 --max-queue 1024 --voice-dir "$OUT/voices" > "$OUT/serve.log" 2>&1 &
-  SERVER_PID=$!
-  trap 'kill $SERVER_PID 2>/dev/null' EXIT
-fi
-T0=$(date +%s)
-until curl -sf "localhost:$PORT/ready" > /dev/null; do
-  kill -0 "$SERVER_PID" 2>/dev/null || { echo "server exited"; tail -20 "$OUT/serve.log"; exit 1; }
-  [ $(( $(date +%s) - T0 )) -lt "$WAIT" ] || { echo "server not ready within $WAIT s"; exit 1; }
-  sleep 1
-done
-echo "server ready after waiting $(( $(date +%s) - T0 )) s"
+CKPT=${CKPT:-/tmp/gil-ck} MODEL=0.6B-CustomVoice
+. bench/load/switched_server.sh
+switched_server bench.load.switch_serve
+wait_ready
 load() {  # load NAME: the closed-loop levels against the server, JSON in $OUT/gil-NAME.json
   python3 -m bench.load.load --url "http://127.0.0.1:$PORT" --concurrency "$C" --requests 2 --max-new-tokens "$FRAMES" \
     --processes 2 --client-cpus "$CLIENT_CPUS" --out "$OUT/gil-$1.json" > /dev/null 2> "$OUT/gil-$1.err" ||

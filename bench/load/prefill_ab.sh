@@ -15,23 +15,10 @@ DEVICE=${DEVICE:-cuda} C=${C:-64} REQS=${REQS:-2} RATE=${RATE:-20} POISSON_S=${P
 PORT=${PORT:-8017} WAIT=${WAIT:-300} MODEL=${MODEL:-1.7B-CustomVoice} LIMIT=${LIMIT:-100000}
 CLIENT_CPUS=${CLIENT_CPUS:-$([ "$DEVICE" = cuda ] && echo 14-15 || echo 0-1)}
 CKPT=${CKPT:-/tmp/prefill-ab-ck}
-T0=$(date +%s)
-if [ -z "${SERVER_PID:-}" ]; then
-  if [ ! -d "$CKPT" ]; then
-    if [ "$DEVICE" = cpu ]; then python3 -m q3tts.cli make-checkpoint --tiny "$CKPT" > /dev/null
-    else python3 -m bench.make_checkpoint --model "$MODEL" --out "$CKPT" > /dev/null; fi || exit 1
-  fi
-  python3 -m bench.load.prefill_serve serve --model "$CKPT" --device "$DEVICE" --port "$PORT" --max-concurrent \
-    "${SLOTS:-128}" --max-seq-len 1024 --max-queue 1024 --voice-dir "$OUT/voices" > "$OUT/serve.log" 2>&1 &
-  SERVER_PID=$!
-  trap 'kill $SERVER_PID 2>/dev/null' EXIT
-fi
-until curl -sf "localhost:$PORT/ready" > /dev/null; do
-  kill -0 "$SERVER_PID" 2>/dev/null || { echo "server exited"; tail -20 "$OUT/serve.log"; exit 1; }
-  [ $(( $(date +%s) - T0 )) -lt "$WAIT" ] || { echo "server not ready within $WAIT s"; exit 1; }
-  sleep 1
-done
-echo "server ready after $(( $(date +%s) - T0 )) s"
+T0=$(date +%s)  # LIMIT counts from here, the server's start included
+. bench/load/switched_server.sh
+switched_server bench.load.prefill_serve
+wait_ready "$T0"
 load() {  # load NAME ARGS...: one bench.load.load run, JSON in $OUT/ab-NAME.json
   local name=$1; shift
   [ $(( LIMIT - ($(date +%s) - T0) )) -gt 20 ] || { echo "no time left for $name"; return 1; }
