@@ -320,8 +320,11 @@ def resample(wav: np.ndarray, orig_sr: int, target_sr: int = TARGET_SR) -> np.nd
 
 # --------------------------------------------------------------------------- output
 def to_s16(audio: np.ndarray) -> np.ndarray:
-    """float samples in [-1, 1] -> 16-bit PCM, little-endian int16 (NaN -> 0, clipped, rounded)."""
-    return np.round(np.clip(np.nan_to_num(audio), -1.0, 1.0) * 32767.0).astype("<i2")
+    """float samples in [-1, 1] -> 16-bit PCM, little-endian int16 (NaN -> 0, clipped, rounded half to even).
+    In place on one temporary: the server converts every chunk of every stream on its event loop."""
+    x = np.clip(audio, -1.0, 1.0) * 32767.0
+    x[np.isnan(x)] = 0.0
+    return np.rint(x, out=x).astype("<i2")
 
 
 def wav_header(sample_rate: int, data_bytes: int | None, channels: int = 1) -> bytes:

@@ -21,6 +21,7 @@ from q3tts.audio import (
     load_audio,
     resample,
     to_mono,
+    to_s16,
 )
 
 CLIPS = Path(__file__).resolve().parent / "golden" / "fixtures_voice" / "clips"
@@ -316,3 +317,16 @@ def test_unknown_length_and_odd_headers_refused():
     with pytest.raises(ValueError, match="sample rate 384000 Hz; at most 192000"):
         load_audio(encode(tone(2.0, 384000), 384000))
     load_audio(encode(tone(2.0, 384000), 384000), limits=AudioLimits(max_sample_rate=384000))
+
+
+# --------------------------------------------------------------------------- output
+def test_to_s16_rounds_clips_and_zeroes_nan():
+    x = np.array([0.0, 0.5, -0.5, 1.0, -1.0, 1.5, -7.0, np.nan, np.inf, -np.inf, 0.25], dtype=np.float32)
+    # 0.5 and 0.25 scale exactly to 16383.5 and 8191.75: half to even (as np.round), and to nearest
+    want = [0, 16384, -16384, 32767, -32767, 32767, -32767, 0, 32767, -32767, 8192]
+    for dtype in (np.float32, np.float64):
+        got = to_s16(x.astype(dtype))
+        assert got.dtype == np.dtype("<i2") and got.tolist() == want
+    noise = np.random.default_rng(0).uniform(-1.2, 1.2, 4096).astype(np.float32)
+    assert np.array_equal(to_s16(noise), np.round(np.clip(noise, -1, 1) * 32767.0).astype("<i2"))
+    assert np.array_equal(to_s16(noise), to_s16(noise.copy()))  # the input is left as it was

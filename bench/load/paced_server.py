@@ -123,7 +123,7 @@ class PacedVocoder:
     def decode(self, work, sizes=None) -> list[np.ndarray]:
         if work:
             time.sleep(self.vocode_s)
-        return [np.zeros(codes.shape[0] * 1920, dtype=np.float32) for _, codes in work]
+        return [np.zeros(len(codes) * 1920, dtype=np.float32) for _, codes in work]
 
 
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,

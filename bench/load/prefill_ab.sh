@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The admission regime's effect on first audio (issue 33), A/B/C in one server (bench/load/prefill_serve.py switches
-# it by signal): a `q3tts serve` (128 slots, max_seq_len 1024, the deadline policy on) on MODEL (default
-# 1.7B-CustomVoice), then ROUNDS rounds, each running every setting in turn (eager: the batched forward past 10
-# newcomers; waves10 / waves4: wave graphs, up to 10 / 4 newcomers alone), the order rotated per round; per setting
+# A setting's effect on first audio (issue 33), A/B/C in one server whose wrapper MODULE switches it by signal: a
+# `q3tts serve` (128 slots, max_seq_len 1024, the deadline policy on) on MODEL (default 1.7B-CustomVoice), then ROUNDS
+# rounds, each running every setting of SETTINGS ("name:SIGNAL ...") in turn, the order rotated per round. Default:
+# bench/load/prefill_serve.py's admission regimes (eager: the batched forward past 10 newcomers; waves10 / waves4: wave
+# graphs, up to 10 / 4 newcomers alone); MODULE=bench.load.deliver_serve SETTINGS="per_chunk:USR1 batched:USR2": the
+# hand-over of chunks to the event loop (bench/load/deliver_serve.py). Per setting
 # one warm-up burst (the policy's cost fits), a closed-loop burst level of C streams (REQS requests of 10 s each) and a
 # Poisson level of RATE req/s of 5 s utterances for POISSON_S s. JSON per (round, setting, level) in $OUT, one
 # summary line per level, then the medians per setting.
+# The last setting listed is sent again at the end (list the server's default last).
 #   run: command: bash bench/load/prefill_ab.sh      CPU dry run: DEVICE=cpu C=2 RATE=2 POISSON_S=2 FRAMES=12 bash bench/load/prefill_ab.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/prefill_ab} Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}
@@ -14,10 +17,10 @@ mkdir -p "$OUT"
 DEVICE=${DEVICE:-cuda} C=${C:-64} REQS=${REQS:-2} RATE=${RATE:-20} POISSON_S=${POISSON_S:-8} ROUNDS=${ROUNDS:-3} FRAMES=${FRAMES:-126}
 PORT=${PORT:-8017} WAIT=${WAIT:-300} MODEL=${MODEL:-1.7B-CustomVoice} LIMIT=${LIMIT:-100000}
 CLIENT_CPUS=${CLIENT_CPUS:-$([ "$DEVICE" = cuda ] && echo 14-15 || echo 0-1)}
-CKPT=${CKPT:-/tmp/prefill-ab-ck}
+CKPT=${CKPT:-/tmp/prefill-ab-ck} MODULE=${MODULE:-bench.load.prefill_serve} SETTINGS=${SETTINGS:-eager:USR1 waves4:HUP waves10:USR2}
 T0=$(date +%s)  # LIMIT counts from here, the server's start included
 . bench/load/switched_server.sh
-switched_server bench.load.prefill_serve
+switched_server "$MODULE"
 wait_ready "$T0"
 load() {  # load NAME ARGS...: one bench.load.load run, JSON in $OUT/ab-NAME.json
   local name=$1; shift
@@ -25,11 +28,13 @@ load() {  # load NAME ARGS...: one bench.load.load run, JSON in $OUT/ab-NAME.jso
   python3 -m bench.load.load --url "http://127.0.0.1:$PORT" --processes 2 --client-cpus "$CLIENT_CPUS" \
     --out "$OUT/ab-$name.json" "$@" > /dev/null 2> "$OUT/ab-$name.err" || { echo "load $name failed"; tail -3 "$OUT/ab-$name.err"; }
 }
-declare -A SIG=([eager]=USR1 [waves10]=USR2 [waves4]=HUP)
-ORDER=(eager waves10 waves4)
+declare -A SIG=()
+ORDER=()
+for pair in $SETTINGS; do ORDER+=("${pair%%:*}"); SIG[${pair%%:*}]=${pair#*:}; done
+N=${#ORDER[@]}
 for r in $(seq "$ROUNDS"); do
-  for i in 0 1 2; do
-    s=${ORDER[$(( (i + r - 1) % 3 ))]}
+  for i in $(seq 0 $(( N - 1 ))); do
+    s=${ORDER[$(( (i + r - 1) % N ))]}
     kill -"${SIG[$s]}" "$SERVER_PID"
     sleep 0.3
     load "warm-$r-$s" --concurrency "$C" --requests 1 --max-new-tokens 24 --no-server-metrics
@@ -37,7 +42,7 @@ for r in $(seq "$ROUNDS"); do
     load "$r-$s-poisson" --rate "$RATE" --duration "$POISSON_S" --max-new-tokens $(( (FRAMES + 1) / 2 )) --no-warmup
   done
 done
-kill -USR2 "$SERVER_PID"  # back to the default
+kill -"${SIG[${ORDER[$(( N - 1 ))]}]}" "$SERVER_PID"  # back to the default
 python3 - "$OUT" <<'PY'
 import collections, glob, json, os, statistics, sys
 per = collections.defaultdict(list)

@@ -57,6 +57,13 @@ class EngineStats:
     counters: EngineCounters  # the live object: read it, do not change it
 
 
+@dataclass(slots=True, frozen=True)
+class LoopSink:
+    """An asyncio consumer's queue, filled on its event loop (AsyncEngine._drain)."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
 class AsyncEngine:
     """The owner of an Engine's steps. Build it with `AsyncEngine.of(engine)`: a second live owner of one engine
     is refused (two threads stepping one engine would corrupt its state)."""
@@ -68,7 +75,10 @@ class AsyncEngine:
                 raise RuntimeError("this engine is stepped by another AsyncEngine already: use AsyncEngine.of(engine)")
             engine.owner = self
         self.engine = engine
-        self._sinks: dict[str, Callable[[object], None]] = {}  # request id -> where its chunks go
+        self._sinks: dict[str, Callable[[object], None] | LoopSink] = {}  # request id -> where its chunks go
+        # items for asyncio consumers not yet taken by their event loop (`_deliver`, `_drain`), under _pending_lock
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        self._pending_lock = threading.Lock()
         self._offline: dict[str, EngineRequest] = {}  # offline requests (no chunks): delivered once finished
         self._stop = False
         self.last_error: str | None = None  # last step failure (a device assert poisons the CUDA context)
@@ -150,12 +160,37 @@ class AsyncEngine:
             return self.engine.step()
 
     def _deliver(self, request_id: str, item: object) -> None:
+        """To a blocking sink at once; to an event loop through one callback (`_drain`) per wake-up: the first item
+        wakes the loop at once, the next ride along while that callback has not run yet (a step's many chunks: one
+        call_soon_threadsafe, not one each, whose wake-ups would each contend with this thread for the GIL)."""
         sink = self._sinks.get(request_id)
-        if sink is not None:
-            sink(item)
+        if type(sink) is not LoopSink:
+            if sink is not None:
+                sink(item)
+            return
+        loop = sink.loop
+        with self._pending_lock:
+            items = self._pending.get(loop)
+            wake = items is None
+            if wake:
+                items = self._pending[loop] = []
+            items.append((sink.queue, item))
+        if wake:
+            try:
+                loop.call_soon_threadsafe(self._drain, loop)
+            except RuntimeError:  # the consumers' loop is closed: nobody reads these
+                with self._pending_lock:
+                    self._pending.pop(loop, None)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the consumers' loop: every item delivered to it since its wake-up, in order."""
+        with self._pending_lock:
+            items = self._pending.pop(loop, ())
+        for q, item in items:
+            q.put_nowait(item)
 
     def _add(self, prepared: PreparedRequest, stream: StreamOptions | None, request_id: str | None,
-             arrival_time: float | None, sink: Callable[[object], None]) -> EngineRequest:
+             arrival_time: float | None, sink: Callable[[object], None] | LoopSink) -> EngineRequest:
         """Queue a request whose outputs go to sink (registered before the loop can see the request)."""
         rid = request_id or self.engine.new_request_id()
         self._sinks[rid] = sink
@@ -172,9 +207,8 @@ class AsyncEngine:
                arrival_time: float | None = None) -> RequestHandle:
         """Queue a request now (QueueFullError / ValueError at once); its chunks come from handle.chunks()."""
         q: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         req = self._add(prepared, stream or StreamOptions(), request_id, arrival_time,
-                        lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+                        LoopSink(asyncio.get_running_loop(), q))
         return RequestHandle(self, req.request_id, q)
 
     def submit_blocking(self, prepared: PreparedRequest, stream: StreamOptions | None = None,

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from .. import invariant
 from ..inputs.request import PreparedRequest
@@ -313,7 +312,7 @@ class Engine:
                 if self.policy is not None else full_chunks(reqs))
         for r, n in plan:
             if n > 0:
-                work.append((r.vocoder_row, torch.stack(r.frames[r.frames_vocoded: r.frames_vocoded + n])))
+                work.append((r.vocoder_row, r.frames[r.frames_vocoded: r.frames_vocoded + n]))
                 sizes.append(chunk_cut(r.stream, r.frames_vocoded, n))
             meta.append((r, n, r.status.finished))
         decoded = iter(self.vocoder.decode(work, sizes))

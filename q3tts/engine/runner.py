@@ -381,7 +381,8 @@ class ModelRunner:
         else:
             self._frame(B, n, capped)
         s.position_cpu[:B] = [p + a for p, a in zip(s.position_cpu[:B], active)]
-        codes = self.frame_codes[:B].clone()  # stays on the device for the vocoder (the buffer is reused)
+        # on the device for the vocoder (a copy: the buffer is reused); unbound once here, as each row takes its own
+        codes = self.frame_codes[:B].clone().unbind(0)
         return FrameResult(codes, s.last_code0[:B].tolist())  # the one sync per frame
 
     # ------------------------------------------------------------------ CUDA graphs

@@ -49,7 +49,7 @@ class SchedulerOutput:
 class FrameResult:
     """What the runner made for a SchedulerOutput's rows (see ModelRunner)."""
 
-    codes: Any  # [B, K] the frame each row completed (a device tensor: it stays there for the vocoder)
+    codes: Any  # [B, K] the frame each row completed, as B rows [K] (on the device: they stay there for the vocoder)
     next_code0: list[int]  # [B] code 0 sampled for the next frame
 
 

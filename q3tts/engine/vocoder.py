@@ -123,15 +123,17 @@ class StreamingVocoder:
 
     # ------------------------------------------------------------------ decoding
     @torch.inference_mode()
-    def decode(self, work: list[tuple[int, torch.Tensor]], sizes: list[list[int]] | None = None) -> list[np.ndarray]:
-        """work: (row, codes [n, K] int64) per request -> wav [n*1920] float32 per request. sizes: per request, the
+    def decode(self, work: list[tuple[int, torch.Tensor | list[torch.Tensor]]],
+               sizes: list[list[int]] | None = None) -> list[np.ndarray]:
+        """work: (row, codes) per request, codes its n frames as [n, K] int64 or as n frames [K] (the engine's, as
+        sampled: gathered per call, not per request) -> wav [n*1920] float32 per request. sizes: per request, the
         stream chunks its n frames hold, in order (summing to n; default one chunk): each is cut into pieces on its
         own, so frames decode in the same pieces however the chunks are grouped into calls (the same bits).
 
         Round j decodes every request's j-th piece; within a round, pieces of one size share a call."""
         if not work:
             return []
-        sizes = sizes or [[codes.shape[0]] for _, codes in work]
+        sizes = sizes or [[len(codes)] for _, codes in work]
         cuts = [[p for n in ns for p in pieces(n, self.max_piece)] for ns in sizes]
         starts = [0] * len(work)
         parts: list[list[torch.Tensor]] = [[] for _ in work]  # per request: its pieces' audio on the device
@@ -143,13 +145,14 @@ class StreamingVocoder:
             for size, group in groups.items():
                 step = self.call_rows[size]  # one row per call in batch-invariant mode
                 for items in (group[a: a + step] for a in range(0, len(group), step)):
-                    codes = torch.stack([work[i][1][starts[i]: starts[i] + size].T for i in items])  # [n, K, size]
+                    frames = [f for i in items for f in work[i][1][starts[i]: starts[i] + size]]  # n * size x [K]
+                    codes = torch.stack(frames).view(len(items), size, -1).transpose(1, 2).contiguous()  # [n, K, size]
                     wav = self._call([work[i][0] for i in items], codes)
                     for k, i in enumerate(items):
                         parts[i].append(wav[k])
                         starts[i] += size
         flat = torch.cat([p for ps in parts for p in ps]).cpu()  # the one sync of the call
-        return [w.numpy() for w in flat.split([codes.shape[0] * self.code2wav.total_upsample for _, codes in work])]
+        return [w.numpy() for w in flat.split([len(codes) * self.code2wav.total_upsample for _, codes in work])]
 
     def _call(self, rows: list[int], codes: torch.Tensor) -> torch.Tensor:
         """rows: n pool rows, codes [n, K, t] (CPU) -> wav [n, t*1920] float32 on the device (a copy: a graph's
