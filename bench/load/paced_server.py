@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                     "ms from its arrival to its prompt laid out, its admission and its first chunk")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the server process (Python's default 5 ms)")
+    ap.add_argument("--per-chunk-delivery", action="store_true",
+                    help="hand each chunk to the event loop in a callback of its own (bench/load/deliver_serve.py's "
+                         "per_chunk) instead of one per wake-up of the loop")
     a = ap.parse_args(argv)
     if a.alone_max is not None and (a.alone_max < 0 or not a.prefill_table):
         ap.error(f"--alone-max {a.alone_max}: expected an integer >= 0, with --prefill-table")
@@ -185,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--prefill-host-share {a.prefill_host_share}: expected a share from 0 to 1")
     if a.switch_interval_ms:
         sys.setswitchinterval(a.switch_interval_ms / 1000)
+    if a.per_chunk_delivery:
+        from bench.load import deliver_serve
+        from q3tts.engine.async_engine import AsyncEngine
+        AsyncEngine._deliver = deliver_serve.deliver
+        deliver_serve.apply("per_chunk")
     import uvicorn
 
     torch.set_num_threads(1)
