@@ -3,8 +3,8 @@
 # `q3tts serve` (128 slots, max_seq_len 1024, the deadline policy on) whose interval bench/load/switch_serve.py sets by
 # signal, then ROUNDS rounds alternating Python's 5 ms and SHORT_MS (default 0.5 ms), each `bench.load.load` at the
 # closed-loop levels C (default 64,128; 2 requests of 10 s per client), after one warm-up level. JSON per round in
-# $OUT/gil-ROUND-MS.json, one summary line per level. The server may already be starting (READY_ONLY=1 with SERVER_PID:
-# this script only waits for it); CKPT must exist.
+# $OUT/gil-ROUND-MS.json, one summary line per level. The server may already be starting (SERVER_PID set: this script
+# only waits for it); otherwise CKPT is made if missing (switched_server.sh).
 #   run: command: bash bench/load/gil_switch.sh      CPU dry run: DEVICE=cpu C=2 FRAMES=12 bash bench/load/gil_switch.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/gil_switch} Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}

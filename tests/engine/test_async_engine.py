@@ -123,10 +123,9 @@ def test_the_loop_thread_compiles_under_the_settings_of_the_thread_that_built_it
         driver.shutdown()
 
 
-def test_a_step_hands_its_chunks_to_the_event_loop_in_one_callback():
-    """Streams of one event loop get a step's chunks through one call_soon_threadsafe (the first chunk wakes the
-    loop, the others ride along), not one per chunk; each stream its chunks in order and complete."""
-    tts = fx.tts("cv06")
+def burst(tts, n: int, max_new_tokens: int) -> tuple[list[list], int, int]:
+    """n streams of one event loop at once through the engine's AsyncEngine -> (each stream's chunks, the loop's
+    call_soon_threadsafe calls while they ran, the engine's steps)."""
     server = AsyncEngine.of(tts.engine)
     wakes = []
 
@@ -136,19 +135,25 @@ def test_a_step_hands_its_chunks_to_the_event_loop_in_one_callback():
         loop.call_soon_threadsafe = lambda *a, **k: (wakes.append(a[0]), real(*a, **k))[1]
 
         async def one(text, voice):
-            prepared = tts.prepare_custom_voice(text, voice, max_new_tokens=12, **GREEDY)[0]
+            prepared = tts.prepare_custom_voice(text, voice, max_new_tokens=max_new_tokens, **GREEDY)[0]
             return [c async for c in server.generate(prepared, StreamOptions(1, 2))]
 
-        return await asyncio.gather(*(one(f"Stream number {i} of a burst.", v)
-                                      for i, v in enumerate(["ryan", "vivian"] * 3)))
+        return await asyncio.gather(*(one(f"Stream number {i} of a burst.", ["ryan", "vivian"][i % 2])
+                                      for i in range(n)))
 
     steps0 = tts.engine.counters.steps
     streams = asyncio.run(serve_all())
-    steps = tts.engine.counters.steps - steps0
+    return streams, len(wakes), tts.engine.counters.steps - steps0
+
+
+def test_a_step_hands_its_chunks_to_the_event_loop_in_one_callback():
+    """Streams of one event loop get a step's chunks through one call_soon_threadsafe (the first chunk wakes the
+    loop, the others ride along), not one per chunk; each stream its chunks in order and complete."""
+    streams, wakes, steps = burst(fx.tts("cv06"), 6, 12)
     chunks = sum(len(s) for s in streams)
     for s in streams:
         assert [c.frame_index for c in s] == sorted(c.frame_index for c in s) and s[-1].is_last
         assert not any(c.is_last for c in s[:-1])
     assert chunks > steps  # several streams' chunks come from one step ...
-    assert len(wakes) < chunks  # ... and reach the loop together (a step's wake-up: at most one per step, unless the
+    assert wakes < chunks  # ... and reach the loop together (a step's wake-up: at most one per step, unless the
     # loop drained between two of its deliveries, which needs the GIL this thread holds while it delivers)
