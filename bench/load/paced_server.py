@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from q3tts.engine.turn import device_wait
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.golden: the tiny checkpoint's recipe
 
 
@@ -67,13 +69,25 @@ def busy(seconds: float) -> None:
         pass
 
 
+_OP = torch.zeros(8)
+
+
+def launches(n: int) -> None:
+    """n tiny torch calls, each of which lets the GIL go and takes it back (torch's bindings release it around every
+    op), as a GPU runner's kernel launches and copies do: while another thread runs Python, each of them waits for it
+    to give the GIL back."""
+    for _ in range(n):
+        _OP.add_(1)
+
+
 class PacedRunner:
     """The engine's ModelRunner with prefill and frame as GIL-free waits; the rest (slots, prompts) is the real one."""
 
     def __init__(self, runner, prefill_s: float, decode_s: float, prefill_per_request_s: float = 0.0,
                  prefill_table: list[tuple[int, float]] | None = None, alone_max: int | None = None,
-                 text_s: float = 0.0, host_s: float = 0.0, prefill_host_share: float = 0.0):
+                 text_s: float = 0.0, host_s: float = 0.0, prefill_host_share: float = 0.0, host_ops: int = 0):
         self._runner, self.prefill_s, self.decode_s = runner, prefill_s, decode_s
+        self.host_ops = host_ops  # torch calls of each frame and of each newcomer's admission (`launches`)
         self.host_s = host_s  # each frame's part that holds the GIL (Python at work), before its GIL-free wait
         self.prefill_host_share = prefill_host_share  # of each admission's wait, the share that holds the GIL
         self.text_s = text_s  # each call that embeds streamed text into rows (the real one runs too)
@@ -97,7 +111,9 @@ class PacedRunner:
         wait = (prefill_wait_s(self.prefill_table, W) if self.prefill_table
                 else self.prefill_s + self.prefill_per_request_s * W)
         busy(self.prefill_host_share * wait)
-        time.sleep((1 - self.prefill_host_share) * wait)
+        launches(self.host_ops * W)
+        with device_wait():
+            time.sleep((1 - self.prefill_host_share) * wait)
         return [1] * len(prefills)
 
     def append_text(self, feeds) -> None:
@@ -107,7 +123,9 @@ class PacedRunner:
     def decode_frame(self, B: int, active: list[bool]):
         from q3tts.engine.scheduler import FrameResult
         busy(self.host_s)
-        time.sleep(self.decode_s)
+        launches(self.host_ops)
+        with device_wait():
+            time.sleep(self.decode_s)
         return FrameResult(torch.ones(B, self._runner.K, dtype=torch.long), [1] * B)
 
 
@@ -122,14 +140,15 @@ class PacedVocoder:
 
     def decode(self, work, sizes=None) -> list[np.ndarray]:
         if work:
-            time.sleep(self.vocode_s)
+            with device_wait():
+                time.sleep(self.vocode_s)
         return [np.zeros(len(codes) * 1920, dtype=np.float32) for _, codes in work]
 
 
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
               prefill_ms_per_request: float = 0.0, prefill_table: list[tuple[int, float]] | None = None,
               alone_max: int | None = None, text_ms: float = 0.0, trace: str | None = None, host_ms: float = 0.0,
-              prefill_host_share: float = 0.0):
+              prefill_host_share: float = 0.0, host_ops: int = 0, host_turn: bool = True):
     """The server's app on the tiny random CustomVoice checkpoint of the tests, its device work paced."""
     from q3tts import TTS
     from q3tts.server.app import create_app
@@ -142,8 +161,10 @@ def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, 
                                          voice_dir=tempfile.mkdtemp(prefix="q3tts-paced-")))
     engine = app.state.engine.engine  # its thread waits for work: no step runs before the first request
     engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000, prefill_ms_per_request / 1000,
-                                prefill_table, alone_max, text_ms / 1000, host_ms / 1000, prefill_host_share)
+                                prefill_table, alone_max, text_ms / 1000, host_ms / 1000, prefill_host_share,
+                                host_ops)
     engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
+    engine.turn.enabled = host_turn  # as a CUDA engine's: the paced waits are its device waits
     if trace:
         from bench.load.phase_trace import PhaseTrace
         PhaseTrace(engine, trace)
@@ -172,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="of each frame, the part that holds the GIL (a busy loop) before --decode-ms's GIL-free wait")
     ap.add_argument("--prefill-host-share", type=float, default=0.0,
                     help="of each admission's wait, the share spent holding the GIL (0-1; a host-bound admission)")
+    ap.add_argument("--host-ops", type=int, default=0,
+                    help="torch calls (each lets the GIL go) of each frame and of each newcomer's admission, as a GPU "
+                         "runner's launches")
+    ap.add_argument("--no-host-turn", dest="host_turn", action="store_false",
+                    help="no host turn (q3tts.engine.turn): the engine's thread and the event loop take the GIL as "
+                         "CPython hands it over (a CPU engine's way; a CUDA engine takes turns)")
     ap.add_argument("--trace", default=None, help="append a JSON line per streaming request at its first audio: "
                     "ms from its arrival to its prompt laid out, its admission and its first chunk")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
@@ -204,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         a.alone_max = PREFILL_GRAPH_MAX_REQUESTS
     app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, alone_max=a.alone_max,
                     text_ms=a.text_ms, trace=a.trace, host_ms=a.host_ms, prefill_host_share=a.prefill_host_share,
-                    **given)
+                    host_ops=a.host_ops, host_turn=a.host_turn, **given)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 

@@ -206,6 +206,7 @@ class AsyncEngine:
     def submit(self, prepared, stream: StreamOptions | None = None, request_id: str | None = None,
                arrival_time: float | None = None) -> RequestHandle:
         """Queue a request now (QueueFullError / ValueError at once); its chunks come from handle.chunks()."""
+        self.engine.turn.wait()  # a burst's arrivals leave a step's host work its interpreter (q3tts.engine.turn)
         q: asyncio.Queue = asyncio.Queue()
         req = self._add(prepared, stream or StreamOptions(), request_id, arrival_time,
                         LoopSink(asyncio.get_running_loop(), q))
@@ -320,8 +321,10 @@ class RequestHandle:
     async def chunks(self) -> AsyncIterator[AudioChunk]:
         """Its chunks until the last one; leaving early (or being cancelled) aborts the request."""
         try:
+            turn = self.engine.engine.turn
             while not self.finished:
                 item = await self._q.get()
+                turn.wait()  # before this chunk's encoding: a step's host work first (q3tts.engine.turn)
                 if isinstance(item, Exception):
                     raise item
                 self.finished = item.is_last

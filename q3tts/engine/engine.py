@@ -53,6 +53,7 @@ from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerOutput
+from .turn import HostTurn, device_wait
 from .vocoder import StreamingVocoder
 
 log = logging.getLogger("q3tts.engine")
@@ -125,6 +126,8 @@ class Engine:
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)
         self.vocoder.capture_graphs()
+        # a step's host work before a consumer's event loop (q3tts.engine.turn): where steps are mostly device time
+        self.turn = HostTurn(enabled=self.runner.use_graphs)
         if self.runner.compiled and self.runner.use_graphs:
             flush_precompiled()  # every compilation is done: a restart installs their Dynamo entries
         if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)
@@ -238,7 +241,7 @@ class Engine:
         their slots and vocoder rows freed (failed_ids); queued requests were not touched and go on."""
         self._held = []
         try:
-            with precompiling(self._precompile_in_steps):
+            with precompiling(self._precompile_in_steps), self.turn.hold():
                 return self._step()
         except Exception as e:
             with self._lock:
@@ -297,7 +300,8 @@ class Engine:
         streaming = [r for r in sched.prefill if r.stream is not None]
         for req, row in zip(streaming, self.vocoder.open([r.prepared.ref_codes for r in streaming])):
             req.vocoder_row = row
-        return codes0.tolist()  # the wave's host sync, once the vocoder rows' host work overlapped its prefill
+        with device_wait():
+            return codes0.tolist()  # the wave's host sync, once the vocoder rows' host work overlapped its prefill
 
     def _release_vocoder(self, req: EngineRequest) -> None:
         if req.vocoder_row is not None:

@@ -38,6 +38,7 @@ from .graphs import capture_runner
 from .memory import KV_SPARE, alloc_len, wave_buckets
 from .scheduler import FrameResult
 from .slots import Slots, alloc_kv
+from .turn import device_wait
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_KV_SPAN = 64
@@ -383,7 +384,9 @@ class ModelRunner:
         s.position_cpu[:B] = [p + a for p, a in zip(s.position_cpu[:B], active)]
         # on the device for the vocoder (a copy: the buffer is reused); unbound once here, as each row takes its own
         codes = self.frame_codes[:B].clone().unbind(0)
-        return FrameResult(codes, s.last_code0[:B].tolist())  # the one sync per frame
+        with device_wait():
+            code0 = s.last_code0[:B].tolist()  # the one sync per frame
+        return FrameResult(codes, code0)
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_keys(self) -> list[tuple[int, int, bool]]:

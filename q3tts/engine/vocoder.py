@@ -27,6 +27,7 @@ from .. import invariant
 from ..hostcopy import ints_to_device
 from ..models.codec import Code2Wav, Code2WavState
 from .graphs import capture, gc_paused, side_stream
+from .turn import device_wait
 
 WARM_CACHE_BYTES = 64 << 20  # the warmed ICL states kept, in bytes: a few dozen references' one-row states
 
@@ -151,7 +152,9 @@ class StreamingVocoder:
                     for k, i in enumerate(items):
                         parts[i].append(wav[k])
                         starts[i] += size
-        flat = torch.cat([p for ps in parts for p in ps]).cpu()  # the one sync of the call
+        flat = torch.cat([p for ps in parts for p in ps])
+        with device_wait():
+            flat = flat.cpu()  # the one sync of the call
         return [w.numpy() for w in flat.split([len(codes) * self.code2wav.total_upsample for _, codes in work])]
 
     def _call(self, rows: list[int], codes: torch.Tensor) -> torch.Tensor:
