@@ -110,3 +110,18 @@ def test_prefill_host_share_outside_0_1_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--prefill-host-share", "1.5"])
     assert exc.value.code == 2 and "--prefill-host-share" in capsys.readouterr().err
+
+
+def test_host_ops_launch_that_many_torch_calls_per_frame_and_per_newcomer():
+    """--host-ops N: N torch calls (each lets the GIL go, as a launch does) per frame, and per newcomer of a wave."""
+    from bench.load import paced_server as ps
+
+    class Runner:
+        K = 2
+
+    runner = ps.PacedRunner(Runner(), 0.0, 0.0, host_ops=5)
+    before = float(ps._OP[0])
+    runner.decode_frame(3, [True] * 3)
+    assert float(ps._OP[0]) - before == 5
+    runner.prefill_batch(0, [None] * 3, [], [None] * 3)
+    assert float(ps._OP[0]) - before == 5 + 15
