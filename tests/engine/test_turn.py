@@ -27,7 +27,7 @@ def test_a_check_in_returns_at_once_while_no_step_holds_the_turn():
 
 def test_a_check_in_waits_for_the_steps_device_wait():
     """The consumer's check-in returns once the engine's thread waits for the device, not before."""
-    turn, events = HostTurn(True), []
+    turn, events = HostTurn(True, max_wait_s=5.0), []
     held, done = threading.Event(), threading.Event()
 
     def engine():
