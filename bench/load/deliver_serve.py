@@ -15,7 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from q3tts.cli import main
+from bench.load.switched import serve
 from q3tts.engine.async_engine import AsyncEngine, LoopSink
 
 MODE = {"per_chunk": False}
@@ -40,6 +40,4 @@ def apply(name: str) -> None:
 
 if __name__ == "__main__":
     AsyncEngine._deliver = deliver
-    signal.signal(signal.SIGUSR1, lambda *_: apply("per_chunk"))
-    signal.signal(signal.SIGUSR2, lambda *_: apply("batched"))
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(serve({signal.SIGUSR1: lambda: apply("per_chunk"), signal.SIGUSR2: lambda: apply("batched")}))

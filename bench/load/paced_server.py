@@ -80,6 +80,12 @@ def launches(n: int) -> None:
         _OP.add_(1)
 
 
+def device_sleep(seconds: float) -> None:
+    """The device's work as a GIL-free wait: a host sync of the engine's thread (q3tts.engine.turn's device wait)."""
+    with device_wait():
+        time.sleep(seconds)
+
+
 class PacedRunner:
     """The engine's ModelRunner with prefill and frame as GIL-free waits; the rest (slots, prompts) is the real one."""
 
@@ -112,8 +118,7 @@ class PacedRunner:
                 else self.prefill_s + self.prefill_per_request_s * W)
         busy(self.prefill_host_share * wait)
         launches(self.host_ops * W)
-        with device_wait():
-            time.sleep((1 - self.prefill_host_share) * wait)
+        device_sleep((1 - self.prefill_host_share) * wait)
         return [1] * len(prefills)
 
     def append_text(self, feeds) -> None:
@@ -124,8 +129,7 @@ class PacedRunner:
         from q3tts.engine.scheduler import FrameResult
         busy(self.host_s)
         launches(self.host_ops)
-        with device_wait():
-            time.sleep(self.decode_s)
+        device_sleep(self.decode_s)
         return FrameResult(torch.ones(B, self._runner.K, dtype=torch.long), [1] * B)
 
 
@@ -140,8 +144,7 @@ class PacedVocoder:
 
     def decode(self, work, sizes=None) -> list[np.ndarray]:
         if work:
-            with device_wait():
-                time.sleep(self.vocode_s)
+            device_sleep(self.vocode_s)
         return [np.zeros(len(codes) * 1920, dtype=np.float32) for _, codes in work]
 
 

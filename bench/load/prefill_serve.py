@@ -18,6 +18,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from bench.load.switched import serve, track
 from q3tts.engine import engine as engine_mod
 from q3tts.engine import runner as runner_mod
 from q3tts.engine.deadline import PrefillCost
@@ -29,18 +30,8 @@ SETTINGS = {"eager": (False, 10), "waves10": (True, 10), "waves4": (True, 4)}  #
 
 def track_runners() -> None:
     """Record each ModelRunner and Engine as it is built (the server builds its engine inside the CLI's main)."""
-    init, engine_init = runner_mod.ModelRunner.__init__, engine_mod.Engine.__init__
-
-    def __init__(self, *a, **kw):
-        init(self, *a, **kw)
-        self._captured_waves = {}
-        RUNNERS.append(self)
-
-    def engine__init__(self, *a, **kw):
-        engine_init(self, *a, **kw)
-        ENGINES.append(self)
-
-    runner_mod.ModelRunner.__init__, engine_mod.Engine.__init__ = __init__, engine__init__
+    track(runner_mod.ModelRunner, RUNNERS, lambda r: setattr(r, "_captured_waves", {}))
+    track(engine_mod.Engine, ENGINES)
 
 
 def apply(name: str) -> None:
@@ -58,8 +49,7 @@ def apply(name: str) -> None:
 
 
 if __name__ == "__main__":
-    from q3tts.cli import main
     track_runners()
-    for sig, name in ((signal.SIGUSR1, "eager"), (signal.SIGUSR2, "waves10"), (signal.SIGHUP, "waves4")):
-        signal.signal(sig, lambda *_, name=name: apply(name))
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(serve({sig: lambda name=name: apply(name)
+                            for sig, name in ((signal.SIGUSR1, "eager"), (signal.SIGUSR2, "waves10"),
+                                              (signal.SIGHUP, "waves4"))}))

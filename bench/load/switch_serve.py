@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from q3tts.cli import main
+from bench.load.switched import serve
 
 
 def set_interval(ms: float) -> None:
@@ -23,6 +23,4 @@ def set_interval(ms: float) -> None:
 
 if __name__ == "__main__":
     short = float(os.environ.get("SHORT_MS", "0.5"))
-    signal.signal(signal.SIGUSR1, lambda *_: set_interval(short))
-    signal.signal(signal.SIGUSR2, lambda *_: set_interval(5.0))
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(serve({signal.SIGUSR1: lambda: set_interval(short), signal.SIGUSR2: lambda: set_interval(5.0)}))

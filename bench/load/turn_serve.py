@@ -15,16 +15,10 @@ from __future__ import annotations
 import signal
 import sys
 
-from q3tts.cli import main
+from bench.load.switched import serve, track
 from q3tts.engine.engine import Engine
 
-ENGINES: list[Engine] = []
-_init = Engine.__init__
-
-
-def init(self: Engine, *args, **kwargs) -> None:
-    _init(self, *args, **kwargs)
-    ENGINES.append(self)
+ENGINES: list[Engine] = []  # every Engine built in this process
 
 
 def apply(name: str) -> None:
@@ -34,7 +28,5 @@ def apply(name: str) -> None:
 
 
 if __name__ == "__main__":
-    Engine.__init__ = init
-    signal.signal(signal.SIGUSR1, lambda *_: apply("free"))
-    signal.signal(signal.SIGUSR2, lambda *_: apply("turn"))
-    raise SystemExit(main(sys.argv[1:]))
+    track(Engine, ENGINES)
+    raise SystemExit(serve({signal.SIGUSR1: lambda: apply("free"), signal.SIGUSR2: lambda: apply("turn")}))

@@ -48,36 +48,30 @@ def test_a_check_in_waits_for_the_steps_device_wait():
     assert events == ["device wait", "checked in", "back"]
 
 
-def test_a_disabled_turn_is_never_held():
-    turn, inside = HostTurn(False), threading.Event()
+def check_in_beside_a_step(turn: HostTurn, step_s: float) -> float:
+    """Seconds a check-in takes while another thread is in a step of step_s s of host work (no device wait)."""
+    inside = threading.Event()
 
     def engine():
         with turn.hold():
             inside.set()
-            time.sleep(0.5)
+            time.sleep(step_s)
 
     t = in_thread(engine)
     inside.wait(5)
     t0 = time.perf_counter()
     turn.wait()
-    assert time.perf_counter() - t0 < 0.1  # not the step's 0.5 s
+    took = time.perf_counter() - t0
     t.join(5)
+    return took
+
+
+def test_a_disabled_turn_is_never_held():
+    assert check_in_beside_a_step(HostTurn(False), 0.5) < 0.1  # not the step's 0.5 s
 
 
 def test_a_check_in_waits_at_most_max_wait():
-    turn, inside = HostTurn(True, max_wait_s=0.05), threading.Event()
-
-    def engine():
-        with turn.hold():
-            inside.set()
-            time.sleep(1.0)
-
-    t = in_thread(engine)
-    inside.wait(5)
-    t0 = time.perf_counter()
-    turn.wait()
-    assert 0.04 < time.perf_counter() - t0 < 0.5
-    t.join(5)
+    assert 0.04 < check_in_beside_a_step(HostTurn(True, max_wait_s=0.05), 1.0) < 0.5
 
 
 def test_device_wait_outside_a_step_does_nothing():
