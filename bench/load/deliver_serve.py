@@ -2,7 +2,7 @@
 server (bench/load/prefill_ab.sh with MODULE=bench.load.deliver_serve):
 
     SIGUSR1  "per_chunk": one call_soon_threadsafe per chunk (0b11ad3's)
-    SIGUSR2  "batched":   one per wake-up of the event loop: the first chunk of a step wakes it, the others ride along
+    SIGUSR2  "batched":   one per wake-up of the event loop: a step's chunks wake it once they are all in
                           (AsyncEngine._deliver, the default)
 
 A switch applies from the next delivery on.
@@ -22,7 +22,7 @@ MODE = {"per_chunk": False}
 _deliver = AsyncEngine._deliver
 
 
-def deliver(self: AsyncEngine, request_id: str, item: object) -> None:
+def deliver(self: AsyncEngine, request_id: str, item: object, woken: list | None = None) -> None:
     sink = self._sinks.get(request_id)
     if MODE["per_chunk"] and type(sink) is LoopSink:
         try:
@@ -30,7 +30,7 @@ def deliver(self: AsyncEngine, request_id: str, item: object) -> None:
         except RuntimeError:  # the consumers' loop is closed
             pass
     else:
-        _deliver(self, request_id, item)
+        _deliver(self, request_id, item, woken)
 
 
 def apply(name: str) -> None:

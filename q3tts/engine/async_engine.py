@@ -138,11 +138,14 @@ class AsyncEngine:
                     self._offline.pop(rid, None)
                     self._deliver(rid, e)
                 continue
+            woken: list[asyncio.AbstractEventLoop] = []  # the event loops this step's items wake, once each
             for c in chunks:
-                self._deliver(c.request_id, c)
+                self._deliver(c.request_id, c, woken)
             done = [rid for rid, r in self._offline.items() if r.status.finished]
             for rid in done:
-                self._deliver(rid, self._offline.pop(rid))
+                self._deliver(rid, self._offline.pop(rid), woken)
+            for loop in woken:
+                self._wake(loop)
             if chunks or done:
                 # NOTE(handoff): a consumer woken by a delivery needs the GIL and a core, which this thread, going on
                 # into the next step, holds until it blocks (a device sync) or is made to switch: give both up once
@@ -159,10 +162,11 @@ class AsyncEngine:
         with torch.cuda.stream(stream):
             return self.engine.step()
 
-    def _deliver(self, request_id: str, item: object) -> None:
-        """To a blocking sink at once; to an event loop through one callback (`_drain`) per wake-up: the first item
-        wakes the loop at once, the next ride along while that callback has not run yet (a step's many chunks: one
-        call_soon_threadsafe, not one each, whose wake-ups would each contend with this thread for the GIL)."""
+    def _deliver(self, request_id: str, item: object, woken: list | None = None) -> None:
+        """To a blocking sink at once; to an event loop through one callback (`_drain`) per wake-up, which takes every
+        item delivered since: a step's many chunks wake it once (woken: the loops to wake once the step's items are all
+        in, the caller's; None: at once), not once each, whose wake-ups would each contend with this thread for the
+        GIL. Items that come while a callback is pending ride along in it."""
         sink = self._sinks.get(request_id)
         if type(sink) is not LoopSink:
             if sink is not None:
@@ -176,11 +180,17 @@ class AsyncEngine:
                 items = self._pending[loop] = []
             items.append((sink.queue, item))
         if wake:
-            try:
-                loop.call_soon_threadsafe(self._drain, loop)
-            except RuntimeError:  # the consumers' loop is closed: nobody reads these
-                with self._pending_lock:
-                    self._pending.pop(loop, None)
+            if woken is None:
+                self._wake(loop)
+            else:
+                woken.append(loop)
+
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.call_soon_threadsafe(self._drain, loop)
+        except RuntimeError:  # the consumers' loop is closed: nobody reads these
+            with self._pending_lock:
+                self._pending.pop(loop, None)
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the consumers' loop: every item delivered to it since its wake-up, in order."""
