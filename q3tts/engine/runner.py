@@ -44,9 +44,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_KV_SPAN = 64
 PREFILL_GRAPH_LENS = (16, 32, 64, 128, 256)  # one request's prefill is a captured graph up to these padded lengths
 # Up to this many requests admitted in one step replay their prefill graphs one after another, each as alone (its bits
-# those of its prefill alone), rather than share one wave graph (memory.PREFILL_WAVE_SIZES) or a batched forward. A
-# replay costs about 2 ms, the least wave graph about 5 ms for up to 16; yet with up to 4 alone the server did no
-# better under load (BENCHMARKS.md, "Batched prefill graphs")
+# those of its prefill alone), rather than share one wave graph (memory.PREFILL_WAVE_SIZES) or a batched forward: a
+# few replays cost less than the least wave graph (timings: BENCHMARKS.md, "Batched prefill graphs")
 PREFILL_GRAPH_MAX_REQUESTS = 10
 log = logging.getLogger("q3tts.engine")
 
