@@ -4,7 +4,8 @@
 # rounds, each running every setting of SETTINGS ("name:SIGNAL ...") in turn, the order rotated per round. Default:
 # bench/load/prefill_serve.py's admission regimes (eager: the batched forward past 10 newcomers; waves10 / waves4: wave
 # graphs, up to 10 / 4 newcomers alone); MODULE=bench.load.deliver_serve SETTINGS="per_chunk:USR1 batched:USR2": the
-# hand-over of chunks to the event loop (bench/load/deliver_serve.py). Per setting
+# hand-over of chunks to the event loop (bench/load/deliver_serve.py); MODULE=bench.load.turn_serve
+# SETTINGS="free:USR1 turn:USR2": the host turn off or on (bench/load/turn_serve.py). Per setting
 # one warm-up burst (the policy's cost fits), a closed-loop burst level of C streams (REQS requests of 10 s each) and a
 # Poisson level of RATE req/s of 5 s utterances for POISSON_S s. JSON per (round, setting, level) in $OUT, one
 # summary line per level, then the medians per setting.

@@ -28,8 +28,7 @@ def test_the_switch_sets_every_engines_turn_and_the_streams_keep_their_chunks(mo
     # the same frames in the same chunks; the audio within float32 rounding: the turn changes when requests reach a
     # step, so which rows share a vocoder call, and a CPU convolution's sums group differently by the batch; through the
     # decoder's layers that moves a sample by up to ~1e-5 (measured), against samples of ~1e-2
-    for other in [off]:
-        assert [[c[:2] for c in s] for s in other] == [[c[:2] for c in s] for s in on] and all(on)
-        for a, b in zip(other, on):
-            for x, y in zip(a, b):
-                np.testing.assert_allclose(x[2], y[2], rtol=0, atol=1e-4)
+    assert [[c[:2] for c in s] for s in off] == [[c[:2] for c in s] for s in on] and all(on)
+    for a, b in zip(off, on):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x[2], y[2], rtol=0, atol=1e-4)
