@@ -81,7 +81,8 @@ def compile_layers(talker: torch.nn.Module) -> None:
     # node wrote while ours let the next kernel start early (bf16 graph and eager codes parted with PDL in part of
     # the graphs); Inductor's static launcher cannot launch PDL kernels (slower warm starts); and the frame time
     # did not change beyond the machines' spread (BENCHMARKS.md).
-    fwd = compile_fn(DecoderLayer.forward, dynamic=True, fullgraph=True)
+    cuda = next(talker.parameters()).device.type == "cuda"
+    fwd = compile_fn(DecoderLayer.forward, cuda=cuda, dynamic=True, fullgraph=True)
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
             m.forward = functools.partial(fwd, m)
@@ -94,7 +95,8 @@ def compile_model(talker: torch.nn.Module, on: bool) -> tuple:
     if not on:
         return fns
     compile_layers(talker)
-    compiled = tuple(compile_fn(f, dynamic=True) for f in fns)
+    cuda = next(talker.parameters()).device.type == "cuda"
+    compiled = tuple(compile_fn(f, cuda=cuda, dynamic=True) for f in fns)
     # NOTE(invariant): eager torch reduces each row alone (sorts, softmax, cumsum); Inductor compiles 1 row and n rows
     # apart, and may reduce them differently
     return (sample, *compiled[1:]) if invariant.ENABLED else compiled
@@ -112,13 +114,22 @@ def serve_precompile() -> None:
     os.environ.setdefault(PRECOMPILE_ENV, "1")
 
 
-def portable_guards(entries) -> list[bool]:
+def portable_guards(entries, cuda: bool = False) -> list[bool]:
     """torch.compile's guard_filter_fn for precompiled functions: keep what describes the inputs (tensor dtypes,
-    devices, sizes and strides, the symbolic shapes' ranges, constants and the global grad/autocast state), drop the
+    devices, sizes and strides, the symbolic shapes' ranges, constants and, on a CPU, the global state), drop the
     identity guards (IDENTITY_GUARDS) and any guard on a Python function (a compiled layer's forward is torch's
     wrapper function, which torch saves as a placeholder: its type guard would fail in every later process).
+    cuda: the functions run on CUDA, where the global state's guard (GLOBAL_STATE) goes too: it holds torch's CPU
+    thread count, which differs between the machine that built an artifact and the one that loads it (or under
+    taskset, or a container's CPU limit), and a saved entry whose guard failed is traced again whole
+    (BENCHMARKS.md: start-up); CUDA code does not depend on that count. Its other fields (grad mode, autocast,
+    default dtype, the deterministic and TF32 switches) are q3tts's own in a precompiling process: only `q3tts
+    serve` and `q3tts warmup` turn it on, and the engine calls its compiled functions in inference mode (which the
+    tensors' dispatch-key guards check), never under autocast, and sets none of the rest. On a CPU it stays:
+    Inductor's C++ kernels are built for the thread count.
     NOTE(guards): in-process this trusts that q3tts never rebinds a function or module its compiled code inlined."""
-    return [e.guard_type not in IDENTITY_GUARDS and not IDENTITY_GUARDS.intersection(e.derived_guard_types or ())
+    drop = IDENTITY_GUARDS | {"GLOBAL_STATE"} if cuda else IDENTITY_GUARDS
+    return [e.guard_type not in drop and not IDENTITY_GUARDS.intersection(e.derived_guard_types or ())
             and not (e.has_value and isinstance(e.value, types.FunctionType)) for e in entries]
 
 
@@ -136,11 +147,12 @@ def precompiling(on: bool = True):
         yield
 
 
-def compile_fn(fn, **kw):
+def compile_fn(fn, cuda: bool = False, **kw):
     """torch.compile(fn, **kw), precompiled unless want_precompile() is False: its Dynamo entry is looked up in the
     compile cache now (a hit installs the traced code and guards: no tracing at the first call), and what it compiles
     later (inside `precompiling`) is recorded for flush_precompiled and save_cache_artifacts. An entry that does not
-    install here (another q3tts, a changed source) is a warning and a normal compilation."""
+    install here (another q3tts, a changed source) is a warning and a normal compilation. cuda: fn runs on CUDA
+    (portable_guards)."""
     if not want_precompile():
         return torch.compile(fn, **kw)
     from torch._dynamo.utils import counters
@@ -150,7 +162,7 @@ def compile_fn(fn, **kw):
         # thread's dispatch state of this moment: the engine calls its compiled functions in inference mode (and
         # traced them so), so they are built in it too (else no inference tensor would ever pass them)
         with precompiling(), torch.inference_mode():
-            out = torch.compile(fn, options={"guard_filter_fn": portable_guards}, **kw)
+            out = torch.compile(fn, options={"guard_filter_fn": functools.partial(portable_guards, cuda=cuda)}, **kw)
         if counters["dynamo_cache"]["dynamo_cache_hit"] > hits:
             _skip_installed_ids()
         return out

@@ -54,7 +54,8 @@ class DepthLoop:
                       for c in (True, False)}
         self.whole = None
         if compiled:
-            fused = compile_fn(fused_step, dynamic=False, fullgraph=True)  # static: 2 step shapes x 2 samplers
+            # static: 2 step shapes x 2 samplers
+            fused = compile_fn(fused_step, cuda=cuda, dynamic=False, fullgraph=True)
             self.whole = {c: functools.partial(fused, talker.code_predictor, capped=c, fused_attention=cuda)
                           for c in (True, False)}
             # The step compiled whole has a cache of its own: per layer a k and a v tensor that alias nothing, which

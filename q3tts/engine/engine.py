@@ -117,6 +117,7 @@ class Engine:
                                   num_blocks=num_blocks, compile_cache=compile_cache)
         # a runner that compiles lazily (no CUDA graphs: at the first requests) records its compilations then
         self._precompile_in_steps = self.runner.compiled and not self.runner.use_graphs
+        self._traced_flushed = counts["traced"]  # Dynamo's graphs traced when its entries were last written
         with precompiling(self.runner.compiled):
             self.runner.capture_graphs()
         if deadline is None:
@@ -242,7 +243,10 @@ class Engine:
         self._held = []
         try:
             with precompiling(self._precompile_in_steps), self.turn.hold():
-                return self._step()
+                out = self._step()
+            if self._precompile_in_steps:
+                self._flush_step_entries()
+            return out
         except Exception as e:
             with self._lock:
                 for req in self._held:
@@ -252,6 +256,14 @@ class Engine:
                     req.stream_done = True
             self.failed_ids = [r.request_id for r in self._held]
             raise
+
+    def _flush_step_entries(self) -> None:
+        """A runner that compiles in its steps (no CUDA graphs): the Dynamo entries of what this step traced written
+        to the compile cache, as a start that captures graphs writes its own (a restart installs them)."""
+        traced = compile_counts()["traced"]
+        if traced != self._traced_flushed:
+            self._traced_flushed = traced
+            flush_precompiled()
 
     def _step(self) -> list[AudioChunk]:
         t0 = time.perf_counter()

@@ -163,21 +163,27 @@ print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(), "loade
 """
 
 
-@pytest.mark.slow  # two starts that compile on the CPU (Inductor's C++ kernels: gcc in both)
-def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
+def child_runner(tmp_path):
+    """A tiny checkpoint in tmp_path; run(mode, cache) -> the CHILD's JSON, a start in a fresh process on the compile
+    cache tmp_path/cache ("save": then the artifact tmp_path/engine.q3c; "load": with it; else neither)."""
     from q3tts.randomckpt import make_tiny
     make_tiny(tmp_path / "tiny")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
                                                               "Q3TTS_COMPILE_CACHE")}
     env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", Q3TTS_PRECOMPILE="1",  # (as serve / warmup)
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    art = tmp_path / "engine.q3c"
 
     def run(mode, cache):
         out = subprocess.run([sys.executable, "-c", CHILD, mode, str(tmp_path / "tiny"), str(tmp_path / cache),
-                              str(art)], env=env, capture_output=True, text=True, timeout=600)
+                              str(tmp_path / "engine.q3c")], env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
+    return run
+
+
+@pytest.mark.slow  # two starts that compile on the CPU (Inductor's C++ kernels: gcc in both)
+def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
+    run = child_runner(tmp_path)
     cold = run("save", "cache-builder")
     c = cold["counts"]
     assert c["fx_miss"] > 0 and c["fx_hit"] == 0 and c["traced"] == c["fx_miss"] and c["dynamo_hit"] == 0, c
@@ -188,4 +194,17 @@ def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
     w = warm["counts"]
     assert w["traced"] == 0 and w["fx_miss"] == 0 and w["aot_miss"] == 0, w
     assert w["dynamo_hit"] == c["dynamo_miss"] == 5, w
+    assert warm["codes"] == cold["codes"]
+
+
+@pytest.mark.slow  # a start that compiles on the CPU
+def test_a_restart_installs_what_the_first_requests_compiled(tmp_path):
+    """On a CPU the engine compiles in its first steps, not at the build: those steps write their Dynamo entries
+    into the compile cache, so a restart on it traces and compiles nothing."""
+    run = child_runner(tmp_path)
+    cold = run("first", "cache")
+    assert cold["counts"]["traced"] > 0 and cold["counts"]["dynamo_hit"] == 0, cold["counts"]
+    warm = run("restart", "cache")
+    w = warm["counts"]
+    assert w["traced"] == 0 and w["fx_miss"] == 0 and w["dynamo_hit"] == 5, w
     assert warm["codes"] == cold["codes"]

@@ -144,14 +144,18 @@ def test_portable_guards_keep_what_describes_the_inputs():
                E(guard_type="MODULE_MATCH", derived_guard_types=(), has_value=True, value=os),
                E(guard_type="BUILTIN_MATCH", derived_guard_types=("ID_MATCH",), has_value=True, value=len),
                E(guard_type="TYPE_MATCH", derived_guard_types=(), has_value=True, value=_double),
-               E(guard_type="EQUALS_MATCH", derived_guard_types=(), has_value=True, value=False)]
-    assert portable_guards(entries) == [True, True, False, False, False, True]
+               E(guard_type="EQUALS_MATCH", derived_guard_types=(), has_value=True, value=False),
+               E(guard_type="GLOBAL_STATE", derived_guard_types=(), has_value=False, value=None)]
+    assert portable_guards(entries) == [True, True, False, False, False, True, True]
+    # on CUDA the global state (with torch's CPU thread count) goes too: the other machine's count must not retrace
+    assert portable_guards(entries, cuda=True) == [True, True, False, False, False, True, False]
 
 
 # Two decoder layers (two instances: one compiled function must serve both) through compile_layers, as the talker's.
 CHILD = """
-import json, torch
-torch.set_num_threads(1)
+import json, os, torch
+torch.set_num_threads(int(os.environ.get("CHILD_THREADS", "1")))
+dev = os.environ.get("CHILD_DEVICE", "cpu")
 from q3tts.config import DecoderLayerConfig
 from q3tts.engine.compile import compile_counts, use_compile_cache
 from q3tts.engine.compile import compile_layers, flush_precompiled, precompiling
@@ -160,29 +164,29 @@ use_compile_cache()  # from Q3TTS_COMPILE_CACHE
 cfg = DecoderLayerConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=8)
 torch.manual_seed(0)
-layers = torch.nn.ModuleList(DecoderLayer(cfg) for _ in range(2))
+layers = torch.nn.ModuleList(DecoderLayer(cfg) for _ in range(2)).to(dev)
 compile_layers(layers)
 L, n = 5, 16
-kv = torch.zeros(2, 2, 1, 2, n, 16)
-pos = torch.arange(L)[None]
-cos, sin = rope_cos_sin(pos, rope_inv_freq(16, 10000.0), torch.float32)
-ctx = AttnContext(pos, (torch.arange(n)[None] <= pos[0][:, None])[None, None])
+kv = torch.zeros(2, 2, 1, 2, n, 16, device=dev)
+pos = torch.arange(L, device=dev)[None]
+cos, sin = rope_cos_sin(pos, rope_inv_freq(16, 10000.0).to(dev), torch.float32)
+ctx = AttnContext(pos, (torch.arange(n, device=dev)[None] <= pos[0][:, None])[None, None])
 with precompiling(), torch.inference_mode():  # (as the engine compiles: its Dynamo entry is recorded)
-    x = torch.randn(1, L, 32)
+    x = torch.randn(1, L, 32, device=dev)
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, kv[i][0], kv[i][1], ctx)
 flush_precompiled()  # (the engine does it once its graphs are captured)
 counts = compile_counts()
 # another variant, traced in a process that may have installed a saved entry (torch names their globals alike)
-y = torch.randn(1, L, 32)  # not an inference tensor: a new variant
+y = torch.randn(1, L, 32, device=dev)  # not an inference tensor: a new variant
 with torch.inference_mode():
     layers[0](y, cos, sin, kv[0][0], kv[0][1], ctx)
 print(json.dumps({"counts": counts, "out": x.flatten().tolist(), "variant_traced": compile_counts()["traced"]}))
 """
 
 
-@pytest.mark.slow  # a cold Inductor compile on the CPU: ~45 s of the ~90 s on a loaded 2-core box
-def test_second_process_hits_the_cache(tmp_path):
+def child_runner(tmp_path):
+    """run(**env) -> the CHILD's JSON, run in a fresh process on the compile cache tmp_path/cc."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
                                                               "Q3TTS_PRECOMPILE")}
     env.update(Q3TTS_COMPILE_CACHE=str(tmp_path / "cc"), OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
@@ -193,6 +197,12 @@ def test_second_process_hits_the_cache(tmp_path):
                              timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
+    return run
+
+
+@pytest.mark.slow  # a cold Inductor compile on the CPU: ~45 s of the ~90 s on a loaded 2-core box
+def test_second_process_hits_the_cache(tmp_path):
+    run = child_runner(tmp_path)
     cold, warm = run(Q3TTS_PRECOMPILE="1"), run(Q3TTS_PRECOMPILE="1")
     untraced = run()  # (off unless asked for: a library process)
     pick = ("fx_hit", "fx_miss", "aot_hit", "aot_miss", "traced", "dynamo_hit")
@@ -211,3 +221,52 @@ def test_second_process_hits_the_cache(tmp_path):
         "fx_hit": 1, "fx_miss": 0, "traced": 1, "dynamo_hit": 0}, untraced
     assert untraced["out"] == cold["out"]
     assert any((tmp_path / "cc" / "dynamo").iterdir())
+
+
+# One compiled function, its entry recorded and written; the thread count and portable_guards' cuda flag from the env
+THREADS_CHILD = """
+import json, os, torch
+torch.set_num_threads(int(os.environ["CHILD_THREADS"]))
+from q3tts.engine.compile import compile_counts, compile_fn, flush_precompiled, precompiling, use_compile_cache
+use_compile_cache()
+def double_plus(x):
+    return x * 2 + 1
+f = compile_fn(double_plus, cuda=os.environ["CHILD_CUDA"] == "1", dynamic=False)
+with precompiling(), torch.inference_mode():
+    out = f(torch.arange(4.0))
+flush_precompiled()
+print(json.dumps({"counts": compile_counts(), "out": out.tolist()}))
+"""
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_another_thread_count_traces_again_only_where_the_global_state_is_guarded(tmp_path, cuda):
+    """The global state's guard holds torch's CPU thread count: a restart with another count installs the saved entry,
+    then traces again where that guard was saved (a CPU's functions), and not where portable_guards dropped it (the
+    CUDA engine's: the other machine's count must not cost it its entries)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env.update(Q3TTS_COMPILE_CACHE=str(tmp_path / "cc"), Q3TTS_PRECOMPILE="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+               CHILD_CUDA=str(int(cuda)), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+
+    def run(threads):
+        out = subprocess.run([sys.executable, "-c", THREADS_CHILD], env=dict(env, CHILD_THREADS=str(threads)),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    cold, warm = run(1), run(2)
+    assert cold["counts"]["traced"] == 1 and warm["counts"]["dynamo_hit"] == 1, (cold, warm)
+    assert warm["counts"]["traced"] == (0 if cuda else 1), warm
+    assert warm["out"] == cold["out"] == [1.0, 3.0, 5.0, 7.0]
+
+
+@pytest.mark.gpu
+def test_a_restart_with_another_thread_count_installs_the_entry_on_cuda(tmp_path):
+    """On CUDA a restart whose torch CPU thread count is not the compiling process's (another machine loading an
+    artifact, taskset, a container's CPU limit) installs the saved entry and traces nothing: the global state's guard,
+    which holds that count, is not saved there (portable_guards)."""
+    run = child_runner(tmp_path)
+    cold = run(Q3TTS_PRECOMPILE="1", CHILD_DEVICE="cuda", CHILD_THREADS="1")
+    warm = run(Q3TTS_PRECOMPILE="1", CHILD_DEVICE="cuda", CHILD_THREADS="3")
+    assert cold["counts"]["traced"] == 1 and cold["counts"]["dynamo_hit"] == 0, cold
+    assert warm["counts"]["traced"] == 0 and warm["counts"]["dynamo_hit"] == 1, warm
+    assert warm["out"] == cold["out"]
