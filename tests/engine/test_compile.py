@@ -185,15 +185,15 @@ print(json.dumps({"counts": counts, "out": x.flatten().tolist(), "variant_traced
 """
 
 
-def child_runner(tmp_path):
-    """run(**env) -> the CHILD's JSON, run in a fresh process on the compile cache tmp_path/cc."""
+def child_runner(tmp_path, script: str = CHILD):
+    """run(**env) -> the script's JSON (CHILD's by default), run in a fresh process on the compile cache tmp_path/cc."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
                                                               "Q3TTS_PRECOMPILE")}
     env.update(Q3TTS_COMPILE_CACHE=str(tmp_path / "cc"), OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
 
     def run(**extra):
-        out = subprocess.run([sys.executable, "-c", CHILD], env=dict(env, **extra), capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", script], env=dict(env, **extra), capture_output=True, text=True,
                              timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -244,16 +244,8 @@ def test_another_thread_count_traces_again_only_where_the_global_state_is_guarde
     """The global state's guard holds torch's CPU thread count: a restart with another count installs the saved entry,
     then traces again where that guard was saved (a CPU's functions), and not where portable_guards dropped it (the
     CUDA engine's: the other machine's count must not cost it its entries)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    env.update(Q3TTS_COMPILE_CACHE=str(tmp_path / "cc"), Q3TTS_PRECOMPILE="1", TORCHINDUCTOR_COMPILE_THREADS="1",
-               CHILD_CUDA=str(int(cuda)), PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-
-    def run(threads):
-        out = subprocess.run([sys.executable, "-c", THREADS_CHILD], env=dict(env, CHILD_THREADS=str(threads)),
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    cold, warm = run(1), run(2)
+    run = child_runner(tmp_path, THREADS_CHILD)
+    cold, warm = (run(Q3TTS_PRECOMPILE="1", CHILD_CUDA=str(int(cuda)), CHILD_THREADS=str(n)) for n in (1, 2))
     assert cold["counts"]["traced"] == 1 and warm["counts"]["dynamo_hit"] == 1, (cold, warm)
     assert warm["counts"]["traced"] == (0 if cuda else 1), warm
     assert warm["out"] == cold["out"] == [1.0, 3.0, 5.0, 7.0]
