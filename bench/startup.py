@@ -62,6 +62,7 @@ def child(a) -> None:
                       "engine_counts": counts_engine, "counts": compile_counts(), "dynamo_s": dynamo_seconds(),
                       "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
                       "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len,
+                      "threads": torch.get_num_threads(),
                       **({"profile": prof.report()} if prof else {})}), flush=True)
 
 
@@ -106,10 +107,12 @@ class PhaseProfile:
                 "dynamo_compile_times": du.compile_times(repr="str", aggregate=True)[-6000:]}
 
 
-def start(a, quantization: str, cache: str, artifact: tuple[str, str] | None = None) -> dict:
+def start(a, quantization: str, cache: str, artifact: tuple[str, str] | None = None, threads: int | None = None) -> dict:
     """One child start on compile cache `cache` (its Triton cache: cache/triton-eager); artifact: ("save" | "load",
-    file)."""
+    file); threads: torch's CPU threads in it (OMP_NUM_THREADS; None: the environment's)."""
     env = dict(os.environ, Q3TTS_STARTUP_T0=repr(time.time()), TRITON_CACHE_DIR=os.path.join(cache, "triton-eager"))
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("Q3TTS_PRECOMPILE", "1")  # as `q3tts serve` starts (engine.compile.serve_precompile)
     for k in ("TORCHINDUCTOR_CACHE_DIR", "Q3TTS_COMPILE_CACHE"):
         env.pop(k, None)  # the child's only caches are the ones given (--compile-cache, TRITON_CACHE_DIR)
@@ -147,6 +150,9 @@ def main() -> None:
     ap.add_argument("--cold-only", action="store_true", help="skip the warm restart")
     ap.add_argument("--artifact", action="store_true", help="the cold start saves a compiled artifact, and a third "
                     "start on an empty compile cache loads it (a fresh machine with `q3tts serve --load-artifact`)")
+    ap.add_argument("--cold-threads", type=int, default=None, help="torch's CPU threads in the cold start only (the "
+                    "artifact's builder with another CPU count than the server: on CUDA the warm and artifact starts "
+                    "still trace nothing; on a CPU Inductor's kernels are built for the count, so they trace again)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--compile-cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--compile-artifact", default=None, help=argparse.SUPPRESS)
@@ -159,7 +165,7 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
            "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "runs": []}
     print(f"{'quantization':<12} {'run':>3} {'cache':<8} {'ready s':>8} {'import':>7} {'load':>6} {'engine':>7} "
-          f"{'warm-up':>8} {'fx hit/miss':>12} {'traced':>6} {'dynamo s':>8}", file=sys.stderr)
+          f"{'warm-up':>8} {'fx hit/miss':>12} {'traced':>6} {'dynamo s':>8} {'threads':>7}", file=sys.stderr)
     for q in a.quantization.split(","):
         for i in range(a.runs):
             cache = tempfile.mkdtemp(prefix="q3tts-startup-cache-")
@@ -169,15 +175,15 @@ def main() -> None:
             try:
                 for kind in kinds + (("artifact",) if a.artifact else ()):
                     how = {"cold": ("save", art) if a.artifact else None, "artifact": ("load", art)}.get(kind)
-                    r = dict(start(a, q, fresh if kind == "artifact" else cache, how), quantization=q, run=i,
-                             cache=kind)
+                    r = dict(start(a, q, fresh if kind == "artifact" else cache, how,
+                                   a.cold_threads if kind == "cold" else None), quantization=q, run=i, cache=kind)
                     res["runs"].append(r)
                     save(res, a.out)
                     res["device"] = r["device"]
                     c = r["counts"]
                     print(f"{q:<12} {i:>3} {kind:<8} {r['ready_s']:>8.1f} {r['import_s']:>7.1f} {r['load_s']:>6.1f} "
                           f"{r['engine_s']:>7.1f} {r['warmup_s']:>8.1f} {c['fx_hit']:>6}/{c['fx_miss']:<5} "
-                          f"{c['traced']:>6} {r['dynamo_s']:>8.1f}",
+                          f"{c['traced']:>6} {r['dynamo_s']:>8.1f} {r['threads']:>7}",
                           file=sys.stderr, flush=True)
             finally:
                 for d in (cache, fresh):

@@ -4,7 +4,9 @@
 # artifact (empty caches + the compiled artifact the cold start saved: `q3tts serve --load-artifact FILE`).
 #   run: command: bash bench/startup.sh        (within 500 s for serve's defaults on an H100: LIMIT=480; ARTIFACT=0
 #                                               skips the artifact start, RUNS=2 for two sets, QUANT=none,fp8;
-#                                               PROFILE=1: per-key times, compile times, recompile reasons)
+#                                               PROFILE=1: per-key times, compile times, recompile reasons;
+#                                               COLD_THREADS=N: the cold start (the artifact's builder) at N torch
+#                                               threads, the others at the machine's)
 #   CPU dry run: DEVICE=cpu TINY=1 bash bench/startup.sh   (a tiny checkpoint; the same steps and JSON)
 #   CKPT=DIR: a checkpoint of $MODEL made before (bench.make_checkpoint), not made again
 set -uo pipefail
@@ -34,6 +36,7 @@ fi
 J="$OUT/startup-$GPU-$M.json"
 timeout ${LIMIT:-480} python3 -m bench.startup --ckpt "$CK" --device "$DEVICE" --quantization "${QUANT:-none}" \
     --runs "${RUNS:-1}" ${PROFILE:+--profile} $( [ "${ARTIFACT:-1}" = 1 ] && echo --artifact ) $SIZES \
+    ${COLD_THREADS:+--cold-threads $COLD_THREADS} \
     --out "$J" > /dev/null
 echo "startup: exit $?"
 python3 - "$J" <<'PY'
@@ -45,7 +48,8 @@ except (OSError, ValueError) as e:
 print(f"{r.get('device')} torch {r.get('torch')}")
 for x in r["runs"]:
     c = x["counts"]
-    print(f"{x['quantization']:<6} {x['cache']:<8} ready {x['ready_s']:6.1f} s (import {x['import_s']:.1f}, load "
+    print(f"{x['quantization']:<6} {x['cache']:<8} ready {x['ready_s']:6.1f} s at {x.get('threads')} threads "
+          f"(import {x['import_s']:.1f}, load "
           f"{x['load_s']:.1f}, engine {x['engine_s']:.1f}, warm-up {x['warmup_s']:.1f}); graphs from cache "
           f"{c['fx_hit']}, compiled {c['fx_miss']}; Dynamo: traced {c.get('traced')}, entries installed "
           f"{c.get('dynamo_hit')}, {x.get('dynamo_s', 0):.1f} s" + (f"; artifact {x['artifact_bytes'] / 2**20:.1f} MiB"
