@@ -6,10 +6,7 @@ import io
 import json
 import logging
 import os
-import subprocess
-import sys
 import tarfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +22,7 @@ from q3tts.engine.artifact import (
 )
 from q3tts.models.loaders import load_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+from .fresh_process import run_child
 
 
 @pytest.fixture(scope="module")
@@ -168,17 +165,9 @@ def child_runner(tmp_path):
     cache tmp_path/cache ("save": then the artifact tmp_path/engine.q3c; "load": with it; else neither)."""
     from q3tts.randomckpt import make_tiny
     make_tiny(tmp_path / "tiny")
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
-                                                              "Q3TTS_COMPILE_CACHE")}
-    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", Q3TTS_PRECOMPILE="1",  # (as serve / warmup)
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-
-    def run(mode, cache):
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, str(tmp_path / "tiny"), str(tmp_path / cache),
-                              str(tmp_path / "engine.q3c")], env=env, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    return run
+    return lambda mode, cache: run_child(CHILD, mode, str(tmp_path / "tiny"), str(tmp_path / cache),
+                                         str(tmp_path / "engine.q3c"), timeout=600,
+                                         Q3TTS_PRECOMPILE="1")  # (as serve / warmup)
 
 
 @pytest.mark.slow  # two starts that compile on the CPU (Inductor's C++ kernels: gcc in both)

@@ -1,11 +1,7 @@
 """The compile cache: where q3tts points torch's caches (and where it leaves the user's choice), and a real hit
 across processes: a second process compiles nothing that the first one compiled."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +14,7 @@ from q3tts.engine.compile import (
 )
 from q3tts.server.settings import parse_args
 
-ROOT = Path(__file__).resolve().parents[2]
+from .fresh_process import run_child
 
 
 @pytest.fixture
@@ -187,17 +183,7 @@ print(json.dumps({"counts": counts, "out": x.flatten().tolist(), "variant_traced
 
 def child_runner(tmp_path, script: str = CHILD):
     """run(**env) -> the script's JSON (CHILD's by default), run in a fresh process on the compile cache tmp_path/cc."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
-                                                              "Q3TTS_PRECOMPILE")}
-    env.update(Q3TTS_COMPILE_CACHE=str(tmp_path / "cc"), OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-
-    def run(**extra):
-        out = subprocess.run([sys.executable, "-c", script], env=dict(env, **extra), capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    return run
+    return lambda **env: run_child(script, Q3TTS_COMPILE_CACHE=str(tmp_path / "cc"), **env)
 
 
 @pytest.mark.slow  # a cold Inductor compile on the CPU: ~45 s of the ~90 s on a loaded 2-core box
