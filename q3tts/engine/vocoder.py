@@ -60,8 +60,8 @@ class StreamingVocoder:
         top = 1 << (max_rows - 1).bit_length()  # the rows bucket that holds every stream
         # piece size -> the most rows one call decodes (a power of two).
         # NOTE(invariant): batch-invariant mode (as it is at the build) decodes each request's piece in a call of its
-        # own (cuDNN and cuBLAS choose their algorithms, and with them the sums' order, by the number of rows), so
-        # only one-row calls are captured
+        # own (cuBLAS and cuDNN's attention choose their kernels, and with them the sums' order, by the number of
+        # rows), so only one-row calls are captured
         self.call_rows = {1 << i: 1 if invariant.ENABLED else min(top, max_call_frames >> i)
                           for i in range(max_piece.bit_length())}
         p = next(code2wav.parameters())

@@ -12,8 +12,8 @@ between batch sizes.
 F.linear everywhere else (CPU, fp32, prefill, big batches). Q3TTS_SKINNY_GEMM=0 turns every kernel here off.
 
 The kernels live by consumer: gemm (linears, one-row layer GEMVs), attention (decode attention), sampling (noise,
-top-k), vocoder (SnakeBeta joins), prefill (the forced aligner's padded pass: Q/K norm + RoPE, SiLU * up, residual
-add + norm); common holds what they share.
+top-k), vocoder (SnakeBeta joins, causal convolutions), prefill (the forced aligner's padded pass: Q/K norm + RoPE,
+SiLU * up, residual add + norm); common holds what they share.
 """
 
 from .attention import ATTN_FUSED_MAX_SPAN, decode_attention, decode_attention_applies
@@ -28,9 +28,10 @@ from .sampling import (
                        sample_top,
                        sample_top_applies,
 )
-from .vocoder import snake_beta, snake_join
+from .vocoder import causal_conv, causal_conv_applies, snake_beta, snake_join
 
 __all__ = ["ATTN_FUSED_MAX_SPAN", "ENABLED", "GEMV_EX_LAUNCH", "MAX_ROWS", "TOP_KERNEL_MAX_ROWS", "TOP_RANK_COLS",
-           "TOP_RANK_ROWS", "add_layer_norm", "add_rms_norm", "decode_attention", "decode_attention_applies",
-           "frame_noise_cuda", "gemv_ex", "gemv_ex_applies", "linear", "pdl", "prefill_glue_applies", "qk_norm_rope",
-           "quant_linear", "sample_top", "sample_top_applies", "silu_mul", "snake_beta", "snake_join", "triton"]
+           "TOP_RANK_ROWS", "add_layer_norm", "add_rms_norm", "causal_conv", "causal_conv_applies",
+           "decode_attention", "decode_attention_applies", "frame_noise_cuda", "gemv_ex", "gemv_ex_applies", "linear",
+           "pdl", "prefill_glue_applies", "qk_norm_rope", "quant_linear", "sample_top", "sample_top_applies",
+           "silu_mul", "snake_beta", "snake_join", "triton"]

@@ -8,6 +8,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: F.linear everywhere
     triton = None
 
@@ -100,3 +101,111 @@ def snake_join(x: torch.Tensor, tail: torch.Tensor | None = None, pad: int = 0, 
         parts.append(x.new_zeros(B, pad, C))
     j = torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
     return torch.stack([j[:, ctx:], j[:, ctx - 1: ctx - 1 + N]], -1) if pairs else j
+
+
+# ------------------------------------------------------------------------------------------- the causal convolutions
+# A causal convolution of the time-major decoder over its joined input (above), as an implicit GEMM: output sample n
+# of row b is sum over taps j of x[b, n + j*d] @ W[:, :, j].T, K = taps x C_in summed tap by tap, BLOCK_K channels at
+# a time. Why not cuDNN: cuDNN builds an execution plan for each new input shape, and the vocoder's calls come in two
+# dozen shapes (rows x frames) of ~17 convolutions each: hundreds of plans at every start (BENCHMARKS.md). These
+# kernels compile once per tile configuration; their sums run in one order whatever the rows, the frames and the
+# sample's position, so a sample's value does not depend on how its stream was cut into calls.
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["L", "n_out", "P", "taps", "dil", "C_in", "C_out"])
+    def _conv_dense(x_desc, w_desc, b_ptr, y_ptr, L, n_out, P, taps, dil, C_in, C_out,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BIAS: tl.constexpr):
+        # x_desc: the input as [P = B*L, C_in] (the batch rows one after another); w_desc: the weight as [C_out,
+        # taps*C_in] (the taps-middle storage); y [B, n_out, C_out]. A program takes BLOCK_M consecutive input rows p
+        # and stores the outputs of those with n = p mod L < n_out (the others would straddle two batch rows: computed,
+        # not stored), so a call of many short rows packs them into full tiles. Each tap's blocks are bulk (TMA) loads
+        p0 = tl.program_id(0) * BLOCK_M
+        n0 = tl.program_id(1) * BLOCK_N
+        chunks = C_in // BLOCK_K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for it in range(taps * chunks):
+            j = it // chunks
+            c = (it - j * chunks) * BLOCK_K
+            a = x_desc.load([p0 + j * dil, c])  # [BLOCK_M, BLOCK_K]; rows past P read as zeros
+            w = w_desc.load([n0, j * C_in + c])  # [BLOCK_N, BLOCK_K]
+            acc = tl.dot(a, w.T, acc)
+        p = p0 + tl.arange(0, BLOCK_M)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        bi = p // L
+        n = p - bi * L
+        in_n = rn < C_out
+        if BIAS:
+            acc += tl.load(b_ptr + rn, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + (bi.to(tl.int64) * n_out + n)[:, None] * C_out + rn[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=((n < n_out) & (p < P))[:, None] & in_n[None, :])
+
+    @triton.jit(do_not_specialize=["L", "n_out", "taps", "dil", "C"])
+    def _conv_depthwise(x_ptr, w_ptr, b_ptr, y_ptr, L, n_out, taps, dil, C, swc, swj,
+                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BIAS: tl.constexpr):
+        # one input channel per output channel: y[b, n, c] = sum_j x[b, n + j*d, c] * w[c, 0, j] (+ bias[c])
+        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        b = tl.program_id(2).to(tl.int64)
+        in_t = rt < n_out
+        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+        for j in range(taps):
+            a = tl.load(x_ptr + b * L * C + (rt + j * dil)[:, None] * C + rc[None, :], mask=in_t[:, None], other=0.0)
+            acc += a.to(tl.float32) * tl.load(w_ptr + rc * swc + j * swj).to(tl.float32)[None, :]
+        if BIAS:
+            acc += tl.load(b_ptr + rc).to(tl.float32)[None, :]
+        tl.store(y_ptr + b * n_out * C + rt[:, None] * C + rc[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=in_t[:, None])
+
+
+# (C_in, C_out) -> _conv_dense's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for Code2Wav's convolutions: the fastest
+# summed over its 1 x 1, 4 x 16 and 64 x 1 (rows x frames) calls of a sweep on an H100 (BENCHMARKS.md)
+_DENSE_TILES = {(512, 1024): (64, 32, 128, 4, 4), (1024, 1536): (64, 128, 128, 4, 4), (768, 768): (64, 256, 64, 4, 4),
+                (384, 384): (64, 128, 64, 4, 4), (192, 192): (128, 64, 64, 8, 4), (96, 96): (128, 32, 32, 4, 4),
+                (96, 1): (128, 16, 32, 4, 3)}
+
+
+def dense_tiles(c_in: int, c_out: int) -> tuple[int, int, int, int, int]:
+    """_conv_dense's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for these channels. The channels alone choose them, so
+    a sample's sums run in one order whatever the call (rows, frames) it is in."""
+    if (c_in, c_out) in _DENSE_TILES:
+        return _DENSE_TILES[c_in, c_out]
+    return 128, min(128, max(16, triton.next_power_of_2(c_out))), 64 if c_in % 64 == 0 else 32, 4, 3
+
+
+def causal_conv_applies(x: torch.Tensor, weight: torch.Tensor, groups: int) -> bool:
+    """causal_conv runs this convolution: CUDA, 16-bit floats, input channels in multiples of 32, dense with the
+    taps-middle weight (channels contiguous) or depthwise."""
+    c_in = x.shape[-1]
+    return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and c_in % 32 == 0 and (groups == 1 and weight.stride(1) == 1 or groups == c_in))
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
+                groups: int) -> torch.Tensor:
+    """The valid (unpadded) convolution along time of x [B, L, C_in] (contiguous) with weight [C_out, C_in / groups,
+    taps] stored taps-middle (stride 1 along C_in): y [B, L - (taps - 1) * dilation, C_out], y[b, n] = sum_j
+    x[b, n + j*dilation] @ weight[:, :, j].T (+ bias). groups: 1 or C_in (depthwise). fp32 sums, rounded once."""
+    B, L, C_in = x.shape
+    C_out, _, taps = weight.shape
+    n_out = L - (taps - 1) * dilation
+    x = x.contiguous()
+    y = torch.empty((B, n_out, C_out), device=x.device, dtype=x.dtype)
+    if n_out <= 0 or B == 0:
+        return y
+    b = weight if bias is None else bias  # a placeholder pointer when there is no bias
+    if groups == 1:
+        if x.data_ptr() % 16:  # a bulk copy's global address is 16-byte aligned
+            x = x.clone()
+        bm, bn, bk, warps, stages = dense_tiles(C_in, C_out)
+        x_desc = TensorDescriptor.from_tensor(x.view(B * L, C_in), [bm, bk])
+        w_desc = TensorDescriptor.from_tensor(weight.permute(0, 2, 1).reshape(C_out, taps * C_in), [bn, bk])
+        _conv_dense[(triton.cdiv(B * L, bm), triton.cdiv(C_out, bn))](
+            x_desc, w_desc, b, y, L, n_out, B * L, taps, dilation, C_in, C_out, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            BIAS=bias is not None, num_warps=warps, num_stages=stages)
+    else:
+        bc = 128 if C_in % 128 == 0 else 32
+        bt = 4096 // bc
+        _conv_depthwise[(triton.cdiv(n_out, bt), C_in // bc, B)](
+            x, weight, b, y, L, n_out, taps, dilation, C_in, weight.stride(0), weight.stride(2),
+            BLOCK_T=bt, BLOCK_C=bc, BIAS=bias is not None, num_warps=4)
+    return y

@@ -28,8 +28,9 @@ from ..config import Code2WavConfig
 from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 # ---------------------------------------------------------------------------------------------------
-# Convolutions, time-major: activations are [B, N, C] (channels contiguous), so each convolution runs as cuDNN's
-# channels-last kernels with no layout conversion and each elementwise pass reads contiguous channels. Each causal
+# Convolutions, time-major: activations are [B, N, C] (channels contiguous), so each convolution reads its input with
+# no layout conversion (on CUDA the engine's kernel, kernels.causal_conv; elsewhere channels-last convolutions) and
+# each elementwise pass reads contiguous channels. Each causal
 # layer reads its past from `tails` (a list owned by Code2WavState, indexed by `state_idx`) when streaming, or
 # zero-pads like upstream when `tails` is None (full decode). The SnakeBeta before a convolution is applied while
 # its input is joined to that past (kernels.snake_join: one pass).
@@ -65,21 +66,27 @@ class CausalConv(nn.Module):
         B, N, C = x.shape
         d = self.conv.dilation[0]
         tail = x.new_zeros(B, self.context, C) if tails is None else tails[self.state_idx]
-        # zero rows on the right to whole phases of d samples (see _valid); only outputs >= N read them
-        x = kernels.snake_join(x, tail, -(self.context + N) % d, *_params(act))  # [B, context + N + pad, C]
+        # cuDNN's dilated path: zero rows on the right to whole phases of d samples (see _valid); only outputs >= N
+        # read them
+        pad = 0 if d == 1 or kernels.causal_conv_applies(x, self.conv.weight, self.conv.groups) else \
+            -(self.context + N) % d
+        x = kernels.snake_join(x, tail, pad, *_params(act))  # [B, context + N + pad, C]
         if tails is not None:
             tails[self.state_idx] = x[:, N: N + self.context]
         return self._valid(x, add_bias)[:, :N]
 
     def _valid(self, x: Tensor, add_bias: bool = True) -> Tensor:
-        """The unpadded convolution, x: [B, L, C_in] -> [B, L - context, C_out], L a multiple of the dilation d.
+        """The unpadded convolution, x: [B, L, C_in] -> [B, L - context, C_out] (cuDNN: L a multiple of the dilation d).
         A dilated one runs undilated over the d interleaved phases of its input (output sample m*d + r reads only
         inputs r, r + d, r + 2d, ...): in time-major memory the phases are a free [B, L/d, d, C] view, a 2-D image
         convolved along its first axis. Same sums, far faster than cuDNN's own dilated channels-last kernel; at
-        dilation 1 a [B, C, 1, L] image is the faster one (bench/probe_vocoder.py --conv-options; BENCHMARKS.md)."""
+        dilation 1 a [B, C, 1, L] image is the faster one (bench/probe_vocoder.py --conv-options; BENCHMARKS.md).
+        On CUDA the engine's own kernel instead where it applies (kernels.causal_conv: no plan per input shape)."""
         B, L, C = x.shape
         w, d = self.conv.weight, self.conv.dilation[0]  # w: [C_out, C_in / groups, k], stored [C_out, k, C_in]
         bias = self.conv.bias if add_bias else None  # (cuDNN adds it in a broadcast pass of its own)
+        if kernels.causal_conv_applies(x, w, self.conv.groups):
+            return kernels.causal_conv(x, w, bias, d, self.conv.groups)
         if d == 1:
             y = F.conv2d(x.transpose(1, 2)[:, :, None], w[:, :, None], bias, groups=self.conv.groups)
             return y[:, :, 0].transpose(1, 2)  # [B, C_out, 1, L'] channels-last -> [B, L', C_out], no copy

@@ -1,4 +1,5 @@
-"""q3tts.kernels.vocoder: the SnakeBeta join against the torch ops in float64."""
+"""q3tts.kernels.vocoder: the SnakeBeta join against the torch ops in float64; the causal convolutions against a
+float64 convolution, and their outputs independent of how a call is cut."""
 
 import pytest
 import torch
@@ -47,3 +48,59 @@ def test_snake_join_matches_the_torch_ops(dtype, C, ctx, pad, act, pairs, xb):
     xs = x.double() if x_bias is None else x.double().abs() + x_bias.double().abs()
     arg_err = (xs * alpha.double().exp()).abs() * 2**-20 / beta.double().exp() if act else 0
     assert ((body - ref).abs() <= ref.abs() * rel + arg_err + 1e-7).all()
+
+
+def _taps_middle(w: torch.Tensor) -> torch.Tensor:
+    return w.permute(0, 2, 1).contiguous().permute(0, 2, 1)  # as codec._taps_middle_ stores a conv weight
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("c_in, c_out, taps, d, groups, bias", [
+    (96, 96, 7, 9, 1, False), (192, 192, 7, 3, 1, True), (768, 768, 7, 1, 1, False), (1024, 1536, 7, 1, 1, True),
+    (512, 1024, 3, 1, 1, True), (96, 1, 7, 1, 1, True), (1024, 1024, 7, 1, 1024, True), (32, 32, 7, 1, 32, False)])
+def test_causal_conv_matches_a_float64_conv(dtype, c_in, c_out, taps, d, groups, bias):
+    """The vocoder's causal convolution (every shape Code2Wav runs, and a depthwise one at the tiny model's 32 channels)
+    against F.conv1d in float64 on the same values: one rounding of an fp32 sum."""
+    import torch.nn.functional as F
+    torch.manual_seed(c_in + c_out + taps + d)
+    B, L = 3, 300 + (taps - 1) * d
+    x = torch.randn(B, L, c_in, device="cuda").to(dtype)
+    w = _taps_middle((torch.randn(c_out, c_in // groups, taps, device="cuda") / (c_in // groups * taps) ** 0.5)
+                     .to(dtype))
+    b = torch.randn(c_out, device="cuda").to(dtype) if bias else None
+    assert kernels.causal_conv_applies(x, w, groups)
+    out = kernels.causal_conv(x, w, b, d, groups)
+    assert out.shape == (B, 300, c_out) and out.dtype == dtype and out.is_contiguous()
+
+    def conv64(x, w, b):
+        return F.conv1d(x.double().cpu().transpose(1, 2), w.double().cpu(), None if b is None else b.double().cpu(),
+                        dilation=d, groups=groups).transpose(1, 2)
+    ref = conv64(x, w, b)
+    mag = conv64(x.abs(), w.abs(), None if b is None else b.abs())  # sum of the terms' magnitudes
+    # one rounding to dtype (relative 2**-8 for bf16, 2**-11 for fp16) of an fp32 sum of K = taps * c_in / groups exact
+    # products (16-bit x 16-bit fits fp32's mantissa), each addition rounding by at most 2**-24 of the running magnitude
+    rel = 2**-8 if dtype == torch.bfloat16 else 2**-11
+    K = taps * c_in // groups
+    assert ((out.double().cpu() - ref).abs() <= ref.abs() * rel + mag * K * 2**-24 + 1e-6).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("c, taps, d, groups", [(96, 7, 9, 1), (768, 7, 1, 1), (1024, 7, 1, 1024), (96, 7, 1, 1)])
+def test_causal_conv_output_does_not_depend_on_the_call(c, taps, d, groups):
+    """A sample's value is the same bits whatever else the call holds: its row alone or among others, and its time
+    window cut anywhere (each piece with its context), as the streaming vocoder cuts a stream into calls."""
+    torch.manual_seed(c + d)
+    ctx = (taps - 1) * d
+    x = torch.randn(5, ctx + 777, c, device="cuda").to(torch.bfloat16)
+    w = _taps_middle((torch.randn(c, c // groups, taps, device="cuda") / (c // groups * taps) ** 0.5)
+                     .to(torch.bfloat16))
+    b = torch.randn(c, device="cuda").to(torch.bfloat16)
+    whole = kernels.causal_conv(x, w, b, d, groups)  # [5, 777, c]
+    for r in (0, 3):
+        assert torch.equal(kernels.causal_conv(x[r: r + 1], w, b, d, groups)[0], whole[r])
+    cuts = [0, 1, 17, 300, 301, 777]
+    pieces = [kernels.causal_conv(x[:, lo: hi + ctx], w, b, d, groups) for lo, hi in zip(cuts, cuts[1:])]
+    assert torch.equal(torch.cat(pieces, 1), whole)
