@@ -30,10 +30,10 @@ from .layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 # ---------------------------------------------------------------------------------------------------
 # Convolutions, time-major: activations are [B, N, C] (channels contiguous), so each convolution reads its input with
 # no layout conversion (on CUDA the engine's kernel, kernels.causal_conv; elsewhere channels-last convolutions) and
-# each elementwise pass reads contiguous channels. Each causal
-# layer reads its past from `tails` (a list owned by Code2WavState, indexed by `state_idx`) when streaming, or
-# zero-pads like upstream when `tails` is None (full decode). The SnakeBeta before a convolution is applied while
-# its input is joined to that past (kernels.snake_join: one pass).
+# each elementwise pass reads contiguous channels. Each causal layer reads its past from `tails` (a list owned by
+# Code2WavState, indexed by `state_idx`) when streaming, or zero-pads like upstream when `tails` is None (full
+# decode). The SnakeBeta before a convolution is applied while its input is joined to that past (kernels.snake_join:
+# one pass).
 
 
 def _taps_middle_(weight: nn.Parameter) -> None:
