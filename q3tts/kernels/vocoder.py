@@ -158,7 +158,7 @@ if triton is not None:
 
 
 # (C_in, C_out) -> _conv_dense's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for Code2Wav's convolutions: the fastest
-# summed over its 1 x 1, 4 x 16 and 64 x 1 (rows x frames) calls of a sweep on an H100 (BENCHMARKS.md)
+# summed over its 1 x 1, 4 x 16 and 64 x 1 (rows x frames) calls of an H100 sweep (bench/probe_conv.py, BENCHMARKS.md)
 _DENSE_TILES = {(512, 1024): (64, 32, 128, 4, 4), (1024, 1536): (64, 128, 128, 4, 4), (768, 768): (64, 256, 64, 4, 4),
                 (384, 384): (64, 128, 64, 4, 4), (192, 192): (128, 64, 64, 8, 4), (96, 96): (128, 32, 32, 4, 4),
                 (96, 1): (128, 16, 32, 4, 3)}
