@@ -118,10 +118,12 @@ if triton is not None:
         # x_desc: the input as [P = B*L, C_in] (the batch rows one after another); w_desc: the weight as [C_out,
         # taps*C_in] (the taps-middle storage); y [B, n_out, C_out]. A program takes BLOCK_M consecutive input rows p
         # and stores the outputs of those with n = p mod L < n_out (the others would straddle two batch rows: computed,
-        # not stored), so a call of many short rows packs them into full tiles. Each tap's blocks are bulk (TMA) loads
+        # not stored), so a call of many short rows packs them into full tiles. Each tap's blocks are bulk (TMA) loads.
+        # BLOCK_K need not divide C_in: a chunk's columns past C_in load as zeros from x_desc (out of bounds), so the
+        # weight columns they meet (the next tap's, or zeros past the last) add exact zeros
         p0 = tl.program_id(0) * BLOCK_M
         n0 = tl.program_id(1) * BLOCK_N
-        chunks = C_in // BLOCK_K
+        chunks = tl.cdiv(C_in, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for it in range(taps * chunks):
             j = it // chunks
@@ -181,10 +183,12 @@ def causal_conv_applies(x: torch.Tensor, weight: torch.Tensor, groups: int) -> b
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int,
-                groups: int) -> torch.Tensor:
+                groups: int, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """The valid (unpadded) convolution along time of x [B, L, C_in] (contiguous) with weight [C_out, C_in / groups,
     taps] stored taps-middle (stride 1 along C_in): y [B, L - (taps - 1) * dilation, C_out], y[b, n] = sum_j
-    x[b, n + j*dilation] @ weight[:, :, j].T (+ bias). groups: 1 or C_in (depthwise). fp32 sums, rounded once."""
+    x[b, n + j*dilation] @ weight[:, :, j].T (+ bias). groups: 1 or C_in (depthwise). fp32 sums, rounded once.
+    tiles: a dense convolution's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of dense_tiles' (the sweep of
+    bench/probe_conv.py)."""
     B, L, C_in = x.shape
     C_out, _, taps = weight.shape
     n_out = L - (taps - 1) * dilation
@@ -196,7 +200,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if groups == 1:
         if x.data_ptr() % 16:  # a bulk copy's global address is 16-byte aligned
             x = x.clone()
-        bm, bn, bk, warps, stages = dense_tiles(C_in, C_out)
+        bm, bn, bk, warps, stages = tiles or dense_tiles(C_in, C_out)
         x_desc = TensorDescriptor.from_tensor(x.view(B * L, C_in), [bm, bk])
         w_desc = TensorDescriptor.from_tensor(weight.permute(0, 2, 1).reshape(C_out, taps * C_in), [bn, bk])
         _conv_dense[(triton.cdiv(B * L, bm), triton.cdiv(C_out, bn))](

@@ -66,14 +66,17 @@ class CausalConv(nn.Module):
         B, N, C = x.shape
         d = self.conv.dilation[0]
         tail = x.new_zeros(B, self.context, C) if tails is None else tails[self.state_idx]
-        # cuDNN's dilated path: zero rows on the right to whole phases of d samples (see _valid); only outputs >= N
-        # read them
-        pad = 0 if d == 1 or kernels.causal_conv_applies(x, self.conv.weight, self.conv.groups) else \
-            -(self.context + N) % d
-        x = kernels.snake_join(x, tail, pad, *_params(act))  # [B, context + N + pad, C]
+        w, bias = self.conv.weight, self.conv.bias if add_bias else None
+        if kernels.causal_conv_applies(x, w, self.conv.groups):  # CUDA: the engine's kernel (no plan per shape)
+            x = kernels.snake_join(x, tail, 0, *_params(act))  # [B, context + N, C]
+            y = kernels.causal_conv(x, w, bias, d, self.conv.groups)
+        else:  # cuDNN's dilated path: zero rows on the right to whole phases of d samples (see _valid); only outputs
+            # >= N read them
+            x = kernels.snake_join(x, tail, -(self.context + N) % d, *_params(act))  # [B, context + N + pad, C]
+            y = self._valid(x, add_bias)[:, :N]
         if tails is not None:
             tails[self.state_idx] = x[:, N: N + self.context]
-        return self._valid(x, add_bias)[:, :N]
+        return y
 
     def _valid(self, x: Tensor, add_bias: bool = True) -> Tensor:
         """The unpadded convolution, x: [B, L, C_in] -> [B, L - context, C_out] (cuDNN: L a multiple of the dilation d).
@@ -81,12 +84,10 @@ class CausalConv(nn.Module):
         inputs r, r + d, r + 2d, ...): in time-major memory the phases are a free [B, L/d, d, C] view, a 2-D image
         convolved along its first axis. Same sums, far faster than cuDNN's own dilated channels-last kernel; at
         dilation 1 a [B, C, 1, L] image is the faster one (bench/probe_vocoder.py --conv-options; BENCHMARKS.md).
-        On CUDA the engine's own kernel instead where it applies (kernels.causal_conv: no plan per input shape)."""
+        The CPU's path, and CUDA's where kernels.causal_conv does not apply (forward chooses)."""
         B, L, C = x.shape
         w, d = self.conv.weight, self.conv.dilation[0]  # w: [C_out, C_in / groups, k], stored [C_out, k, C_in]
         bias = self.conv.bias if add_bias else None  # (cuDNN adds it in a broadcast pass of its own)
-        if kernels.causal_conv_applies(x, w, self.conv.groups):
-            return kernels.causal_conv(x, w, bias, d, self.conv.groups)
         if d == 1:
             y = F.conv2d(x.transpose(1, 2)[:, :, None], w[:, :, None], bias, groups=self.conv.groups)
             return y[:, :, 0].transpose(1, 2)  # [B, C_out, 1, L'] channels-last -> [B, L', C_out], no copy

@@ -63,6 +63,21 @@ def _taps_middle(w: torch.Tensor) -> torch.Tensor:
 def test_causal_conv_matches_a_float64_conv(dtype, c_in, c_out, taps, d, groups, bias):
     """The vocoder's causal convolution (every shape Code2Wav runs, and a depthwise one at the tiny model's 32 channels)
     against F.conv1d in float64 on the same values: one rounding of an fp32 sum."""
+    _check_against_float64(dtype, c_in, c_out, taps, d, groups, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("c_in, c_out, d, tiles", [
+    (96, 96, 9, (128, 128, 128, 4, 3)), (96, 96, 1, (256, 64, 64, 8, 3)), (192, 192, 3, (128, 64, 128, 8, 3)),
+    (96, 1, 1, (128, 16, 128, 4, 3))])
+def test_causal_conv_with_k_tiles_past_the_channels(c_in, c_out, d, tiles):
+    """A K tile wider than the channels it has left (BLOCK_K not dividing C_in): the columns past C_in load as zeros
+    and meet the next tap's weights, which must add nothing."""
+    _check_against_float64(torch.bfloat16, c_in, c_out, 7, d, 1, True, tiles)
+
+
+def _check_against_float64(dtype, c_in, c_out, taps, d, groups, bias, tiles=None):
     import torch.nn.functional as F
     torch.manual_seed(c_in + c_out + taps + d)
     B, L = 3, 300 + (taps - 1) * d
@@ -71,7 +86,7 @@ def test_causal_conv_matches_a_float64_conv(dtype, c_in, c_out, taps, d, groups,
                      .to(dtype))
     b = torch.randn(c_out, device="cuda").to(dtype) if bias else None
     assert kernels.causal_conv_applies(x, w, groups)
-    out = kernels.causal_conv(x, w, b, d, groups)
+    out = kernels.causal_conv(x, w, b, d, groups, tiles)
     assert out.shape == (B, 300, c_out) and out.dtype == dtype and out.is_contiguous()
 
     def conv64(x, w, b):
