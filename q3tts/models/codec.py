@@ -66,10 +66,10 @@ class CausalConv(nn.Module):
         B, N, C = x.shape
         d = self.conv.dilation[0]
         tail = x.new_zeros(B, self.context, C) if tails is None else tails[self.state_idx]
-        w, bias = self.conv.weight, self.conv.bias if add_bias else None
+        w = self.conv.weight
         if kernels.causal_conv_applies(x, w, self.conv.groups):  # CUDA: the engine's kernel (no plan per shape)
             x = kernels.snake_join(x, tail, 0, *_params(act))  # [B, context + N, C]
-            y = kernels.causal_conv(x, w, bias, d, self.conv.groups)
+            y = kernels.causal_conv(x, w, self.conv.bias if add_bias else None, d, self.conv.groups)
         else:  # cuDNN's dilated path: zero rows on the right to whole phases of d samples (see _valid); only outputs
             # >= N read them
             x = kernels.snake_join(x, tail, -(self.context + N) % d, *_params(act))  # [B, context + N + pad, C]
