@@ -58,7 +58,8 @@ def child(a) -> None:
                       "artifact_bytes": os.path.getsize(a.save_artifact) if a.save_artifact else None,
                       "import_s": t_import - t_start, "load_s": t_load - t_import, "engine_s": t_engine - t_load,
                       "warmup_s": t_ready - t_engine, "ready_s": t_ready - t_start,
-                      "graphs": len(tts.engine.runner.graphs) + len(tts.engine.vocoder.graphs),
+                      "graphs": len(tts.engine.runner.graphs) + len(tts.engine.runner.code_graphs)
+                                + len(tts.engine.vocoder.graphs),
                       "engine_counts": counts_engine, "counts": compile_counts(), "dynamo_s": dynamo_seconds(),
                       "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
                       "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len,
@@ -93,6 +94,7 @@ class PhaseProfile:
             setattr(cls, name, timed)
         wrap(runner.ModelRunner, "_frame", lambda a: f"frame B={a[0]} n={a[1]} capped={a[2] if len(a) > 2 else False}")
         wrap(runner.ModelRunner, "prefill_padded", lambda a: f"prefill N={a[1].shape[0]} L={a[1].shape[1]}")
+        wrap(runner.ModelRunner, "capture_graphs", lambda a: "runner capture_graphs")
         wrap(vocoder.StreamingVocoder, "capture_graphs", lambda a: "vocoder capture_graphs")
 
     def report(self) -> dict:

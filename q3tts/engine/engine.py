@@ -132,8 +132,9 @@ class Engine:
         if self.runner.compiled and self.runner.use_graphs:
             flush_precompiled()  # every compilation is done: a restart installs their Dynamo entries
         if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)
-            log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s", time.perf_counter() - t0,
-                     len(self.runner.graphs) + len(self.vocoder.graphs), describe_counts(counts),
+            graphs = len(self.runner.graphs) + len(self.runner.code_graphs) + len(self.vocoder.graphs)
+            log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s", time.perf_counter() - t0, graphs,
+                     describe_counts(counts),
                      self.runner.compile_cache or ("torch's default" if self.runner.compiled else "unused"))
         self._ids = itertools.count()
         self._lock = threading.Lock()  # add/abort/text may come from another thread than step()

@@ -77,10 +77,11 @@ def capture_beside(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph
 
 @torch.inference_mode()
 def capture_runner(runner) -> int:
-    """Capture one graph per (batch bucket up to the allocated rows, length bucket up to max_len, sampler) of a
-    ModelRunner's frame, one per padded prompt length of its single-request prefill and one per (wave size, padded
-    length) of its batched prefill. Must run while no request is active: the warm-up replays write into the rows
-    they cover (all state is reset afterwards)."""
+    """Capture a ModelRunner's graphs: one per (batch bucket up to the allocated rows, length bucket up to max_len,
+    sampler) of a frame's talker half and one per (batch bucket, sampler) of its code-predictor half, one per padded
+    prompt length of its single-request prefill and one per (wave size, padded length) of its batched prefill. Must
+    run while no request is active: the warm-up replays write into the rows they cover (all state is reset
+    afterwards)."""
     keys = runner.graph_keys()
     lens = runner.prefill_graph_lens
     # one warm-up frame per (batch bucket, sampler), at its shortest span: the spans share every compiled variant
@@ -100,8 +101,13 @@ def capture_runner(runner) -> int:
         for key in sorted(runner.wave_keys(), reverse=True):  # the most tokens first: the shared pool sized by them
             runner.wave_graphs[key], _ = capture(lambda: runner._prefill_wave(*key), runner._pool)  # noqa: B023
             runner._pool = runner.wave_graphs[key].pool()
-        for key in sorted(keys, reverse=True):  # largest batch first: the shared pool is sized by it
-            runner.graphs[key], _ = capture(lambda: runner._frame(*key), runner._pool)  # noqa: B023 (called at once)
+        # largest batch first: the shared pool is sized by it. A frame replays its two halves back to back on one
+        # stream, so their temporaries may share the pool's blocks as any two graphs' do
+        for key in sorted(runner.code_graph_keys(), reverse=True):
+            runner.code_graphs[key], _ = capture(lambda: runner._frame_codes(*key), runner._pool)  # noqa: B023 (now)
+            runner._pool = runner.code_graphs[key].pool()
+        for key in sorted(keys, reverse=True):
+            runner.graphs[key], _ = capture(lambda: runner._frame_talker(*key), runner._pool)  # noqa: B023
             runner._pool = runner.graphs[key].pool()
         for L in lens:
             runner.prefill_graphs[L], _ = capture(lambda: runner._prefill_one(L), runner._pool)  # noqa: B023
@@ -129,4 +135,4 @@ def capture_runner(runner) -> int:
     torch.cuda.synchronize()
     runner.slots.reset()  # the warm-ups wrote garbage into free rows
     torch.cuda.empty_cache()  # the warm-ups' blocks (cached on their side stream, where nothing else reuses them)
-    return len(runner.graphs)
+    return len(runner.graphs) + len(runner.code_graphs)

@@ -8,10 +8,12 @@ One frame (`_frame(B, n)`) for rows [0, B), attending over the first n cache pos
      steps -> codes 2..15
   2. talker input = embed_codes(frame) + trailing_text[frame] (tts_pad once the text is used up)
   3. talker step at each row's position -> hidden h' -> codec_head -> rules -> sample next code 0
-A row whose streamed text has not reached its next token sits the frame out (`active` False): computed with the
-others, its state is left as it was, so it runs the same frame later. A frame has fixed shapes for fixed (B, n),
-reads no host value and syncs nothing, so on CUDA it is one CUDA graph per (batch bucket, length bucket, sampler),
-replayed with padding rows. One request's prefill is a graph too, per padded prompt length (PREFILL_GRAPH_LENS),
+A row whose streamed text has not reached its next token sits the frame out (`active` False): computed with the others,
+its state is left as it was, so it runs the same frame later. A frame has fixed shapes for fixed (B, n), reads no host
+value and syncs nothing, so on CUDA it is two CUDA graphs replayed back to back with padding rows: steps 2-3, the
+talker's half, one per (batch bucket, length bucket, sampler); step 1, the code predictor's, one per (batch bucket,
+sampler), since it attends to no talker cache position (most of a frame's launches: captured once per batch and
+sampler, not once per span too). One request's prefill is a graph too, per padded prompt length (PREFILL_GRAPH_LENS),
 into a scratch cache row then copied into the request's row, with its code 0 drawn into its row by a device index
 (q3tts.engine.graphs). A larger wave of newcomers replays one batched prefill graph per chunk of up to the largest wave
 size (memory.PREFILL_WAVE_SIZES x PREFILL_WAVE_LENS), into a scratch cache of that many rows, alike.
@@ -75,7 +77,8 @@ class ModelRunner:
         with torch.inference_mode():  # RoPE per cache position [max_len + KV_SPARE, Dh]: a frame looks its rows up
             self.rope_cos, self.rope_sin = (t[0] for t in rope_cos_sin(
                 torch.arange(self.max_len + KV_SPARE, device=dev)[None], self.inv_freq, self.dtype))
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # graph_keys() -> graph
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # graph_keys() -> the talker's half
+        self.code_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # code_graph_keys() -> codes 1..15
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded prompt length -> graph
         self.compiled_while_capturing = 0  # graphs Inductor produced during the captures (should be 0)
         self._pool = None  # the graphs' shared memory pool
@@ -370,14 +373,13 @@ class ModelRunner:
         capped = all(s.topk_ok_cpu[:B])
         if self.use_graphs:
             Bp = next(b for b in self.batch_buckets if b >= B)
-            graph = self.graphs.get((Bp, n, capped))
-            if graph is None:
-                raise RuntimeError(f"no CUDA graph for batch {Bp} x length {n}: call capture_graphs() before serving")
+            graphs = self.frame_graphs(Bp, n, capped)
             if Bp > B:
                 s.position[B:Bp] = 0  # padding rows are free slots: position 0 keeps their writes in the cache
                 if self.block_table is not None:
                     self.block_table[B:Bp] = 0  # paged: in the scratch block (a free slot's blocks may be others' now)
-            graph.replay()
+            for graph in graphs:
+                graph.replay()
         else:
             self._frame(B, n, capped)
         s.position_cpu[:B] = [p + a for p, a in zip(s.position_cpu[:B], active)]
@@ -389,9 +391,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ CUDA graphs
     def graph_keys(self) -> list[tuple[int, int, bool]]:
-        """(batch bucket, length bucket, capped sampler): one CUDA graph each."""
+        """(batch bucket, length bucket, capped sampler): one CUDA graph each of a frame's talker half."""
         lens = [MIN_KV_SPAN << i for i in range(self.max_len.bit_length()) if MIN_KV_SPAN << i <= self.max_len]
         return [(B, n, c) for B in self.batch_buckets for n in lens for c in (True, False)]
+
+    def frame_graphs(self, B: int, n: int, capped: bool) -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]:
+        """A frame's two captured halves for batch bucket B, span n and the sampler, in replay order."""
+        codes, talker = self.code_graphs.get((B, capped)), self.graphs.get((B, n, capped))
+        if codes is None or talker is None:
+            raise RuntimeError(f"no CUDA graph for batch {B} x length {n}: call capture_graphs() before serving")
+        return codes, talker
+
+    def code_graph_keys(self) -> list[tuple[int, bool]]:
+        """(batch bucket, capped sampler): one CUDA graph each of a frame's code-predictor half."""
+        return [(B, c) for B in self.batch_buckets for c in (True, False)]
 
     def alloc_prefill_scratch(self) -> None:
         """The prefill graphs' static inputs (the padded prompt, its last index, the newcomer's row) and a scratch
@@ -445,6 +458,6 @@ class ModelRunner:
             self._frame(*key)
 
     def capture_graphs(self) -> int:
-        """One CUDA graph per graph_keys() and per prefill length (q3tts.engine.graphs.capture_runner); must run
-        while no request is active. Returns the number of frame graphs."""
+        """One CUDA graph per graph_keys(), code_graph_keys() and prefill length (q3tts.engine.graphs.capture_runner);
+        must run while no request is active. Returns the number of the frames' graphs."""
         return capture_runner(self) if self.use_graphs else 0
