@@ -104,7 +104,7 @@ def capture_runner(runner) -> int:
         # largest batch first: the shared pool is sized by it. A frame replays its two halves back to back on one
         # stream, so their temporaries may share the pool's blocks as any two graphs' do
         for key in sorted(runner.code_graph_keys(), reverse=True):
-            runner.code_graphs[key], _ = capture(lambda: runner._frame_codes(*key), runner._pool)  # noqa: B023 (now)
+            runner.code_graphs[key], _ = capture(lambda: runner._frame_codes(*key), runner._pool)  # noqa: B023
             runner._pool = runner.code_graphs[key].pool()
         for key in sorted(keys, reverse=True):
             runner.graphs[key], _ = capture(lambda: runner._frame_talker(*key), runner._pool)  # noqa: B023
