@@ -19,6 +19,7 @@ for warm. The child reports its phases and the compile-cache counters (q3tts.eng
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -64,6 +65,8 @@ def child(a) -> None:
                       "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
                       "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len,
                       "threads": torch.get_num_threads(),
+                      # torch's modules read from bytecode (else compiled from source in this start)
+                      "torch_bytecode": os.path.exists(importlib.util.cache_from_source(torch.__file__)),
                       **({"profile": prof.report()} if prof else {})}), flush=True)
 
 

@@ -7,6 +7,9 @@
 #                                               PROFILE=1: per-key times, compile times, recompile reasons;
 #                                               COLD_THREADS=N: the cold start (the artifact's builder) at N torch
 #                                               threads, the others at the machine's)
+#                                               BYTECODE=0: the installed modules as the machine has them; by
+#                                               default compiled to bytecode first, as the README's Dockerfile
+#                                               builds an image (each start's JSON says so: torch_bytecode)
 #   CPU dry run: DEVICE=cpu TINY=1 bash bench/startup.sh   (a tiny checkpoint; the same steps and JSON)
 #   CKPT=DIR: a checkpoint of $MODEL made before (bench.make_checkpoint), not made again
 set -uo pipefail
@@ -34,6 +37,10 @@ else
     GPU=cpu
 fi
 J="$OUT/startup-$GPU-$M.json"
+if [ "${BYTECODE:-1}" = 1 ]; then  # else on a machine without .pyc files and with PYTHONDONTWRITEBYTECODE set every
+    # start compiles torch's Python from source (seconds of each), which a built image does once
+    python3 -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
+fi
 timeout ${LIMIT:-480} python3 -m bench.startup --ckpt "$CK" --device "$DEVICE" --quantization "${QUANT:-none}" \
     --runs "${RUNS:-1}" ${PROFILE:+--profile} $( [ "${ARTIFACT:-1}" = 1 ] && echo --artifact ) $SIZES \
     ${COLD_THREADS:+--cold-threads $COLD_THREADS} \
