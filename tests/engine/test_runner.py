@@ -125,3 +125,17 @@ def test_batched_feed_equals_per_row_bit_for_bit_in_batch_invariant_mode(real_ch
     finally:
         invariant.set_enabled(False)
     assert torch.equal(got_len, want_len) and torch.equal(got, want)
+
+
+def test_every_frame_key_has_its_code_predictor_half():
+    """A frame on CUDA replays two graphs: the talker's half per graph_keys() key and the code predictor's per (batch
+    bucket, sampler). Every key's (batch, sampler) has its half, and there is none beside them (no capture unused);
+    a key not captured is an error naming it, not a frame skipped."""
+    tts = fx.tts("cv06")
+    r = ModelRunner(tts.ckpt.talker, tts.ckpt.tts_pad_embed, max_slots=24, max_len=1024, use_cuda_graphs=False,
+                    compile=False)
+    keys = r.graph_keys()
+    assert {(B, c) for B, _, c in keys} == set(r.code_graph_keys())
+    assert len(keys) == len(r.batch_buckets) * len({n for _, n, _ in keys}) * 2 > len(r.code_graph_keys())
+    with pytest.raises(RuntimeError, match="batch 24 x length 1024"):
+        r.frame_graphs(24, 1024, True)
