@@ -120,7 +120,7 @@ def main(argv=None):
     res["load_s"] = round(t_load, 2)
     t_cap, _ = timed(lambda: tts.engine)
     res["graph_capture_s"] = round(t_cap, 2)
-    res["num_graphs"] = len(tts.engine.runner.graphs) + len(tts.engine.runner.code_graphs)
+    res["num_graphs"] = tts.engine.runner.num_frame_graphs
     kw = dict(speaker=a.speaker, language="English", max_new_tokens=N + 1, seed=0)
 
     # single stream, end to end through the public API

@@ -59,8 +59,7 @@ def child(a) -> None:
                       "artifact_bytes": os.path.getsize(a.save_artifact) if a.save_artifact else None,
                       "import_s": t_import - t_start, "load_s": t_load - t_import, "engine_s": t_engine - t_load,
                       "warmup_s": t_ready - t_engine, "ready_s": t_ready - t_start,
-                      "graphs": len(tts.engine.runner.graphs) + len(tts.engine.runner.code_graphs)
-                                + len(tts.engine.vocoder.graphs),
+                      "graphs": tts.engine.num_graphs,
                       "engine_counts": counts_engine, "counts": compile_counts(), "dynamo_s": dynamo_seconds(),
                       "device": torch.cuda.get_device_name() if tts.device.type == "cuda" else "cpu",
                       "max_slots": tts.engine.runner.num_rows, "max_seq_len": tts.engine.runner.max_len,

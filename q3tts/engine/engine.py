@@ -119,22 +119,21 @@ class Engine:
         self._precompile_in_steps = self.runner.compiled and not self.runner.use_graphs
         self._traced_flushed = counts["traced"]  # Dynamo's graphs traced when its entries were last written
         with precompiling(self.runner.compiled):
-            self.runner.capture_graphs()
+            frame_graphs = self.runner.capture_graphs()
         if deadline is None:
             deadline = os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes")
         self.policy = DeadlinePolicy.from_env(os.environ) if deadline else None
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)
-        self.vocoder.capture_graphs()
+        self.num_graphs = frame_graphs + self.vocoder.capture_graphs()  # CUDA graphs of the frames and the vocoder
         # a step's host work before a consumer's event loop (q3tts.engine.turn): where steps are mostly device time
         self.turn = HostTurn(enabled=self.runner.use_graphs)
         if self.runner.compiled and self.runner.use_graphs:
             flush_precompiled()  # every compilation is done: a restart installs their Dynamo entries
         if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)
-            graphs = len(self.runner.graphs) + len(self.runner.code_graphs) + len(self.vocoder.graphs)
-            log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s", time.perf_counter() - t0, graphs,
-                     describe_counts(counts),
+            log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s", time.perf_counter() - t0,
+                     self.num_graphs, describe_counts(counts),
                      self.runner.compile_cache or ("torch's default" if self.runner.compiled else "unused"))
         self._ids = itertools.count()
         self._lock = threading.Lock()  # add/abort/text may come from another thread than step()

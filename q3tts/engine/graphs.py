@@ -135,4 +135,4 @@ def capture_runner(runner) -> int:
     torch.cuda.synchronize()
     runner.slots.reset()  # the warm-ups wrote garbage into free rows
     torch.cuda.empty_cache()  # the warm-ups' blocks (cached on their side stream, where nothing else reuses them)
-    return len(runner.graphs) + len(runner.code_graphs)
+    return runner.num_frame_graphs

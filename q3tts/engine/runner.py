@@ -402,6 +402,11 @@ class ModelRunner:
             raise RuntimeError(f"no CUDA graph for batch {B} x length {n}: call capture_graphs() before serving")
         return codes, talker
 
+    @property
+    def num_frame_graphs(self) -> int:
+        """The frames' CUDA graphs captured: talker halves + code-predictor halves."""
+        return len(self.graphs) + len(self.code_graphs)
+
     def code_graph_keys(self) -> list[tuple[int, bool]]:
         """(batch bucket, capped sampler): one CUDA graph each of a frame's code-predictor half."""
         return [(B, c) for B in self.batch_buckets for c in (True, False)]
