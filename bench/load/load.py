@@ -6,7 +6,9 @@
     python -m bench.load.load --url ... --concurrency 256 --processes 4 --client-cpus 12-15
 
 Two kinds of level:
-- closed loop (`--concurrency C`): C clients each send `--requests` requests back to back;
+- closed loop (`--concurrency C`): C clients each send `--requests` requests back to back, all starting together
+  (a burst of C), or with `--spread S` client w's first request S * w / C seconds after the level's start (the issue
+  texts' "starts spread over 1 s": --spread 1);
 - open loop (`--rate R --duration S`): requests arrive as a Poisson process of R per second for S seconds (the
   arrival times drawn from `--seed`, so a run's request count and schedule are fixed), each sent at its time
   whether or not earlier ones are done; the level ends when the last one does. With `--rate-steps`, one level
@@ -263,6 +265,7 @@ async def run_share(job: dict, start: float | None = None) -> dict:
         t0 = time.time() if start is None else start
 
         async def worker(w: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + job["spread"] * w / job["concurrency"] - time.time()))
             for i in range(job["requests"]):
                 await send(dict(body, seed=w * 1000 + i), {})
 
@@ -364,9 +367,10 @@ async def _metrics(url: str, headers: dict, enabled: bool) -> dict:
 async def run_level(url: str, body: dict, headers: dict, *, concurrency: int = 0, requests_per_client: int = 1,
                     rate: float | list[float] = 0.0, duration: float | list[float] = 0.0, seed: int = 0, processes: int = 1,
                     cpus: list[int] | None = None, server_metrics: bool = True, client_kind: str = "aiohttp",
-                    stall_tolerance_s: float = 0.001, per_request: bool = False) -> dict:
-    """One level: `concurrency` closed-loop clients, or (rate > 0) Poisson arrivals for `duration` s; a list of
-    rates: one schedule stepping through them, `duration` s each or a list of one per step (step_arrivals)."""
+                    stall_tolerance_s: float = 0.001, per_request: bool = False, spread: float = 0.0) -> dict:
+    """One level: `concurrency` closed-loop clients (client w's first request `spread` * w / concurrency s after
+    the start), or (rate > 0) Poisson arrivals for `duration` s; a list of rates: one schedule stepping through them,
+    `duration` s each or a list of one per step (step_arrivals)."""
     if rate:
         steps = isinstance(rate, list)
         arrivals = list(enumerate(step_arrivals(rate, duration, seed) if steps else
@@ -375,9 +379,11 @@ async def run_level(url: str, body: dict, headers: dict, *, concurrency: int = 0
         head = {"mode": "poisson-steps" if steps else "poisson", "rate": rate, "duration_s": duration, "seed": seed}
     else:
         shares = [{"workers": list(range(concurrency))[p::processes], "arrivals": None} for p in range(processes)]
-        head = {"mode": "closed", "concurrency": concurrency, "requests_per_client": requests_per_client}
+        head = {"mode": "closed", "concurrency": concurrency, "requests_per_client": requests_per_client,
+                "spread_s": spread}
     jobs = [{**s, "index": p, "url": url, "body": body, "headers": headers, "client": client_kind,
-             "requests": requests_per_client} for p, s in enumerate(shares)]
+             "requests": requests_per_client, "concurrency": concurrency, "spread": spread}
+            for p, s in enumerate(shares)]
     before = await _metrics(url, headers, server_metrics)
     if processes == 1:
         parts = [await run_share(jobs[0])]
@@ -420,7 +426,8 @@ async def main_async(a) -> dict:
     levels = []
     for conc in a.concurrency or []:
         n = a.requests if a.requests else max(2, 64 // conc)
-        levels.append(await run_level(a.url, body, headers, concurrency=conc, requests_per_client=n, **common))
+        levels.append(await run_level(a.url, body, headers, concurrency=conc, requests_per_client=n,
+                                      spread=a.spread, **common))
         print(json.dumps({k: v for k, v in levels[-1].items() if k != "per_request"}), file=sys.stderr, flush=True)
     for rate in ([a.rate] if a.rate_steps else a.rate or []):
         levels.append(await run_level(a.url, body, headers, rate=rate, duration=a.duration, seed=a.seed, **common))
@@ -440,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=_numbers(int), default=None,
                     help="closed-loop levels: clients at once, e.g. 1,4,16,64 (the default unless --rate)")
     ap.add_argument("--requests", type=int, default=0, help="requests per client (default: max(2, 64 / C))")
+    ap.add_argument("--spread", type=float, default=0.0, help="closed loop: client w of C starts S * w / C s after "
+                    "the level (default 0: all at once, a burst)")
     ap.add_argument("--rate", type=_numbers(float), default=None, help="open-loop levels: Poisson arrivals per s")
     ap.add_argument("--duration", type=_numbers(float), default=[30.0],
                     help="open loop: seconds of arrivals per level (with --rate-steps: one for all steps, or one each)")
@@ -480,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
         a.concurrency = [1, 4, 16, 64]
     if a.concurrency is not None and min(a.concurrency) < 1:
         ap.error("--concurrency values must be >= 1")
+    if not 0 <= a.spread < float("inf"):
+        ap.error(f"--spread must be a number of seconds >= 0, got {a.spread}")
     if a.client_cpus and a.processes == 1:
         pin(a.client_cpus)
     result = asyncio.run(main_async(a))

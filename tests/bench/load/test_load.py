@@ -92,6 +92,26 @@ def test_closed_loop_over_processes_merges_every_client(paced, tmp_path):
     assert level["requests"] == 3 and level["errors"] == 0 and level["audio_s"] == round(3 * 5 * FRAME_S, 3)
 
 
+def test_spread_starts_the_clients_evenly_over_the_given_seconds(paced, tmp_path):
+    """--spread 0.6 over 4 clients in 2 processes: client w's request goes out 0.15 * w s after the level's start,
+    so the sends are 0.15 s apart in order (a burst, the default, sends them together). The 0.06 s tolerance covers
+    the processes' start after their barrier and an event loop's wake-up (milliseconds each)."""
+    result = run(tmp_path, "--url", paced.base_url, "--concurrency", "4", "--requests", "1", "--processes", "2",
+                 "--spread", "0.6", "--per-request", "--max-new-tokens", "6", "--no-warmup")
+    (level,) = result["levels"]
+    assert level["spread_s"] == 0.6 and level["requests"] == 4 and level["errors"] == 0
+    sent = [r["sent"] for r in level["per_request"]]
+    assert [b - a for a, b in zip(sent, sent[1:])] == pytest.approx([0.15] * 3, abs=0.06)
+    assert sent[0] - level["t0"] == pytest.approx(0.0, abs=0.06)
+
+
+@pytest.mark.parametrize("spread", ["-1", "inf", "nan"])
+def test_spread_must_be_finite_seconds(spread, capsys):
+    with pytest.raises(SystemExit):
+        load.main(["--concurrency", "2", "--spread", spread])
+    assert "--spread must be a number of seconds >= 0" in capsys.readouterr().err
+
+
 def test_a_server_slower_than_real_time_stalls_by_its_pace(tmp_path, monkeypatch):
     """150 ms per frame of 80 ms: frame k+1 leaves at least 150 ms after frame k, so by the last frame (N of them)
     the player that started at the first byte has waited at least (N - 1) x (150 - 80) ms in all; no more than
