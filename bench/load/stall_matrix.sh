@@ -16,7 +16,8 @@
 #   run: command: bash bench/load/stall_matrix.sh, timeout_s 600   (one H100; the deadline policy on; Q3TTS_DEADLINE=0: the old one)
 #   CPU dry run:  DEVICE=cpu OUT=/tmp/stall bash bench/load/stall_matrix.sh   (tiny checkpoints incl. a tiny Base one, tiny loads)
 # Env: DEVICE, OUT, LIMIT, SLOTS, C06 ("64,128"), C17 ("64"), CBASE ("64"), BASE (1), BASE_TOGETHER (by memory),
-#      RATES ("10,20"), REQS (2), FRAMES (126: 10 s), POISSON_FRAMES (63: 5 s), POISSON_S (8: seconds of arrivals
+#      RATES ("10,20"), REQS (2), SPREAD (0: the closed levels' clients start together, a burst; 1: their starts
+#      spread over 1 s, the issue's protocol: load.py --spread), FRAMES (126: 10 s), POISSON_FRAMES (63: 5 s), POISSON_S (8: seconds of arrivals
 #      per rate), CLIENT_CPUS ("12-15" on cuda), TRACE (0; 1: each server's engine traced by bench/load/phase_trace.py
 #      into $OUT/trace-NAME.jsonl and its .steps, every level of that server in one file, the loads with --per-request;
 #      a summary per server at the end, and each level's first audio split by `phase_trace --join`: to the handler,
@@ -97,9 +98,9 @@ ready 0.6B 8006; R06=$?
 ready 1.7B 8017; R17=$?
 RB=1
 [ "$BASE" = 1 ] && [ "$BASE_TOGETHER" = 1 ] && { ready 1.7B-Base 8018 && base_voice; RB=$?; }
-[ $R06 = 0 ] && load 06-closed 8006 --concurrency "$C06" --requests "$REQS" --max-new-tokens "$FRAMES"
+[ $R06 = 0 ] && load 06-closed 8006 --concurrency "$C06" --spread "${SPREAD:-0}" --requests "$REQS" --max-new-tokens "$FRAMES"
 [ $R17 = 0 ] && {
-  load 17-closed 8017 --concurrency "$C17" --requests "$REQS" --max-new-tokens "$FRAMES"
+  load 17-closed 8017 --concurrency "$C17" --spread "${SPREAD:-0}" --requests "$REQS" --max-new-tokens "$FRAMES"
   load 17-poisson 8017 --rate "$RATES" --duration "$POISSON_S" --max-new-tokens "$POISSON_FRAMES" --no-warmup \
     --per-request
 }
@@ -111,7 +112,7 @@ if [ "$BASE" = 1 ] && [ "$BASE_TOGETHER" != 1 ]; then  # the GPU too small for t
   ready 1.7B-Base 8018 && base_voice; RB=$?
 fi
 [ "$RB" = 0 ] && {
-  load 17base-closed 8018 --voice icl --concurrency "$CBASE" --requests "$REQS" --max-new-tokens "$FRAMES"
+  load 17base-closed 8018 --voice icl --concurrency "$CBASE" --spread "${SPREAD:-0}" --requests "$REQS" --max-new-tokens "$FRAMES"
   curl -s "localhost:8018/metrics" > "$OUT/metrics-8018.txt"
 }
 cleanup
@@ -151,7 +152,8 @@ head = ("model", "level", "reqs", "err", "audio s/s", "ttfa p50/p95/p99 ms", "st
 rows = []
 for name, run in runs.items():
     for lv in run["levels"]:
-        level = f"C={lv['concurrency']}" if lv["mode"] == "closed" else f"{lv['rate']:g} req/s"
+        level = (f"C={lv['concurrency']}" + (f" over {lv['spread_s']:g} s" if lv.get("spread_s") else "")
+                 if lv["mode"] == "closed" else f"{lv['rate']:g} req/s")
         level += ", ICL voice" if run["model"].get("tts_model_type") == "base" else ""
         t, s = lv["ttfa_ms"], lv["stall_ms"]
         rows.append((os.path.basename(run["model"]["id"].rstrip("/")), level, lv["requests"], lv["errors"],
