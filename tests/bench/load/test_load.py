@@ -94,15 +94,16 @@ def test_closed_loop_over_processes_merges_every_client(paced, tmp_path):
 
 def test_spread_starts_the_clients_evenly_over_the_given_seconds(paced, tmp_path):
     """--spread 0.6 over 4 clients in 2 processes: client w's request goes out 0.15 * w s after the level's start,
-    so the sends are 0.15 s apart in order (a burst, the default, sends them together). The 0.06 s tolerance covers
-    the processes' start after their barrier and an event loop's wake-up (milliseconds each)."""
+    so the sends are 0.15 s apart in order (a burst, the default, sends them together). The tolerance, half that
+    spacing, fails a burst and covers the processes' start after their barrier and an event loop's wake-up
+    (milliseconds each, tens on a loaded machine)."""
     result = run(tmp_path, "--url", paced.base_url, "--concurrency", "4", "--requests", "1", "--processes", "2",
                  "--spread", "0.6", "--per-request", "--max-new-tokens", "6", "--no-warmup")
     (level,) = result["levels"]
     assert level["spread_s"] == 0.6 and level["requests"] == 4 and level["errors"] == 0
     sent = [r["sent"] for r in level["per_request"]]
-    assert [b - a for a, b in zip(sent, sent[1:])] == pytest.approx([0.15] * 3, abs=0.06)
-    assert sent[0] - level["t0"] == pytest.approx(0.0, abs=0.06)
+    assert [b - a for a, b in zip(sent, sent[1:])] == pytest.approx([0.15] * 3, abs=0.075)
+    assert sent[0] - level["t0"] == pytest.approx(0.0, abs=0.075)
 
 
 @pytest.mark.parametrize("spread", ["-1", "inf", "nan"])
