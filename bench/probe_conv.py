@@ -23,8 +23,8 @@ from bench.ours import graph_of, replay_ms
 from q3tts.config import Code2WavConfig
 
 CALLS = ((1, 1), (4, 16), (64, 1))  # rows x frames: a first chunk, four streams' 16-frame chunks, 64 streams' frames
-TILES = [c for c in itertools.product((64, 128, 256), (16, 32, 64, 128, 256), (32, 64, 128),
-                                      ((4, 3), (8, 3), (4, 4), (8, 4)))]  # BLOCK_M, BLOCK_N, BLOCK_K, (warps, stages)
+TILES = list(itertools.product((64, 128, 256), (16, 32, 64, 128, 256), (32, 64, 128),
+                               ((4, 3), (8, 3), (4, 4), (8, 4))))  # BLOCK_M, BLOCK_N, BLOCK_K, (warps, stages)
 
 
 def layers(cfg: Code2WavConfig) -> list[tuple[str, int, int, int, int, int]]:
