@@ -5,9 +5,11 @@
 # bench/load/prefill_serve.py's admission regimes (eager: the batched forward past 10 newcomers; waves10 / waves4: wave
 # graphs, up to 10 / 4 newcomers alone); MODULE=bench.load.deliver_serve SETTINGS="per_chunk:USR1 batched:USR2": the
 # hand-over of chunks to the event loop (bench/load/deliver_serve.py); MODULE=bench.load.turn_serve
-# SETTINGS="free:USR1 turn:USR2": the host turn off or on (bench/load/turn_serve.py). Per setting
-# one warm-up burst (the policy's cost fits), a closed-loop burst level of C streams (REQS requests of 10 s each) and a
-# Poisson level of RATE req/s of 5 s utterances for POISSON_S s. JSON per (round, setting, level) in $OUT, one
+# SETTINGS="free:USR1 turn:USR2": the host turn off or on (bench/load/turn_serve.py); MODULE=bench.load.policy_serve
+# SETTINGS="a:USR1 b:USR2 default:HUP" with POLICY_USR1 / POLICY_USR2 ("field=value,..."): the deadline policy's knobs
+# (bench/load/policy_serve.py). Per setting one warm-up burst (the policy's cost fits), a closed-loop level of C
+# streams (REQS requests of 10 s each; their starts spread over SPREAD s, 0: a burst) and a Poisson level of RATE req/s
+# of 5 s utterances for POISSON_S s (0: none). JSON per (round, setting, level) in $OUT, one
 # summary line per level, then the medians per setting.
 # The last setting listed is sent again at the end (list the server's default last).
 #   run: command: bash bench/load/prefill_ab.sh      CPU dry run: DEVICE=cpu C=2 RATE=2 POISSON_S=2 FRAMES=12 bash bench/load/prefill_ab.sh
@@ -15,7 +17,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/prefill_ab} Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 mkdir -p "$OUT"
-DEVICE=${DEVICE:-cuda} C=${C:-64} REQS=${REQS:-2} RATE=${RATE:-20} POISSON_S=${POISSON_S:-8} ROUNDS=${ROUNDS:-3} FRAMES=${FRAMES:-126}
+DEVICE=${DEVICE:-cuda} C=${C:-64} SPREAD=${SPREAD:-0} REQS=${REQS:-2} RATE=${RATE:-20} POISSON_S=${POISSON_S:-8} ROUNDS=${ROUNDS:-3} FRAMES=${FRAMES:-126}
 PORT=${PORT:-8017} WAIT=${WAIT:-300} MODEL=${MODEL:-1.7B-CustomVoice} LIMIT=${LIMIT:-100000}
 CLIENT_CPUS=${CLIENT_CPUS:-$([ "$DEVICE" = cuda ] && echo 14-15 || echo 0-1)}
 CKPT=${CKPT:-/tmp/prefill-ab-ck} MODULE=${MODULE:-bench.load.prefill_serve} SETTINGS=${SETTINGS:-eager:USR1 waves4:HUP waves10:USR2}
@@ -39,8 +41,9 @@ for r in $(seq "$ROUNDS"); do
     kill -"${SIG[$s]}" "$SERVER_PID"
     sleep 0.3
     load "warm-$r-$s" --concurrency "$C" --requests 1 --max-new-tokens 24 --no-server-metrics
-    load "$r-$s-closed" --concurrency "$C" --requests "$REQS" --max-new-tokens "$FRAMES"
-    load "$r-$s-poisson" --rate "$RATE" --duration "$POISSON_S" --max-new-tokens $(( (FRAMES + 1) / 2 )) --no-warmup
+    load "$r-$s-closed" --concurrency "$C" --spread "$SPREAD" --requests "$REQS" --max-new-tokens "$FRAMES"
+    [ "$POISSON_S" = 0 ] ||
+      load "$r-$s-poisson" --rate "$RATE" --duration "$POISSON_S" --max-new-tokens $(( (FRAMES + 1) / 2 )) --no-warmup
   done
 done
 kill -"${SIG[${ORDER[$(( N - 1 ))]}]}" "$SERVER_PID"  # back to the default

@@ -1,0 +1,72 @@
+"""`q3tts serve` whose deadline policy knobs signals switch while it runs, for an interleaved A/B in one server and one
+build of its graphs (bench/load/prefill_ab.sh with MODULE=bench.load.policy_serve; the policy on: Q3TTS_DEADLINE=1):
+
+    SIGHUP   "default":  the policy as the server built it (DeadlinePolicy's defaults and $Q3TTS_DEADLINE_<NAME>)
+    SIGUSR1  "usr1":     the built policy with $POLICY_USR1's fields, e.g. POLICY_USR1="first_chunk_prefills=24"
+    SIGUSR2  "usr2":     the built policy with $POLICY_USR2's fields, e.g. POLICY_USR2="max_wait_s=0.1,margin_s=0.01"
+
+A setting is "field=value,..." over DeadlinePolicy's number fields (not `times`: the measured step costs stay, as one
+server has them); an unknown field, a value that is not a number or a fraction for an integer field fails at the
+start, naming the accepted fields. The
+scheduler reads the policy at every step: a switch applies from the next step on. One server instead of one per
+setting: a 0.6B server at 128 slots x 1024 positions holds ~20 GiB, so four of them do not fit an 80 GB H100.
+
+    python3 -m bench.load.policy_serve serve --model DIR ...     (the arguments of `q3tts serve`)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+
+from bench.load.switched import serve, track
+from q3tts.engine.deadline import DeadlinePolicy
+from q3tts.engine.engine import Engine
+
+ENGINES: list[Engine] = []  # every Engine built in this process
+KNOBS = {f.name: type(f.default) for f in dataclasses.fields(DeadlinePolicy) if f.name != "times"}  # name -> int/float
+BUILT: dict[int, dict[str, float]] = {}  # id(engine) -> its policy's knobs as built
+
+
+def parse(text: str) -> dict[str, float]:
+    """"field=value,..." -> {field: value}; ValueError naming the item and the accepted fields."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, raw = item.partition("=")
+        try:
+            value = float(raw)
+        except ValueError:
+            value = None
+        name = name.strip()
+        bad_int = KNOBS.get(name) is int and value is not None and not value.is_integer()
+        if not sep or name not in KNOBS or value is None or value != value or bad_int:  # (value != value: nan)
+            ints = ", ".join(k for k, t in KNOBS.items() if t is int)
+            raise ValueError(f"bad policy setting {item!r}: expected field=number (an integer for {ints}) with field "
+                             f"one of {', '.join(KNOBS)}")
+        out[name] = KNOBS[name](value)
+    return out
+
+
+def apply(name: str, fields: dict[str, float]) -> None:
+    """Every engine's policy: its knobs as built, then `fields`."""
+    for engine in ENGINES:
+        if engine.policy is None:
+            continue
+        for knob, value in {**BUILT[id(engine)], **fields}.items():
+            setattr(engine.policy, knob, value)
+    print(f"policy setting {name}: {fields or 'as built'} ({len(ENGINES)} engine(s))", file=sys.stderr, flush=True)
+
+
+def remember(engine: Engine) -> None:
+    if engine.policy is not None:
+        BUILT[id(engine)] = {k: getattr(engine.policy, k) for k in KNOBS}
+
+
+if __name__ == "__main__":
+    settings = {"usr1": parse(os.environ.get("POLICY_USR1", "")), "usr2": parse(os.environ.get("POLICY_USR2", ""))}
+    track(Engine, ENGINES, remember)
+    raise SystemExit(serve({signal.SIGHUP: lambda: apply("default", {}),
+                            signal.SIGUSR1: lambda: apply("usr1", settings["usr1"]),
+                            signal.SIGUSR2: lambda: apply("usr2", settings["usr2"])}))

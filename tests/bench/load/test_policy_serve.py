@@ -1,0 +1,39 @@
+"""bench.load.policy_serve: a setting's fields parse or fail naming the accepted ones; a switch sets every engine's
+policy knobs over those it was built with, and the default restores them."""
+
+import types
+
+import pytest
+
+from q3tts.engine.deadline import DeadlinePolicy
+
+
+def test_parse_takes_policy_fields_and_names_them_on_a_bad_item():
+    from bench.load import policy_serve as ps
+    got = ps.parse("first_chunk_prefills=24, max_wait_s=0.1, max_wave=16")
+    assert got == {"first_chunk_prefills": 24.0, "max_wait_s": 0.1, "max_wave": 16} and type(got["max_wave"]) is int
+    assert ps.parse("") == {}
+    for bad in ("times=1", "max_wait_s", "max_wait_s=soon", "nope=1", "max_wave=16.5", "margin_s=nan"):
+        with pytest.raises(ValueError, match="first_chunk_prefills") as e:
+            ps.parse(bad)
+        assert repr(bad.strip()) in str(e.value) and "times" not in str(e.value).split("one of")[1]
+
+
+def test_a_switch_sets_the_knobs_over_the_built_ones_and_default_restores_them(monkeypatch):
+    from bench.load import policy_serve as ps
+    built = DeadlinePolicy(margin_s=0.03)  # as $Q3TTS_DEADLINE_MARGIN_MS=30 would build it
+    engine, off = types.SimpleNamespace(policy=built), types.SimpleNamespace(policy=None)
+    monkeypatch.setattr(ps, "ENGINES", [])
+    monkeypatch.setattr(ps, "BUILT", {})
+    for e in (engine, off):
+        ps.remember(e)
+        ps.ENGINES.append(e)
+    times = built.times
+    ps.apply("usr1", ps.parse("max_wave=16,max_wait_s=0.1"))
+    assert (built.max_wave, built.max_wait_s, built.margin_s) == (16, 0.1, 0.03)
+    assert type(built.max_wave) is int and built.times is times  # an integer knob stays one; the measured costs stay
+    ps.apply("usr2", ps.parse("first_chunk_prefills=8"))  # from the built policy, not from the last setting
+    assert (built.first_chunk_prefills, built.max_wave, built.max_wait_s) == (8.0, 64, 1.0)
+    ps.apply("default", {})
+    assert {k: getattr(built, k) for k in ps.KNOBS} == {k: getattr(DeadlinePolicy(margin_s=0.03), k) for k in ps.KNOBS}
+    assert off.policy is None
