@@ -6,8 +6,10 @@ build of its graphs (bench/load/prefill_ab.sh with MODULE=bench.load.policy_serv
     SIGUSR2  "usr2":     the built policy with $POLICY_USR2's fields, e.g. POLICY_USR2="max_wait_s=0.1,margin_s=0.01"
 
 A setting is "field=value,..." over DeadlinePolicy's number fields (not `times`: the measured step costs stay, as one
-server has them); an unknown field, a value that is not a number or a fraction for an integer field fails at the
-start, naming the accepted fields. The
+server has them) and `alone_max`: the runner's PREFILL_GRAPH_MAX_REQUESTS (up to it newcomers replay their prefill
+graphs one by one, more share a wave graph), read at every step as bench/load/prefill_serve.py switches it; a setting
+that changes it empties the policy's prefill cost fits, as a server started with it has them. An unknown field, a
+value that is not a number or a fraction for an integer field fails at the start, naming the accepted fields. The
 scheduler reads the policy at every step: a switch applies from the next step on. One server instead of one per
 setting: a 0.6B server at 128 slots x 1024 positions holds ~20 GiB, so four of them do not fit an 80 GB H100.
 
@@ -22,12 +24,15 @@ import signal
 import sys
 
 from bench.load.switched import serve, track
-from q3tts.engine.deadline import DeadlinePolicy
+from q3tts.engine import runner as runner_mod
+from q3tts.engine.deadline import DeadlinePolicy, PrefillCost
 from q3tts.engine.engine import Engine
 
 ENGINES: list[Engine] = []  # every Engine built in this process
 KNOBS = {f.name: type(f.default) for f in dataclasses.fields(DeadlinePolicy) if f.name != "times"}  # name -> int/float
+KNOBS["alone_max"] = int  # the runner's PREFILL_GRAPH_MAX_REQUESTS
 BUILT: dict[int, dict[str, float]] = {}  # id(engine) -> its policy's knobs as built
+ALONE_MAX = runner_mod.PREFILL_GRAPH_MAX_REQUESTS  # as the server was built
 
 
 def parse(text: str) -> dict[str, float]:
@@ -50,18 +55,23 @@ def parse(text: str) -> dict[str, float]:
 
 
 def apply(name: str, fields: dict[str, float]) -> None:
-    """Every engine's policy: its knobs as built, then `fields`."""
+    """Every engine's policy: its knobs as built, then `fields` (alone_max: the runners', as built unless given)."""
+    alone_max = fields.get("alone_max", ALONE_MAX)
+    changed, runner_mod.PREFILL_GRAPH_MAX_REQUESTS = alone_max != runner_mod.PREFILL_GRAPH_MAX_REQUESTS, alone_max
     for engine in ENGINES:
         if engine.policy is None:
             continue
         for knob, value in {**BUILT[id(engine)], **fields}.items():
-            setattr(engine.policy, knob, value)
+            if knob != "alone_max":
+                setattr(engine.policy, knob, value)
+        if changed:
+            engine.policy.times.prefill = PrefillCost()
     print(f"policy setting {name}: {fields or 'as built'} ({len(ENGINES)} engine(s))", file=sys.stderr, flush=True)
 
 
 def remember(engine: Engine) -> None:
     if engine.policy is not None:
-        BUILT[id(engine)] = {k: getattr(engine.policy, k) for k in KNOBS}
+        BUILT[id(engine)] = {k: getattr(engine.policy, k) for k in KNOBS if k != "alone_max"}
 
 
 if __name__ == "__main__":

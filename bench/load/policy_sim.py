@@ -6,7 +6,7 @@ costs, to ask which cost or knob moves first audio at 128 streams before spendin
 
 C clients, their starts spread over S s, each sending R streaming requests of F frames in a row, the next DELTA s after
 its last chunk (the issue's protocol, bench.load.load --spread). A step: schedule -> prefill (a fixed host part, then
-per newcomer up to the runner's alone_max, else a batched forward's base + per newcomer) -> one frame of every row ->
+per newcomer up to the runner's alone_max, else a wave graph's base + per newcomer) -> one frame of every row ->
 the policy's chunks (base + per frame) -> the policy's record, as Engine._step; before it the engine's thread waits
 `gap` per request that arrived or finished since the last step (the event loop holding the GIL for their HTTP work).
 Per request: first audio from its arrival, and its stall (a player that starts at its first chunk). A model, not a
@@ -36,8 +36,8 @@ class Costs:
     admit_fixed: float = 0.003  # an admitting step's host work besides the prefill
     alone: float = 0.0035  # per newcomer, up to alone_max (prefill graph replays)
     alone_max: int = 10
-    batch_base: float = 0.015  # more newcomers: one batched forward
-    batch_req: float = 0.0015
+    batch_base: float = 0.003  # more newcomers: one wave graph (padded to 16, 32, 64 rows), bench.admit's idle engine
+    batch_req: float = 0.00015
     gap: float = 0.001  # the engine's thread held back per request arrived or finished since the last step
     delta: float = 0.015  # a request's last chunk -> its client's next request in the handler
 
@@ -100,7 +100,8 @@ def simulate(policy: DeadlinePolicy, clients: int, spread_s: float = 1.0, reques
 
 
 def parse_policy(text: str) -> dict:
-    """"field=value,..." over DeadlinePolicy's knobs (bench.load.policy_serve.parse)."""
+    """"field=value,..." as bench.load.policy_serve reads it: DeadlinePolicy's knobs and alone_max (the runner's regime:
+    here the cost model's, as --alone-max)."""
     from bench.load.policy_serve import parse
     return parse(text)
 
@@ -119,8 +120,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     costs = Costs(**{f.name: (v if f.name == "alone_max" else v / 1000)
                      for f in fields(Costs) if (v := getattr(a, f.name)) is not None})
+    knobs = dict(a.policy)
+    if "alone_max" in knobs:
+        costs.alone_max = knobs.pop("alone_max")
     for c in (int(x) for x in a.clients.split(",")):
-        res = simulate(DeadlinePolicy(**a.policy), c, a.spread, a.requests, a.frames, a.slots, costs)
+        res = simulate(DeadlinePolicy(**knobs), c, a.spread, a.requests, a.frames, a.slots, costs)
         print(json.dumps(res))
     return 0
 

@@ -35,5 +35,25 @@ def test_a_switch_sets_the_knobs_over_the_built_ones_and_default_restores_them(m
     ps.apply("usr2", ps.parse("first_chunk_prefills=8"))  # from the built policy, not from the last setting
     assert (built.first_chunk_prefills, built.max_wave, built.max_wait_s) == (8.0, 64, 1.0)
     ps.apply("default", {})
-    assert {k: getattr(built, k) for k in ps.KNOBS} == {k: getattr(DeadlinePolicy(margin_s=0.03), k) for k in ps.KNOBS}
+    knobs = [k for k in ps.KNOBS if k != "alone_max"]
+    assert {k: getattr(built, k) for k in knobs} == {k: getattr(DeadlinePolicy(margin_s=0.03), k) for k in knobs}
     assert off.policy is None
+
+
+def test_alone_max_switches_the_runners_regimes_and_empties_the_prefill_fits(monkeypatch):
+    from bench.load import policy_serve as ps
+    from q3tts.engine import runner as runner_mod
+    pol = DeadlinePolicy()
+    pol.times.record(0.005, 1, 0.01, 0.002)  # a measured prefill
+    engine = types.SimpleNamespace(policy=pol)
+    monkeypatch.setattr(ps, "ENGINES", [engine])
+    monkeypatch.setattr(ps, "BUILT", {})
+    monkeypatch.setattr(runner_mod, "PREFILL_GRAPH_MAX_REQUESTS", runner_mod.PREFILL_GRAPH_MAX_REQUESTS)
+    ps.remember(engine)
+    ps.apply("usr1", ps.parse("max_wave=32"))  # the regime as built: the fits stay
+    assert pol.times.prefill.samples == 1 and runner_mod.PREFILL_GRAPH_MAX_REQUESTS == ps.ALONE_MAX
+    ps.apply("usr2", ps.parse("alone_max=4,min_batch_wave=0"))
+    assert runner_mod.PREFILL_GRAPH_MAX_REQUESTS == 4 and pol.min_batch_wave == 0 and pol.max_wave == 64
+    assert pol.times.prefill.samples == 0  # the other regime's samples would steer its first waves
+    ps.apply("default", {})
+    assert runner_mod.PREFILL_GRAPH_MAX_REQUESTS == ps.ALONE_MAX and pol.min_batch_wave == 16

@@ -25,3 +25,5 @@ def test_the_command_line_takes_milliseconds_and_policy_knobs(capsys):
     # the fake clock is deterministic: the same run as stated in seconds
     assert out == ps.simulate(DeadlinePolicy(max_wait_s=0.05), 8, frames=20, costs=ps.Costs(gap=0.01, alone_max=4))
     assert out != ps.simulate(DeadlinePolicy(max_wait_s=0.05), 8, frames=20, costs=ps.Costs(alone_max=4))
+    ps.main(["--clients", "8", "--frames", "20", "--gap-ms", "10", "--policy", "max_wait_s=0.05,alone_max=4"])
+    assert json.loads(capsys.readouterr().out) == out  # policy_serve's alone_max: the runner's regime in the costs
