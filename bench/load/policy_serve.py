@@ -29,8 +29,8 @@ from q3tts.engine.deadline import DeadlinePolicy, PrefillCost
 from q3tts.engine.engine import Engine
 
 ENGINES: list[Engine] = []  # every Engine built in this process
-KNOBS = {f.name: type(f.default) for f in dataclasses.fields(DeadlinePolicy) if f.name != "times"}  # name -> int/float
-KNOBS["alone_max"] = int  # the runner's PREFILL_GRAPH_MAX_REQUESTS
+POLICY_KNOBS = {f.name: type(f.default) for f in dataclasses.fields(DeadlinePolicy) if f.name != "times"}  # int/float
+KNOBS = {**POLICY_KNOBS, "alone_max": int}  # and the runner's PREFILL_GRAPH_MAX_REQUESTS
 BUILT: dict[int, dict[str, float]] = {}  # id(engine) -> its policy's knobs as built
 ALONE_MAX = runner_mod.PREFILL_GRAPH_MAX_REQUESTS  # as the server was built
 
@@ -61,9 +61,8 @@ def apply(name: str, fields: dict[str, float]) -> None:
     for engine in ENGINES:
         if engine.policy is None:
             continue
-        for knob, value in {**BUILT[id(engine)], **fields}.items():
-            if knob != "alone_max":
-                setattr(engine.policy, knob, value)
+        for knob in POLICY_KNOBS:
+            setattr(engine.policy, knob, fields.get(knob, BUILT[id(engine)][knob]))
         if changed:
             engine.policy.times.prefill = PrefillCost()
     print(f"policy setting {name}: {fields or 'as built'} ({len(ENGINES)} engine(s))", file=sys.stderr, flush=True)
@@ -71,7 +70,7 @@ def apply(name: str, fields: dict[str, float]) -> None:
 
 def remember(engine: Engine) -> None:
     if engine.policy is not None:
-        BUILT[id(engine)] = {k: getattr(engine.policy, k) for k in KNOBS if k != "alone_max"}
+        BUILT[id(engine)] = {k: getattr(engine.policy, k) for k in POLICY_KNOBS}
 
 
 if __name__ == "__main__":

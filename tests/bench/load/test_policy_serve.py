@@ -35,7 +35,7 @@ def test_a_switch_sets_the_knobs_over_the_built_ones_and_default_restores_them(m
     ps.apply("usr2", ps.parse("first_chunk_prefills=8"))  # from the built policy, not from the last setting
     assert (built.first_chunk_prefills, built.max_wave, built.max_wait_s) == (8.0, 64, 1.0)
     ps.apply("default", {})
-    knobs = [k for k in ps.KNOBS if k != "alone_max"]
+    knobs = ps.POLICY_KNOBS
     assert {k: getattr(built, k) for k in knobs} == {k: getattr(DeadlinePolicy(margin_s=0.03), k) for k in knobs}
     assert off.policy is None
 
