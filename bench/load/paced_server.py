@@ -7,7 +7,8 @@
 Everything from the socket to the engine's step is the real code: uvicorn, the middleware, validation, the text
 processor, AsyncEngine, the Engine's scheduling, prompt embedding (a tiny random model on the CPU), chunking and
 encoding. Only the device's work becomes a wait that releases the GIL, as a wait for the GPU does: each frame
-(decode-ms, every step with a running row), each step's vocoding (vocode-ms, when a chunk is due) and each
+(decode-ms, every step with a running row), each step's vocoding (vocode-ms + vocode-ms-per-frame x its frames, when a
+chunk is due) and each
 admission's prefill of its W newcomers (prefill-ms + prefill-ms-per-request x W, or --prefill-table's wait for W:
 admit times measured by wave size; --alone-max: the waves up to it are what the engine tells the deadline policy
 are prefill graph replays, as a CUDA runner would; --text-ms: each call that hands a row its streamed text, as a GPU
@@ -136,22 +137,23 @@ class PacedRunner:
 class PacedVocoder:
     """The StreamingVocoder with decoding as a GIL-free wait that returns silence; rows are the real ones'."""
 
-    def __init__(self, vocoder, vocode_s: float):
-        self._vocoder, self.vocode_s = vocoder, vocode_s
+    def __init__(self, vocoder, vocode_s: float, vocode_frame_s: float = 0.0):
+        self._vocoder, self.vocode_s, self.vocode_frame_s = vocoder, vocode_s, vocode_frame_s
 
     def __getattr__(self, name):
         return getattr(self._vocoder, name)
 
     def decode(self, work, sizes=None) -> list[np.ndarray]:
         if work:
-            device_sleep(self.vocode_s)
+            device_sleep(self.vocode_s + self.vocode_frame_s * sum(len(codes) for _, codes in work))
         return [np.zeros(len(codes) * 1920, dtype=np.float32) for _, codes in work]
 
 
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
               prefill_ms_per_request: float = 0.0, prefill_table: list[tuple[int, float]] | None = None,
               alone_max: int | None = None, text_ms: float = 0.0, trace: str | None = None, host_ms: float = 0.0,
-              prefill_host_share: float = 0.0, host_ops: int = 0, host_turn: bool = True):
+              prefill_host_share: float = 0.0, host_ops: int = 0, host_turn: bool = True,
+              vocode_ms_per_frame: float = 0.0):
     """The server's app on the tiny random CustomVoice checkpoint of the tests, its device work paced."""
     from q3tts import TTS
     from q3tts.server.app import create_app
@@ -166,7 +168,7 @@ def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, 
     engine.runner = PacedRunner(engine.runner, prefill_ms / 1000, decode_ms / 1000, prefill_ms_per_request / 1000,
                                 prefill_table, alone_max, text_ms / 1000, host_ms / 1000, prefill_host_share,
                                 host_ops)
-    engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000)
+    engine.vocoder = PacedVocoder(engine.vocoder, vocode_ms / 1000, vocode_ms_per_frame / 1000)
     engine.turn.enabled = host_turn  # as a CUDA engine's: the paced waits are its device waits
     if trace:
         from bench.load.phase_trace import PhaseTrace
@@ -180,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=256, help="--max-concurrent of the server")
     ap.add_argument("--decode-ms", type=float, default=6.8, help="one frame for all running rows")
     ap.add_argument("--vocode-ms", type=float, default=4.0, help="a step's vocoding, when some chunk is due")
+    ap.add_argument("--vocode-ms-per-frame", type=float, default=0.0, help="and per frame it decodes")
     ap.add_argument("--prefill-ms", type=float, default=None,
                     help="a step's prefill of its newcomers (one batch; default 5)")
     ap.add_argument("--prefill-ms-per-request", type=float, default=None,
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         a.alone_max = PREFILL_GRAPH_MAX_REQUESTS
     app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, alone_max=a.alone_max,
                     text_ms=a.text_ms, trace=a.trace, host_ms=a.host_ms, prefill_host_share=a.prefill_host_share,
-                    host_ops=a.host_ops, host_turn=a.host_turn, **given)
+                    host_ops=a.host_ops, host_turn=a.host_turn, vocode_ms_per_frame=a.vocode_ms_per_frame, **given)
     uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     return 0
 

@@ -10,7 +10,8 @@
 # (bench/load/policy_serve.py). Per setting one warm-up burst (the policy's cost fits), a closed-loop level of C
 # streams (REQS requests of 10 s each; their starts spread over SPREAD s, 0: a burst) and a Poisson level of RATE req/s
 # of 5 s utterances for POISSON_S s (0: none). JSON per (round, setting, level) in $OUT, one
-# summary line per level, then the medians per setting.
+# summary line per level, then the medians per setting. GATE=FILE: the loads wait until FILE exists (the server
+# compiles meanwhile, e.g. beside a test suite).
 # The last setting listed is sent again at the end (list the server's default last).
 #   run: command: bash bench/load/prefill_ab.sh      CPU dry run: DEVICE=cpu C=2 RATE=2 POISSON_S=2 FRAMES=12 bash bench/load/prefill_ab.sh
 set -uo pipefail
@@ -25,6 +26,7 @@ T0=$(date +%s)  # LIMIT counts from here, the server's start included
 . bench/load/switched_server.sh
 switched_server "$MODULE"
 wait_ready "$T0"
+[ -z "${GATE:-}" ] || until [ -e "$GATE" ]; do sleep 1; done  # GATE: a file whose existence starts the loads
 load() {  # load NAME ARGS...: one bench.load.load run, JSON in $OUT/ab-NAME.json
   local name=$1; shift
   [ $(( LIMIT - ($(date +%s) - T0) )) -gt 20 ] || { echo "no time left for $name"; return 1; }

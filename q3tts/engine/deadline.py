@@ -13,10 +13,11 @@ and the engine measures each part as a moving average (`StepTimes`). The policy 
     before the next step's chunks come (slack < horizon: two steps, a newcomer's prefill and a margin) goes now
     with all its whole chunks; the others go nearest deadline first within a frame budget per step, so when many
     chunks fall due in one step, those that can wait go in the next steps instead of lengthening this one;
-  - first chunk: the first audio waits until its whole chunks outlast a step and two prefills (the first chunk
-    alone while steps are short), so a young stream does not hold the next newcomers back; while requests queue,
-    the prefill of the next wave instead (burst_wave), so a burst goes in a few large waves (max_wave a step), the
-    cheapest per newcomer, rather than a few newcomers a step;
+  - first chunk: the first audio waits until its whole chunks outlast the steps until its next chunk is whole and two
+    prefills (the first chunk alone while steps are short), so a young stream does not hold the next newcomers back
+    (admission counts those steps too: a one-frame first send whose two-frame chunk takes two long steps leaves no
+    room for any prefill); while requests queue, the prefill of the next wave instead (burst_wave), so a burst goes
+    in a few large waves (max_wave a step), the cheapest per newcomer, rather than a few newcomers a step;
   - admission: a prefill delays every running row by its time, so a step's wave of newcomers is the largest whose
     estimated prefill fits into every playing row's slack less the steps until its next whole chunk and the margin
     (`admission_budget`, `wave`): the first goes whenever no row is at risk (one newcomer's prefill would not stall
@@ -149,7 +150,8 @@ DEADLINE_ENV = {"MARGIN_MS": ("margin_s", 1e-3, 0.0), "MAX_WAIT_MS": ("max_wait_
                 "MIN_VOCODE_FRAMES": ("min_vocode_frames", 1, 1),
                 "FIRST_CHUNK_PREFILLS": ("first_chunk_prefills", 1, 0.0),
                 "BURST_WAVE": ("burst_wave", 1, 0), "PREFILL_CAP": ("prefill_cap", 1, 1.0),
-                "MIN_BATCH_WAVE": ("min_batch_wave", 1, 0), "MAX_WAVE": ("max_wave", 1, 0)}
+                "MIN_BATCH_WAVE": ("min_batch_wave", 1, 0), "MAX_WAVE": ("max_wave", 1, 0),
+                "COVER_NEXT_CHUNK": ("cover_next_chunk", 1, 0)}
 
 
 @dataclass(slots=True)
@@ -171,6 +173,8 @@ class DeadlinePolicy:
             from alone_max + 1 to here a wave goes only as far as max_wait_s forces it (<= alone_max + 1: no gap).
         max_wave: the most newcomers of one step (0: the scheduler's max_prefills_per_step): with burst_wave, a
             burst goes in a few large waves, the cheapest per newcomer.
+        cover_next_chunk: 1: a first send's audio outlasts the steps until the stream's next chunk is whole (as
+            admission_budget counts them), its prefills and the margin; 0: one step, its prefills and the margin.
     """
 
     margin_s: float = 0.02
@@ -181,6 +185,7 @@ class DeadlinePolicy:
     prefill_cap: float = math.inf
     min_batch_wave: int = 16
     max_wave: int = 64
+    cover_next_chunk: int = 1
     times: StepTimes = field(default_factory=StepTimes)
 
     @classmethod
@@ -220,16 +225,25 @@ class DeadlinePolicy:
         return 2 * self.times.step_s + self.times.prefill.estimate(1) + self.margin_s
 
     def first_chunk_frames(self, req: EngineRequest, contended: bool = True, waiting: int = 0) -> int:
-        """The least audio (frames) of req's first send: enough to cover the next step and, while other requests
-        share the engine (`contended`), first_chunk_prefills prefills, or with burst_wave and `waiting` requests
-        queued the next wave's prefill; at least its first chunk, at most its largest."""
+        """The least audio (frames) of req's first send: enough to cover the steps until its next chunk is whole
+        (cover_next_chunk; else the next step) and, while other requests share the engine (`contended`),
+        first_chunk_prefills prefills, or with burst_wave and `waiting` requests queued the next wave's prefill; at
+        least its first chunk, at most its largest."""
         s = req.stream
         if self.burst_wave > 0 and waiting > 0:
             prefills = self.times.prefill.estimate(self.wave(min(waiting, self.burst_wave), 0, math.inf))
         else:
             prefills = self.first_chunk_prefills * self.times.prefill.estimate(1) if contended else 0.0
-        need = math.ceil((self.times.step_s + prefills + self.margin_s) / FRAME_S)
-        return max(s.first_chunk_frames, min(s.chunk_frames, need))
+        if not self.cover_next_chunk:
+            need = math.ceil((self.times.step_s + prefills + self.margin_s) / FRAME_S)
+            return max(s.first_chunk_frames, min(s.chunk_frames, need))
+        # whole chunks whose audio outlasts the steps until the next one is whole (admission_budget's count)
+        sent = 0
+        while sent < s.chunk_frames:
+            sent += chunk_size_at(s, sent)
+            if sent * FRAME_S >= chunk_size_at(s, sent) * self.times.step_s + prefills + self.margin_s:
+                break
+        return min(s.chunk_frames, sent)
 
     # ------------------------------------------------------------------ admission
     def admission_budget(self, running: list[EngineRequest], now: float) -> float:

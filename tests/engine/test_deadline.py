@@ -2,6 +2,7 @@
 replaced by stated costs. The old policy (count per step, full chunks) stalls where the new one does not; admission
 respects slack; chunks go nearest deadline first; nothing starves; first chunks grow with the step."""
 
+import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -202,9 +203,10 @@ def test_one_slow_admission_is_capped_in_the_estimate():
     costs = Costs(frame_base=0.0068, frame_row=0.0, prefill_base=0.005, prefill_req=0.0, vocode_base=0.004,
                   vocode_frame=0.0, slow_admission=(2, 0.3))
     arrivals = [0.0] + [0.05] * 63  # one request first (the estimate's first sample), then a burst
-    # (waves of 16 and first sends sized without burst_wave: where the estimate holds admission back most)
-    raw = simulate(DeadlinePolicy(max_wave=0, burst_wave=0), arrivals, costs=costs)
-    capped = simulate(DeadlinePolicy(max_wave=0, burst_wave=0, prefill_cap=2.0), arrivals, costs=costs)
+    # (waves of 16 and first sends of one step without burst_wave: where the estimate holds admission back most)
+    raw = simulate(DeadlinePolicy(max_wave=0, burst_wave=0, cover_next_chunk=0), arrivals, costs=costs)
+    capped = simulate(DeadlinePolicy(max_wave=0, burst_wave=0, prefill_cap=2.0, cover_next_chunk=0), arrivals,
+                      costs=costs)
     assert raw["stalled"] == capped["stalled"] == 1, (raw, capped)
     assert capped["ttfa_p95"] < raw["ttfa_p95"] - 0.2 and capped["ttfa_p50"] < raw["ttfa_p50"], (raw, capped)
 
@@ -459,31 +461,57 @@ def test_a_chunk_over_the_budget_alone_still_goes():
 
 
 def test_first_chunk_grows_with_the_step_and_respects_the_request():
+    """The one-step rule (cover_next_chunk=0): a first send covers a step, two prefills and the margin."""
+    one_step = functools.partial(policy, cover_next_chunk=0)
     r = stream_req(0, stream=(1, 16))
-    # a step + two prefills + the margin
-    assert policy(frame=0.01, vocode=0.002, prefill=0.005).first_chunk_frames(r) == 1  # 42 ms: one frame
-    assert policy(frame=0.07, vocode=0.01, prefill=0.01).first_chunk_frames(r) == 2  # 120 ms
-    assert policy(frame=0.3, vocode=0.05, prefill=0.1).first_chunk_frames(r) == 8  # 570 ms
-    assert policy(frame=3.0).first_chunk_frames(r) == 16  # at most the largest chunk
-    assert policy(frame=0.07, vocode=0.01, prefill=0.01).first_chunk_frames(r, contended=False) == 2  # 100 ms
-    assert policy(frame=0.05, vocode=0.0, prefill=0.1).first_chunk_frames(r, contended=False) == 1  # alone: 70 ms
+    assert one_step(frame=0.01, vocode=0.002, prefill=0.005).first_chunk_frames(r) == 1  # 42 ms: one frame
+    assert one_step(frame=0.07, vocode=0.01, prefill=0.01).first_chunk_frames(r) == 2  # 120 ms
+    assert one_step(frame=0.3, vocode=0.05, prefill=0.1).first_chunk_frames(r) == 8  # 570 ms
+    assert one_step(frame=3.0).first_chunk_frames(r) == 16  # at most the largest chunk
+    assert one_step(frame=0.07, vocode=0.01, prefill=0.01).first_chunk_frames(r, contended=False) == 2  # 100 ms
+    assert one_step(frame=0.05, vocode=0.0, prefill=0.1).first_chunk_frames(r, contended=False) == 1  # alone: 70 ms
     # without the prefill term, a step and the margin: 160 ms -> 2 frames, not 3
-    assert policy(frame=0.13, vocode=0.0, prefill=0.03, first_chunk_prefills=0).first_chunk_frames(r) == 2
-    assert policy(frame=0.13, vocode=0.0, prefill=0.03).first_chunk_frames(r) == 3  # 210 ms
+    assert one_step(frame=0.13, vocode=0.0, prefill=0.03, first_chunk_prefills=0).first_chunk_frames(r) == 2
+    assert one_step(frame=0.13, vocode=0.0, prefill=0.03).first_chunk_frames(r) == 3  # 210 ms
     # burst_wave with requests waiting: a step, the next wave's prefill (here 5 newcomers x 10 ms) and the margin
-    burst = policy(frame=0.01, vocode=0.0, prefill=0.01, burst_wave=8)
+    burst = one_step(frame=0.01, vocode=0.0, prefill=0.01, burst_wave=8)
     assert burst.first_chunk_frames(r, waiting=5) == 1 and burst.first_chunk_frames(r, waiting=0) == 1  # 80 ms
     assert burst.first_chunk_frames(r, waiting=40) == 2  # 8 newcomers: 110 ms
     asked = stream_req(1, stream=(3, 16))
-    assert policy(frame=0.01).first_chunk_frames(asked) == 3  # never fewer than asked for
+    assert one_step(frame=0.01).first_chunk_frames(asked) == 3  # never fewer than asked for
     # the first send waits for whole chunks that reach it: 2 frames needed -> chunks 1 + 2
-    pol, now = policy(frame=0.07, vocode=0.01, prefill=0.01), 10.0
+    pol, now = one_step(frame=0.07, vocode=0.01, prefill=0.01), 10.0
     fresh = stream_req(2)
     fresh.status, fresh.frames = RequestStatus.RUNNING, [0] * 2
     other = playing(3, slack=5.0)
     assert pol.plan_chunks([fresh, other], now) == []
     fresh.frames.append(0)
     assert [(x.request_id, n) for x, n in pol.plan_chunks([fresh, other], now)] == [("r2", 3)]
+
+
+def test_first_send_outlasts_the_steps_to_its_next_chunk():
+    """The default rule: a first send is the whole chunks whose audio outlasts the steps until the next chunk is whole
+    (as admission_budget counts them), the prefills and the margin, so a young row leaves the next newcomers room."""
+    r = stream_req(0, stream=(1, 16))
+    # a step of 12 ms: 1 frame (80 ms) outlasts the 2 steps to the 2-frame chunk + 2 prefills of 5 ms + 20 ms margin
+    assert policy(frame=0.01, vocode=0.002, prefill=0.005).first_chunk_frames(r) == 1
+    # a step of 30 ms: 1 frame < 2 x 30 + 10 + 20 ms; chunks 1 + 2 (240 ms) >= the 4 steps to the 4-frame chunk + 30
+    slow = policy(frame=0.025, vocode=0.005, prefill=0.005)
+    assert slow.first_chunk_frames(r) == 3
+    assert policy(frame=0.025, vocode=0.005, prefill=0.005, cover_next_chunk=0).first_chunk_frames(r) == 1  # one step
+    # an engine making audio no faster than it plays (80 ms steps): never ahead, so at most the largest chunk
+    assert policy(frame=0.07, vocode=0.01, prefill=0.01).first_chunk_frames(r) == 16
+    # with requests waiting, the next wave's prefill: 5 newcomers x 10 ms outlast 1 frame's 2 steps, not 3 frames' 4
+    burst = policy(frame=0.01, vocode=0.0, prefill=0.01, burst_wave=8)
+    assert burst.first_chunk_frames(r, waiting=5) == 3 and burst.first_chunk_frames(r, waiting=0) == 1
+    asked = stream_req(1, stream=(3, 16))
+    assert policy(frame=0.01).first_chunk_frames(asked) == 3  # never fewer than asked for (then 6 frames: 6 steps)
+    # the first send waits for those whole chunks: 3 frames here, the step 30 ms
+    now, fresh, other = 10.0, stream_req(2), playing(3, slack=5.0)
+    fresh.status, fresh.frames = RequestStatus.RUNNING, [0] * 2
+    assert slow.plan_chunks([fresh, other], now) == []
+    fresh.frames.append(0)
+    assert [(x.request_id, n) for x, n in slow.plan_chunks([fresh, other], now)] == [("r2", 3)]
 
 
 def test_chunk_cut_is_the_stream_options_schedule():
@@ -646,10 +674,11 @@ def test_the_deadline_policy_reads_its_knobs_from_the_environment():
     pol = DeadlinePolicy.from_env({"Q3TTS_DEADLINE_MAX_WAIT_MS": "150", "Q3TTS_DEADLINE_MARGIN_MS": "10",
                            "Q3TTS_DEADLINE_BURST_WAVE": "16", "Q3TTS_DEADLINE_PREFILL_CAP": "2",
                            "Q3TTS_DEADLINE_FIRST_CHUNK_PREFILLS": "0", "Q3TTS_DEADLINE_MIN_VOCODE_FRAMES": "32",
-                           "Q3TTS_DEADLINE_MIN_BATCH_WAVE": "24", "Q3TTS_DEADLINE_MAX_WAVE": "64"})
+                           "Q3TTS_DEADLINE_MIN_BATCH_WAVE": "24", "Q3TTS_DEADLINE_MAX_WAVE": "64",
+                           "Q3TTS_DEADLINE_COVER_NEXT_CHUNK": "0"})
     assert (pol.max_wait_s, pol.margin_s, pol.burst_wave, pol.prefill_cap, pol.first_chunk_prefills,
-            pol.min_vocode_frames, pol.min_batch_wave, pol.max_wave) == (
-        pytest.approx(0.15), pytest.approx(0.01), 16, 2.0, 0.0, 32, 24, 64)
+            pol.min_vocode_frames, pol.min_batch_wave, pol.max_wave, pol.cover_next_chunk) == (
+        pytest.approx(0.15), pytest.approx(0.01), 16, 2.0, 0.0, 32, 24, 64, 0)
     same = DeadlinePolicy.from_env({"Q3TTS_DEADLINE_MAX_WAIT_MS": ""})
     assert (same.max_wait_s, same.margin_s, same.burst_wave, same.prefill_cap, same.first_chunk_prefills) == (
         default.max_wait_s, default.margin_s, default.burst_wave, default.prefill_cap, default.first_chunk_prefills)
