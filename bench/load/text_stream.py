@@ -4,11 +4,14 @@
     python -m bench.load.text_stream --url ws://127.0.0.1:8000 --rates 15,50,200 --sessions 1,32 --out text.json
 
 For each (tokens per second R, sessions S): S sessions at once, each speaking `--utterances` utterances in a
-row; an utterance's text (~4 characters a token, as an LLM's) is sent one token every 1/R s, then input.done.
+row (after --warmup-utterances uncounted ones, every session open; then all start at once, or their first counted
+ones spread evenly over --spread s); an utterance's text (~4 characters a token, as an LLM's) is sent one token every
+1/R s, then input.done.
 Per utterance: time from its first text token to its first audio byte; its playback buffer: how far behind a
 player that started at the first byte the audio ever fell (0 = it never stalls), split into the part while
 text was still arriving and the part after the text was complete ("text ahead": every token the talker
-needs has arrived). Fix the audio length with --max-new-tokens (a random-weight checkpoint never samples EOS).
+needs has arrived); and how late the client itself sent its tokens (`send_lag_ms`: a saturated client shows here,
+not in the server). Fix the audio length with --max-new-tokens (a random-weight checkpoint never samples EOS).
 """
 
 from __future__ import annotations
@@ -36,12 +39,13 @@ def llm_tokens(text: str, size: int = 4) -> list[str]:
 async def utterance(ws, rate: float, tokens: list[str]) -> dict:
     """Send the tokens at `rate` per second while receiving; -> this utterance's timings."""
     t0 = time.perf_counter()
-    sent_all = None
+    sent_all, send_lag = None, 0.0
 
     async def feed():
-        nonlocal sent_all
+        nonlocal sent_all, send_lag
         for i, tok in enumerate(tokens):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            send_lag = max(send_lag, time.perf_counter() - (t0 + i / rate))  # this client late for its schedule
             await ws.send(json.dumps({"type": "input.text", "text": tok}))
         await ws.send(json.dumps({"type": "input.done"}))
         sent_all = time.perf_counter()
@@ -71,24 +75,42 @@ async def utterance(ws, rate: float, tokens: list[str]) -> dict:
             raise RuntimeError(m)
     await feeder
     return {"ttfa": None if first is None else first - t0, "audio_s": samples / SR, "wall_s": time.perf_counter() - t0,
-            "stall_while_text_s": lag_while, "stall_after_text_s": lag_after, "finish_reason": reason}
+            "stall_while_text_s": lag_while, "stall_after_text_s": lag_after, "finish_reason": reason,
+            "send_lag_s": send_lag}
 
 
-async def session(url: str, rate: float, n: int, config: dict) -> list[dict]:
+async def session(url: str, rate: float, n: int, config: dict, warmup: int = 0,
+                  ready: asyncio.Barrier | None = None, delay: float = 0.0) -> tuple[float, list[dict]]:
+    """One WebSocket session: `warmup` utterances not counted, then (every session together, after `ready`, and
+    `delay` s) n; -> when its counted utterances could begin (before the delay), their timings."""
     async with connect(url + "/v1/audio/speech/stream", max_size=None) as ws:
         await ws.send(json.dumps({"type": "session.config", **config}))
-        return [await utterance(ws, rate, llm_tokens(TEXT)) for _ in range(n)]
+        for _ in range(warmup):
+            await utterance(ws, rate, llm_tokens(TEXT))
+        if ready is not None:
+            await ready.wait()
+        start = time.perf_counter()
+        await asyncio.sleep(delay)
+        return start, [await utterance(ws, rate, llm_tokens(TEXT)) for _ in range(n)]
 
 
-async def level(url: str, rate: float, sessions: int, n: int, config: dict) -> dict:
+async def level(url: str, rate: float, sessions: int, n: int, config: dict, warmup: int = 0,
+                spread: float = 0.0) -> dict:
+    """spread: the sessions' first counted utterances start evenly over this many seconds (0: all at once)."""
+    ready = asyncio.Barrier(sessions) if warmup else None
     t0 = time.perf_counter()
-    runs = [u for s in await asyncio.gather(*(session(url, rate, n, config) for _ in range(sessions))) for u in s]
+    done = await asyncio.gather(*(session(url, rate, n, config, warmup, ready, spread * i / sessions)
+                                  for i in range(sessions)))
+    t0 = min(start for start, _ in done) if warmup else t0  # with warm-up: when every session was open and warm
+    runs = [u for _, s in done for u in s]
     wall = time.perf_counter() - t0
     return {"tokens_per_s": rate, "sessions": sessions, "utterances": len(runs),
             "audio_s_per_s": round(sum(u["audio_s"] for u in runs) / wall, 2),
             "ttfa_ms": summary([u["ttfa"] for u in runs if u["ttfa"] is not None], 1000, 1),
             "stall_while_text_ms": summary([u["stall_while_text_s"] for u in runs], 1000, 1),
             "stall_after_text_ms": summary([u["stall_after_text_s"] for u in runs], 1000, 1),
+            "send_lag_ms": summary([u["send_lag_s"] for u in runs], 1000, 1), "warmup_utterances": warmup,
+            "spread_s": spread,
             "finish_reasons": sorted({u["finish_reason"] for u in runs})}
 
 
@@ -98,6 +120,11 @@ def main() -> int:
     ap.add_argument("--rates", default="15,50,200", help="simulated LLM tokens per second")
     ap.add_argument("--sessions", default="1,32")
     ap.add_argument("--utterances", type=int, default=3, help="per session, one after the other")
+    ap.add_argument("--warmup-utterances", type=int, default=0,
+                    help="per session before the counted ones (not counted): the sessions open and warm, as a voice "
+                         "agent's are, then every session starts its counted utterances at once")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="s over which the sessions' first counted utterances start (0: all at once, a burst)")
     ap.add_argument("--voice", default="vivian")
     ap.add_argument("--max-new-tokens", type=int, default=100, help="frames + 1 per utterance")
     ap.add_argument("--out", default=None)
@@ -106,11 +133,12 @@ def main() -> int:
     out = []
     for s in [int(x) for x in a.sessions.split(",")]:
         for r in [float(x) for x in a.rates.split(",")]:
-            res = asyncio.run(level(a.url, r, s, a.utterances, config))
+            res = asyncio.run(level(a.url, r, s, a.utterances, config, a.warmup_utterances, a.spread))
             out.append(res)
             print(f"{int(r):>4} tok/s {s:>3} sessions: first audio p50 {res['ttfa_ms']['p50']} p95 "
                   f"{res['ttfa_ms']['p95']} ms; stall after text p95 {res['stall_after_text_ms']['p95']} ms, while "
-                  f"text arrives p95 {res['stall_while_text_ms']['p95']} ms; {res['audio_s_per_s']} audio s/s",
+                  f"text arrives p95 {res['stall_while_text_ms']['p95']} ms; {res['audio_s_per_s']} audio s/s; "
+                  f"the client's send lag p95 {res['send_lag_ms']['p95']} ms",
                   file=sys.stderr)
     if a.out:
         with open(a.out, "w") as f:

@@ -125,3 +125,18 @@ def test_host_ops_launch_that_many_torch_calls_per_frame_and_per_newcomer():
     assert float(ps._OP[0]) - before == 5
     runner.prefill_batch(0, [None] * 3, [], [None] * 3)
     assert float(ps._OP[0]) - before == 5 + 15
+
+
+def test_the_paced_vocoder_waits_per_call_and_per_frame():
+    """--vocode-ms-per-frame: a step's vocoding waits its base and a part per frame it decodes (here 3 + 5 x 4 ms)."""
+    import time
+
+    from bench.load.paced_server import PacedVocoder
+
+    voc = PacedVocoder(None, 0.003, 0.004)
+    t0 = time.perf_counter()
+    wavs = voc.decode([(0, [0] * 2), (1, [0] * 3)])
+    assert time.perf_counter() - t0 >= 0.003 + 5 * 0.004
+    assert [len(w) for w in wavs] == [2 * 1920, 3 * 1920] and not any(w.any() for w in wavs)
+    t0 = time.perf_counter()
+    assert voc.decode([]) == [] and time.perf_counter() - t0 < 0.003  # nothing due: no wait
