@@ -8,10 +8,9 @@ Everything from the socket to the engine's step is the real code: uvicorn, the m
 processor, AsyncEngine, the Engine's scheduling, prompt embedding (a tiny random model on the CPU), chunking and
 encoding. Only the device's work becomes a wait that releases the GIL, as a wait for the GPU does: each frame
 (decode-ms, every step with a running row), each step's vocoding (vocode-ms + vocode-ms-per-frame x its frames, when a
-chunk is due) and each
-admission's prefill of its W newcomers (prefill-ms + prefill-ms-per-request x W, or --prefill-table's wait for W:
-admit times measured by wave size; --alone-max: the waves up to it are what the engine tells the deadline policy
-are prefill graph replays, as a CUDA runner would; --text-ms: each call that hands a row its streamed text, as a GPU
+chunk is due) and each admission's prefill of its W newcomers (prefill-ms + prefill-ms-per-request x W, or
+--prefill-table's wait for W: admit times measured by wave size; --alone-max: the waves up to it are what the
+engine tells the deadline policy are prefill graph replays, as a CUDA runner would; --text-ms: each call that hands a row its streamed text, as a GPU
 runner's host->device copy and projection of it; --host-ms: part of each frame spent holding the GIL instead, as a GPU
 runner's Python launches of a step do; --prefill-host-share: that share of each admission's wait spent holding the GIL,
 as a GPU runner's host-bound admission does); the frames are code 1 (never EOS) and the audio silence. Given the step times
