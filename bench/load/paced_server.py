@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         deliver_serve.apply("per_chunk")
     import uvicorn
 
+    from q3tts.server.app import uvicorn_config  # as `q3tts serve` runs uvicorn
+
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO)
     given = {k: v for k, v in (("prefill_ms", a.prefill_ms), ("prefill_ms_per_request", a.prefill_ms_per_request))
@@ -237,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     app = paced_app(a.slots, a.decode_ms, a.vocode_ms, prefill_table=a.prefill_table, alone_max=a.alone_max,
                     text_ms=a.text_ms, trace=a.trace, host_ms=a.host_ms, prefill_host_share=a.prefill_host_share,
                     host_ops=a.host_ops, host_turn=a.host_turn, vocode_ms_per_frame=a.vocode_ms_per_frame, **given)
-    uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
+    uvicorn.Server(uvicorn_config(app, "127.0.0.1", a.port, "warning")).run()
     return 0
 
 

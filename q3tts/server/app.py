@@ -99,6 +99,16 @@ def main(settings: ServerSettings) -> int:
     log.info("loaded %s (%s, %s) on %s in %.1f s", settings.model, tts.cfg.tts_model_type, tts.cfg.tts_model_size,
              tts.device, time.perf_counter() - t0)
     app = create_app(tts, settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn_config(app, settings.host, settings.port, settings.log_level.lower())).run()
     return 0
+
+
+def uvicorn_config(app, host: str, port: int, log_level: str = "info"):
+    """How uvicorn serves a q3tts app (the server, the tests' live servers, the paced benchmark server alike).
+
+    No permessage-deflate on the WebSocket: the messages that count are audio (PCM, or already-compressed formats),
+    which deflate barely shrinks, and zlib runs on the event loop's thread: with tens of sessions that thread spent
+    most of its time compressing and every session's chunks went out late."""
+    import uvicorn
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                          ws_per_message_deflate=False)

@@ -74,7 +74,9 @@ def start_server(variant: str, voice_dir, **settings) -> LiveServer:
 
 def serve(app, name: str = "uvicorn") -> LiveServer:
     """Serve a q3tts app on a free port of 127.0.0.1 from a thread, once ready."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    from q3tts.server.app import uvicorn_config
+
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, "warning"))
     thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()
     deadline = time.time() + 60

@@ -306,3 +306,17 @@ def test_stream_audio_false_sends_each_utterance_in_one_message(cv_server):
         assert isinstance(audio, bytes) and done["type"] == "audio.done" and len(audio) == done["frames"] * SPF * 2 > 0
         assert json.loads(ws.recv(timeout=30)) == {"type": "session.done"}
     cv_server.wait_idle()
+
+
+def test_the_socket_declines_compression(cv_server):
+    """The client offers permessage-deflate (websockets does by default); the server declines it, so no audio chunk is
+    compressed on the event loop's thread (q3tts.server.app.uvicorn_config), and the session speaks as usual."""
+    with connect(ws_url(cv_server), compression="deflate") as ws:
+        assert "permessage-deflate" in ws.request.headers.get("Sec-WebSocket-Extensions", "")
+        assert ws.response.headers.get("Sec-WebSocket-Extensions") is None
+        ws.send(json.dumps({"type": "session.config", "voice": "ryan", **GREEDY, "max_new_tokens": 4}))
+        ws.send(json.dumps({"type": "input.text", "text": "Hello."}))
+        ws.send(json.dumps({"type": "input.done"}))
+        _, pcm, done, _ = utterance(ws)
+        assert len(pcm) == done["frames"] * SPF * 2 > 0
+    cv_server.wait_idle()
