@@ -337,6 +337,21 @@ def test_one_line_errors(tmp_path, capsys, monkeypatch):
                    "(missing: fastapi)"], err
 
 
+
+def test_serve_on_a_taken_port_exits_3(capfd):
+    """The port already bound: uvicorn logs the bind error and `q3tts serve` exits with uvicorn's status for a start
+    that failed (3), not 0."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "--model", str(fx.checkpoint("cv06")), "--port", str(port), "--device", "cpu",
+                  "--no-warmup", "--max-seq-len", "256"])
+    assert exited.value.code == 3 and "address already in use" in capfd.readouterr().err
+
 def test_say_splits_a_text_of_several_sentences(tmp_path, capsys):
     """--text-file of three sentences: three segments (each max-new-tokens - 1 frames) with --pause-ms between
     them by default; --split none: one request."""
