@@ -13,7 +13,8 @@ chunk is due) and each admission's prefill of its W newcomers (prefill-ms + pref
 engine tells the deadline policy are prefill graph replays, as a CUDA runner would; --text-ms: each call that hands a row its streamed text, as a GPU
 runner's host->device copy and projection of it; --host-ms: part of each frame spent holding the GIL instead, as a GPU
 runner's Python launches of a step do; --prefill-host-share: that share of each admission's wait spent holding the GIL,
-as a GPU runner's host-bound admission does); the frames are code 1 (never EOS) and the audio silence. Given the step times
+as a GPU runner's host-bound admission does); the frames are code 1 (never EOS) and the audio a fixed noise (as a random-weight
+checkpoint's vocoder makes: what costs as much to encode or compress as the GPU server's audio). Given the step times
 measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
 HTTP side or the client is the limit, without a GPU.
 """
@@ -133,11 +134,17 @@ class PacedRunner:
         return FrameResult(torch.ones(B, self._runner.K, dtype=torch.long), [1] * B)
 
 
+# 10 s of uniform noise (peak 0.5), sliced for every chunk: silence would cost next to nothing to encode or deflate,
+# and drawing noise per chunk would hold the GIL where a GPU vocoder's copy does not
+NOISE = np.random.default_rng(0).uniform(-0.5, 0.5, 10 * 24000).astype(np.float32)
+
+
 class PacedVocoder:
-    """The StreamingVocoder with decoding as a GIL-free wait that returns silence; rows are the real ones'."""
+    """The StreamingVocoder with decoding as a GIL-free wait that returns slices of NOISE; rows are the real ones'."""
 
     def __init__(self, vocoder, vocode_s: float, vocode_frame_s: float = 0.0):
         self._vocoder, self.vocode_s, self.vocode_frame_s = vocoder, vocode_s, vocode_frame_s
+        self._at = 0  # where the next chunk's slice of NOISE starts
 
     def __getattr__(self, name):
         return getattr(self._vocoder, name)
@@ -145,7 +152,12 @@ class PacedVocoder:
     def decode(self, work, sizes=None) -> list[np.ndarray]:
         if work:
             device_sleep(self.vocode_s + self.vocode_frame_s * sum(len(codes) for _, codes in work))
-        return [np.zeros(len(codes) * 1920, dtype=np.float32) for _, codes in work]
+        out = []
+        for _, codes in work:
+            idx = np.arange(self._at, self._at + len(codes) * 1920) % NOISE.shape[0]
+            out.append(NOISE[idx])
+            self._at = (self._at + idx.shape[0]) % NOISE.shape[0]
+        return out
 
 
 def paced_app(slots: int = 256, decode_ms: float = 6.8, vocode_ms: float = 4.0, prefill_ms: float = 5.0,
