@@ -7,7 +7,9 @@ For each (tokens per second R, sessions S): S sessions at once, each speaking `-
 row (after --warmup-utterances uncounted ones, every session open; then all start at once, or their first counted
 ones spread evenly over --spread s); an utterance's text (~4 characters a token, as an LLM's) is sent one token every
 1/R s, then input.done.
-Per utterance: time from its first text token to its first audio byte; its playback buffer: how far behind a
+Per utterance: time from its first text token to its first audio byte, and from the token that completes the text
+its frame 0 needs ("text ahead": before it the audio waits for the text itself, see frame0_piece); its playback
+buffer: how far behind a
 player that started at the first byte the audio ever fell (0 = it never stalls), split into the part while
 text was still arriving and the part after the text was complete ("text ahead": every token the talker
 needs has arrived); and how late the client itself sent its tokens (`send_lag_ms`: a saturated client shows here,
@@ -25,6 +27,9 @@ import time
 from websockets.asyncio.client import connect
 
 from bench.load.load import summary
+from q3tts.inputs.prompt import TextTokenizer
+from q3tts.inputs.text import IncrementalTokenizer
+from q3tts.randomckpt import REFERENCE
 
 SR = 24000
 TEXT = ("Voice agents speak an answer while the language model is still writing it, so the speech starts after "
@@ -36,19 +41,39 @@ def llm_tokens(text: str, size: int = 4) -> list[str]:
     return [text[i:i + size] for i in range(0, len(text), size)]
 
 
-async def utterance(ws, rate: float, tokens: list[str]) -> dict:
-    """Send the tokens at `rate` per second while receiving; -> this utterance's timings."""
+def frame0_piece(pieces: list[str], needed: int = 3) -> int:
+    """The index of the piece after which the server can run an utterance's frame 0: its incremental tokenizer
+    (q3tts.inputs.text, the Qwen tokenizer) has committed the prompt's `needed` ids (PromptBuilder.needed: the role
+    and the first word for a voice without an ICL reference) and one more, the first trailing text token. A word's
+    ids commit only once the next piece begins, so this is a few pieces in; len(pieces): only input.done commits
+    them."""
+    tok, n = IncrementalTokenizer(TextTokenizer(REFERENCE / "tokenizer")), 0
+    for i, piece in enumerate(pieces):
+        n += len(tok.push(piece))
+        if n > needed:
+            return i
+    return len(pieces)
+
+
+async def utterance(ws, rate: float, tokens: list[str], ahead_at: int | None = None) -> dict:
+    """Send the tokens at `rate` per second while receiving; -> this utterance's timings. ahead_at: the index of the
+    token that completes frame 0's text (frame0_piece; default: the first)."""
     t0 = time.perf_counter()
-    sent_all, send_lag = None, 0.0
+    sent_all, send_lag, ahead = None, 0.0, t0
+    ahead_at = 0 if ahead_at is None else ahead_at
 
     async def feed():
-        nonlocal sent_all, send_lag
+        nonlocal sent_all, send_lag, ahead
         for i, tok in enumerate(tokens):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
             send_lag = max(send_lag, time.perf_counter() - (t0 + i / rate))  # this client late for its schedule
+            if i == ahead_at:
+                ahead = time.perf_counter()
             await ws.send(json.dumps({"type": "input.text", "text": tok}))
         await ws.send(json.dumps({"type": "input.done"}))
         sent_all = time.perf_counter()
+        if ahead_at >= len(tokens):
+            ahead = sent_all
 
     feeder = asyncio.ensure_future(feed())
     first, samples, lag_while, lag_after, reason = None, 0, 0.0, 0.0, None
@@ -74,32 +99,36 @@ async def utterance(ws, rate: float, tokens: list[str]) -> dict:
         if m["type"] == "error":
             raise RuntimeError(m)
     await feeder
-    return {"ttfa": None if first is None else first - t0, "audio_s": samples / SR, "wall_s": time.perf_counter() - t0,
+    return {"ttfa": None if first is None else first - t0, "ttfa_ahead": None if first is None else first - ahead,
+            "audio_s": samples / SR, "wall_s": time.perf_counter() - t0,
             "stall_while_text_s": lag_while, "stall_after_text_s": lag_after, "finish_reason": reason,
             "send_lag_s": send_lag}
 
 
 async def session(url: str, rate: float, n: int, config: dict, warmup: int = 0,
-                  ready: asyncio.Barrier | None = None, delay: float = 0.0) -> tuple[float, list[dict]]:
+                  ready: asyncio.Barrier | None = None, delay: float = 0.0,
+                  ahead_at: int | None = None) -> tuple[float, list[dict]]:
     """One WebSocket session: `warmup` utterances not counted, then (every session together, after `ready`, and
     `delay` s) n; -> when its counted utterances could begin (before the delay), their timings."""
     async with connect(url + "/v1/audio/speech/stream", max_size=None) as ws:
         await ws.send(json.dumps({"type": "session.config", **config}))
         for _ in range(warmup):
-            await utterance(ws, rate, llm_tokens(TEXT))
+            await utterance(ws, rate, llm_tokens(TEXT), ahead_at)
         if ready is not None:
             await ready.wait()
         start = time.perf_counter()
         await asyncio.sleep(delay)
-        return start, [await utterance(ws, rate, llm_tokens(TEXT)) for _ in range(n)]
+        return start, [await utterance(ws, rate, llm_tokens(TEXT), ahead_at) for _ in range(n)]
 
 
 async def level(url: str, rate: float, sessions: int, n: int, config: dict, warmup: int = 0,
                 spread: float = 0.0) -> dict:
-    """spread: the sessions' first counted utterances start evenly over this many seconds (0: all at once)."""
+    """spread: the sessions' first counted utterances start evenly over this many seconds (0: all at once). The
+    text ahead from TEXT's frame0_piece: a voice without an ICL reference (config's voice a speaker or an x-vector)."""
     ready = asyncio.Barrier(sessions) if warmup else None
+    ahead_at = frame0_piece(llm_tokens(TEXT))
     t0 = time.perf_counter()
-    done = await asyncio.gather(*(session(url, rate, n, config, warmup, ready, spread * i / sessions)
+    done = await asyncio.gather(*(session(url, rate, n, config, warmup, ready, spread * i / sessions, ahead_at)
                                   for i in range(sessions)))
     t0 = min(start for start, _ in done) if warmup else t0  # with warm-up: when every session was open and warm
     runs = [u for _, s in done for u in s]
@@ -107,6 +136,8 @@ async def level(url: str, rate: float, sessions: int, n: int, config: dict, warm
     return {"tokens_per_s": rate, "sessions": sessions, "utterances": len(runs),
             "audio_s_per_s": round(sum(u["audio_s"] for u in runs) / wall, 2),
             "ttfa_ms": summary([u["ttfa"] for u in runs if u["ttfa"] is not None], 1000, 1),
+            "ttfa_text_ahead_ms": summary([u["ttfa_ahead"] for u in runs if u["ttfa_ahead"] is not None], 1000, 1),
+            "text_ahead_token": ahead_at,
             "stall_while_text_ms": summary([u["stall_while_text_s"] for u in runs], 1000, 1),
             "stall_after_text_ms": summary([u["stall_after_text_s"] for u in runs], 1000, 1),
             "send_lag_ms": summary([u["send_lag_s"] for u in runs], 1000, 1), "warmup_utterances": warmup,
@@ -136,7 +167,8 @@ def main() -> int:
             res = asyncio.run(level(a.url, r, s, a.utterances, config, a.warmup_utterances, a.spread))
             out.append(res)
             print(f"{int(r):>4} tok/s {s:>3} sessions: first audio p50 {res['ttfa_ms']['p50']} p95 "
-                  f"{res['ttfa_ms']['p95']} ms; stall after text p95 {res['stall_after_text_ms']['p95']} ms, while "
+                  f"{res['ttfa_ms']['p95']} ms (once the text is ahead, token {res['text_ahead_token']}: p50 "
+                  f"{res['ttfa_text_ahead_ms']['p50']} p95 {res['ttfa_text_ahead_ms']['p95']} ms); stall after text p95 {res['stall_after_text_ms']['p95']} ms, while "
                   f"text arrives p95 {res['stall_while_text_ms']['p95']} ms; {res['audio_s_per_s']} audio s/s; "
                   f"the client's send lag p95 {res['send_lag_ms']['p95']} ms",
                   file=sys.stderr)
