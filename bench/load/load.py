@@ -15,7 +15,7 @@ Two kinds of level:
   whose rate steps through the --rate list, S seconds each or `--duration S1,S2,...` one per step (an autoscaler's
   step test; add --per-request for each request's send time, first audio and stalls).
 
-Every request streams pcm, so every byte is timed as it arrives (aiohttp clients, made for many concurrent
+Every request streams pcm (or --format's), so every byte is timed as it arrives (aiohttp clients, made for many concurrent
 connections; httpx's, kept as --client httpx, delayed requests by up to seconds from 64 streams on). Per request:
 time to first audio (first audio byte after the request was sent; with aiohttp also the client's own wait until the
 request's headers were written, `client_send`, and first audio from then, `ttfa_from_send`: a burst of requests from one
@@ -83,7 +83,8 @@ class Player:
     pauses would need, since each pause shifts the rest of the playback by its length.
     """
 
-    def __init__(self):
+    def __init__(self, bytes_per_s: float = 2 * SR):
+        self.bytes_per_s = bytes_per_s  # s16 pcm's; a compressed stream's average (timed_body)
         self.first: float | None = None
         self.dry_at = 0.0  # when the audio received so far runs out
         self.nbytes = 0
@@ -98,20 +99,23 @@ class Player:
             self.stall_s += gap
             self.gap_s = max(self.gap_s, gap)
             self.dry_at = now
-        self.dry_at += nbytes / 2 / SR
+        self.dry_at += nbytes / self.bytes_per_s
         self.nbytes += nbytes
 
 
 async def one_request(client: aiohttp.ClientSession | httpx.AsyncClient, body: dict) -> dict:
     sent = time.time()  # wall clock, comparable across processes (--per-request)
     t0 = time.perf_counter()
+    # a compressed format's audio length: the frames asked for (a random-weight checkpoint makes all of them)
+    coded_s = None if body.get("response_format", "pcm") == "pcm" else (body["max_new_tokens"] - 1) * 0.08
     if isinstance(client, httpx.AsyncClient):
         async with client.stream("POST", "/v1/audio/speech", json=body) as r:
-            return {"sent": sent, **await timed_body(t0, r.status_code, r.headers, r.aiter_raw(), r.aread)}
+            return {"sent": sent, **await timed_body(t0, r.status_code, r.headers, r.aiter_raw(), r.aread,
+                                                     coded_s=coded_s)}
     on_wire: dict[str, float] = {}  # HEADERS_SENT: when aiohttp wrote the request's headers (client_trace)
     async with client.post("/v1/audio/speech", json=body, trace_request_ctx=on_wire) as r:
         return {"sent": sent, **await timed_body(t0, r.status, r.headers, r.content.iter_any(), r.read,
-                                                 on_wire.get(HEADERS_SENT))}
+                                                 on_wire.get(HEADERS_SENT), coded_s)}
 
 
 HEADERS_SENT = "headers_sent"
@@ -131,17 +135,22 @@ def client_trace() -> aiohttp.TraceConfig:
 
 
 async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[bytes], read,
-                     on_wire: float | None = None) -> dict:
+                     on_wire: float | None = None, coded_s: float | None = None) -> dict:
     """One response's body read as it arrives -> the request's figures (on_wire: when its headers were written, the
-    aiohttp client's; client_send_s is the wait before it)."""
+    aiohttp client's; client_send_s is the wait before it). coded_s: a compressed format's audio length, its bytes
+    taken as spread evenly over it (constant bit rate: its stalls approximate, its first byte exact)."""
     if status != 200:
         return {"error": f"{status}: {(await read())[:300].decode(errors='replace')}"}
-    player = Player()
+    reads = []  # (time, bytes) of each read
     async for chunk in chunks:
         if chunk:
-            player.feed(time.perf_counter(), len(chunk))
+            reads.append((time.perf_counter(), len(chunk)))
     t1 = time.perf_counter()
-    audio_s = player.nbytes / 2 / SR
+    total = sum(n for _, n in reads)
+    player = Player(2 * SR if coded_s is None else total / coded_s if total and coded_s else 2 * SR)
+    for now, n in reads:
+        player.feed(now, n)
+    audio_s = player.nbytes / player.bytes_per_s
     return {"ttfa_s": (player.first or t1) - t0, "wall_s": t1 - t0, "audio_s": audio_s,
             "rtf": (t1 - t0) / audio_s if audio_s else None, "stall_s": player.stall_s, "gap_s": player.gap_s,
             "replica": headers.get("x-q3tts-replica"), "client_send_s": None if on_wire is None else on_wire - t0,
@@ -404,7 +413,7 @@ async def request_body(a, headers: dict) -> tuple[dict, dict]:
     async with httpx.AsyncClient(base_url=a.url, timeout=30, headers=headers) as c:
         model = (await c.get("/v1/models")).json()["data"][0]
         voices = (await c.get("/v1/audio/voices")).json()["data"]
-    body = {"model": model["id"], "input": a.text, "response_format": "pcm", "max_new_tokens": a.max_new_tokens}
+    body = {"model": model["id"], "input": a.text, "response_format": a.format, "max_new_tokens": a.max_new_tokens}
     if a.voice or voices:
         body["voice"] = a.voice or voices[0]["id"]
     if model["tts_model_type"] == "voice_design":
@@ -461,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-tolerance-ms", type=float, default=1.0,
                     help="a stream stalls if its player paused longer than this in all (read granularity)")
     ap.add_argument("--max-new-tokens", type=int, default=126, help="frames + 1 per request (126: 10 s of audio)")
+    ap.add_argument("--format", default="pcm", choices=["pcm", "mp3", "opus", "aac", "flac", "wav"],
+                    help="response_format; past pcm the bytes are taken as spread evenly over the frames asked for "
+                         "(its stalls approximate: a random-weight checkpoint makes every frame)")
     ap.add_argument("--text", default=TEXT)
     ap.add_argument("--voice", default=None, help="default: the first listed voice")
     ap.add_argument("--instructions", default="A clear, neutral voice.", help="VoiceDesign models only")

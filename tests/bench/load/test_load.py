@@ -1,5 +1,5 @@
 """bench/load/load.py's figures against a server whose output is known: bench/load/paced_server.py's real server,
-whose paced engine makes exactly max_new_tokens - 1 frames of silence per request (its code 1 is never EOS), one frame per
+whose paced engine makes exactly max_new_tokens - 1 frames (of a fixed noise) per request (its code 1 is never EOS), one frame per
 decode-ms. With either client library, closed or open loop, in one process or several, every byte the server sends
 is counted; a server slower than real time shows the stalls its pace implies, a faster one none."""
 
@@ -135,6 +135,17 @@ def test_a_server_slower_than_real_time_stalls_by_its_pace(tmp_path, monkeypatch
     assert lo - 50 <= stall["p50"] <= stall["max"] <= hi + 500, (lo, hi, stall)
     # at most N - 1 pauses, so the longest is at least the total's share; never more than the total
     assert stall["p50"] / (frames - 1) - 1 <= gap["max"] <= stall["max"] + 0.1
+
+
+def test_a_compressed_format_is_timed_over_the_frames_asked_for(paced, tmp_path):
+    """--format mp3: every request's bytes stand for its max_new_tokens - 1 frames (the paced engine makes all of
+    them), so the audio seconds are exact and the first byte is timed as for pcm."""
+    result = run(tmp_path, "--url", paced.base_url, "--concurrency", "2", "--requests", "1", "--max-new-tokens", "11",
+                 "--format", "mp3", "--no-server-metrics")
+    (level,) = result["levels"]
+    assert result["body"]["response_format"] == "mp3" and level["errors"] == 0, level["error_samples"]
+    assert level["mean_audio_s_per_request"] == round(10 * FRAME_S, 3)
+    assert 0 < level["ttfa_ms"]["p50"] <= level["ttfa_ms"]["max"] <= 1000 * level["wall_s"]
 
 
 # --------------------------------------------------------------------------- the parts, exactly
