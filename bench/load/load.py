@@ -147,7 +147,7 @@ async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[byte
             reads.append((time.perf_counter(), len(chunk)))
     t1 = time.perf_counter()
     total = sum(n for _, n in reads)
-    player = Player(2 * SR if coded_s is None else total / coded_s if total and coded_s else 2 * SR)
+    player = Player(total / coded_s if coded_s and total else 2 * SR)
     for now, n in reads:
         player.feed(now, n)
     audio_s = player.nbytes / player.bytes_per_s

@@ -7,12 +7,10 @@ For each (tokens per second R, sessions S): S sessions at once, each speaking `-
 row (after --warmup-utterances uncounted ones, every session open; then all start at once, or their first counted
 ones spread evenly over --spread s); an utterance's text (~4 characters a token, as an LLM's) is sent one token every
 1/R s, then input.done.
-Per utterance: time from its first text token to its first audio byte, and from the token that completes the text
-its frame 0 needs ("text ahead": before it the audio waits for the text itself, see frame0_piece); its playback
-buffer: how far behind a
-player that started at the first byte the audio ever fell (0 = it never stalls), split into the part while
-text was still arriving and the part after the text was complete ("text ahead": every token the talker
-needs has arrived); and how late the client itself sent its tokens (`send_lag_ms`: a saturated client shows here,
+Per utterance: time from its first text token to its first audio byte, and from the send of the token that completes
+its frame 0's text (frame0_piece; before it, first audio waits for the text itself); its playback buffer: how far
+behind a player that started at the first byte the audio ever fell (0 = it never stalls), split into the part while
+text was still arriving and the part after every token had been sent; and how late the client itself sent its tokens (`send_lag_ms`: a saturated client shows here,
 not in the server). Fix the audio length with --max-new-tokens (a random-weight checkpoint never samples EOS).
 """
 
@@ -55,12 +53,11 @@ def frame0_piece(pieces: list[str], needed: int = 3) -> int:
     return len(pieces)
 
 
-async def utterance(ws, rate: float, tokens: list[str], ahead_at: int | None = None) -> dict:
+async def utterance(ws, rate: float, tokens: list[str], ahead_at: int = 0) -> dict:
     """Send the tokens at `rate` per second while receiving; -> this utterance's timings. ahead_at: the index of the
-    token that completes frame 0's text (frame0_piece; default: the first)."""
+    token that completes frame 0's text (frame0_piece)."""
     t0 = time.perf_counter()
     sent_all, send_lag, ahead = None, 0.0, t0
-    ahead_at = 0 if ahead_at is None else ahead_at
 
     async def feed():
         nonlocal sent_all, send_lag, ahead
@@ -107,7 +104,7 @@ async def utterance(ws, rate: float, tokens: list[str], ahead_at: int | None = N
 
 async def session(url: str, rate: float, n: int, config: dict, warmup: int = 0,
                   ready: asyncio.Barrier | None = None, delay: float = 0.0,
-                  ahead_at: int | None = None) -> tuple[float, list[dict]]:
+                  ahead_at: int = 0) -> tuple[float, list[dict]]:
     """One WebSocket session: `warmup` utterances not counted, then (every session together, after `ready`, and
     `delay` s) n; -> when its counted utterances could begin (before the delay), their timings."""
     async with connect(url + "/v1/audio/speech/stream", max_size=None) as ws:
@@ -166,10 +163,11 @@ def main() -> int:
         for r in [float(x) for x in a.rates.split(",")]:
             res = asyncio.run(level(a.url, r, s, a.utterances, config, a.warmup_utterances, a.spread))
             out.append(res)
+            ahead = res["ttfa_text_ahead_ms"]
             print(f"{int(r):>4} tok/s {s:>3} sessions: first audio p50 {res['ttfa_ms']['p50']} p95 "
                   f"{res['ttfa_ms']['p95']} ms (once the text is ahead, token {res['text_ahead_token']}: p50 "
-                  f"{res['ttfa_text_ahead_ms']['p50']} p95 {res['ttfa_text_ahead_ms']['p95']} ms); stall after text p95 {res['stall_after_text_ms']['p95']} ms, while "
-                  f"text arrives p95 {res['stall_while_text_ms']['p95']} ms; {res['audio_s_per_s']} audio s/s; "
+                  f"{ahead['p50']} p95 {ahead['p95']} ms); stall after text p95 {res['stall_after_text_ms']['p95']} "
+                  f"ms, while text arrives p95 {res['stall_while_text_ms']['p95']} ms; {res['audio_s_per_s']} audio s/s; "
                   f"the client's send lag p95 {res['send_lag_ms']['p95']} ms",
                   file=sys.stderr)
     if a.out:
