@@ -40,6 +40,15 @@ def utterance(ws, timeout=60):
             other.append(m)
 
 
+def speaks(ws, voice: str, text: str) -> None:
+    """One short utterance (max_new_tokens 4, greedy) on an open session: its audio is done["frames"] frames of PCM."""
+    ws.send(json.dumps({"type": "session.config", "voice": voice, **GREEDY, "max_new_tokens": 4}))
+    ws.send(json.dumps({"type": "input.text", "text": text}))
+    ws.send(json.dumps({"type": "input.done"}))
+    _, pcm, done, _ = utterance(ws)
+    assert len(pcm) == done["frames"] * SPF * 2 > 0
+
+
 def test_text_over_the_socket_equals_the_official_whole_text(cv_server):
     """Two utterances on one session, the text split anywhere (mid-word), each the official audio of its
     whole text (non_streaming_mode=False) and a session.done per flush, then session.close -> session.done."""
@@ -257,11 +266,7 @@ def test_unencodable_text_and_deep_json_get_invalid_message_and_the_session_goes
             ws.send(bad)
             err = json.loads(ws.recv(timeout=30))
             assert err["type"] == "error" and err["code"] == "invalid_message" and what in err["message"], err
-        ws.send(json.dumps({"type": "session.config", "voice": "vivian", **GREEDY, "max_new_tokens": 4}))
-        ws.send(json.dumps({"type": "input.text", "text": "Still usable."}))
-        ws.send(json.dumps({"type": "input.done"}))
-        _, pcm, done, _ = utterance(ws)
-        assert len(pcm) == done["frames"] * SPF * 2 > 0
+        speaks(ws, "vivian", "Still usable.")
     cv_server.wait_idle()
 
 
@@ -314,9 +319,5 @@ def test_the_socket_declines_compression(cv_server):
     with connect(ws_url(cv_server), compression="deflate") as ws:
         assert "permessage-deflate" in ws.request.headers.get("Sec-WebSocket-Extensions", "")
         assert ws.response.headers.get("Sec-WebSocket-Extensions") is None
-        ws.send(json.dumps({"type": "session.config", "voice": "ryan", **GREEDY, "max_new_tokens": 4}))
-        ws.send(json.dumps({"type": "input.text", "text": "Hello."}))
-        ws.send(json.dumps({"type": "input.done"}))
-        _, pcm, done, _ = utterance(ws)
-        assert len(pcm) == done["frames"] * SPF * 2 > 0
+        speaks(ws, "ryan", "Hello.")
     cv_server.wait_idle()
