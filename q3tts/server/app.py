@@ -66,6 +66,7 @@ def create_app(tts, settings: ServerSettings | None = None) -> FastAPI:
             if warm is not None and not warm.done():
                 warm.cancel()
             engine.shutdown()
+            serving.encoders.close()
             thaw_heap()
             if serving.aligner is not None:
                 serving.aligner.close()

@@ -24,9 +24,20 @@ chunking gives the same output as feeding it at once.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import io
+import itertools
+import json
 import logging
-from typing import ClassVar
+import os
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import BinaryIO, ClassVar
 
 import numpy as np
 
@@ -246,6 +257,11 @@ class AvEncoder:
                 logging.getLogger("q3tts.server").debug("closing an abandoned %s encoder: %s", self._fmt, e)
 
 
+def check_format(fmt: str) -> None:
+    if fmt not in MEDIA_TYPES:
+        raise ValueError(f"unknown response_format {fmt!r}; one of {sorted(MEDIA_TYPES)}")
+
+
 class AudioEncoder:
     """Speed, then format: float32 chunks at `sample_rate` -> bytes of one `fmt` stream.
 
@@ -257,8 +273,7 @@ class AudioEncoder:
     """
 
     def __init__(self, fmt: str, sample_rate: int, speed: float = 1.0, whole: bool = False):
-        if fmt not in MEDIA_TYPES:
-            raise ValueError(f"unknown response_format {fmt!r}; one of {sorted(MEDIA_TYPES)}")
+        check_format(fmt)
         self.sample_rate = sample_rate
         self.media_type = MEDIA_TYPES[fmt]
         self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
@@ -269,6 +284,12 @@ class AudioEncoder:
     @property
     def seconds_out(self) -> float:
         return self.samples_out / self.sample_rate
+
+    async def aencode(self, audio: np.ndarray) -> bytes:  # the surface the server awaits, as RemoteEncoder's
+        return self.encode(audio)
+
+    async def afinish(self) -> bytes:
+        return self.finish()
 
     def encode(self, audio: np.ndarray) -> bytes:
         if self.stretch is not None:
@@ -286,3 +307,213 @@ class AudioEncoder:
 
     def close(self) -> None:
         self.encoder.close()
+
+
+# --------------------------------------------------------------------------- encoder processes
+# A codec (and WSOLA) costs far more than a copy: mp3 encodes ~100x faster than real time on one core, so hundreds of
+# audio seconds a second need several cores, and in the server's process every Python step of it holds the GIL that
+# the event loop and the engine's thread need (a worker thread made the engine's steps longer, not shorter:
+# BENCHMARKS.md). So those streams' encoders live in worker processes; pcm and wav (a copy) stay in the server's.
+# Wire: to a worker HEAD + payload; from it REPLY + payload, one reply per ENCODE / FINISH, in the order sent.
+HEAD = struct.Struct("<IBI")  # stream id, op, payload bytes
+REPLY = struct.Struct("<IBqI")  # stream id, ok (1) or error (0), the stream's samples out so far, payload bytes
+OPEN, ENCODE, FINISH, CLOSE = range(4)
+log = logging.getLogger("q3tts.server")
+
+
+def offloaded(fmt: str, speed: float) -> bool:
+    """A codec's format or a changed speed: work for an encoder process."""
+    return fmt in AvEncoder.SPECS or speed != 1.0
+
+
+def default_encode_workers() -> int:
+    """Half the CPUs this process may run on, 1 to 4."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, min(4, cpus // 2))
+
+
+def _read(f: BinaryIO, n: int) -> bytes | None:
+    b = f.read(n)
+    return b if len(b) == n else None  # EOF
+
+
+def worker_main(inp: BinaryIO, out: BinaryIO) -> None:
+    """An encoder process: AudioEncoders by stream id; requests in order from inp, replies to out; ends at EOF."""
+    encoders: dict[int, AudioEncoder | Exception] = {}
+    while (head := _read(inp, HEAD.size)) is not None:
+        sid, op, n = HEAD.unpack(head)
+        payload = _read(inp, n) if n else b""
+        if payload is None:
+            return
+        if op == OPEN:  # no reply: an encoder that cannot be made answers its stream's first call with the error
+            try:
+                encoders[sid] = AudioEncoder(**json.loads(payload))
+            except Exception as e:  # noqa: BLE001 (any failure belongs to that stream alone)
+                encoders[sid] = e
+            continue
+        enc = encoders.pop(sid, None) if op == CLOSE else encoders.get(sid)
+        if op == CLOSE:
+            if isinstance(enc, AudioEncoder):
+                enc.close()
+            continue
+        try:
+            if not isinstance(enc, AudioEncoder):
+                raise enc if isinstance(enc, Exception) else KeyError(f"no encoder {sid}")
+            data, ok = enc.encode(np.frombuffer(payload, np.float32)) if op == ENCODE else enc.finish(), 1
+            samples = enc.samples_out
+        except Exception as e:  # noqa: BLE001
+            data, ok, samples = f"{type(e).__name__}: {e}".encode(), 0, 0
+        out.write(REPLY.pack(sid, ok, samples, len(data)) + data)
+        out.flush()
+
+
+class _Worker:
+    """One encoder process, a thread that writes to it and one that reads its replies (both wait outside the GIL)."""
+
+    def __init__(self):
+        env = dict(os.environ)  # the child imports this package from where the parent did
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen([sys.executable, "-m", "q3tts.server.encode"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=env)
+        self.streams = 0  # open on this worker (the event loop's count)
+        self.alive = True
+        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        # stream id -> the futures of its calls in flight, oldest first (appended on the loop's thread before the
+        # request is queued, popped by the reader after its reply)
+        self.pending: dict[int, collections.deque] = {}
+        threading.Thread(target=self._write, name="q3tts-encoder-write", daemon=True).start()
+        threading.Thread(target=self._read, name="q3tts-encoder-read", daemon=True).start()
+
+    def send(self, sid: int, op: int, payload: bytes = b"") -> None:
+        self._out.put(HEAD.pack(sid, op, len(payload)) + payload)
+
+    def _write(self) -> None:
+        try:
+            while (msg := self._out.get()) is not None:
+                self.proc.stdin.write(msg)
+                self.proc.stdin.flush()
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError, ValueError):  # the process is gone: the reader fails its calls
+            pass
+
+    def _read(self) -> None:
+        f = self.proc.stdout
+        while (head := _read(f, REPLY.size)) is not None:
+            sid, ok, samples, n = REPLY.unpack(head)
+            data = _read(f, n) if n else b""
+            if data is None:
+                break
+            calls = self.pending.get(sid)
+            if calls:  # else the stream was closed while its call ran (the client gone): nobody waits
+                loop, fut = calls.popleft()
+                loop.call_soon_threadsafe(_settle, fut, (ok, samples, data))
+        self.alive = False
+        code = self.proc.wait()
+        for calls in list(self.pending.values()):
+            while calls:
+                loop, fut = calls.popleft()
+                loop.call_soon_threadsafe(_settle, fut, (0, 0, f"the encoder process exited ({code})".encode()))
+
+    def close(self) -> None:
+        self._out.put(None)  # stdin closes: the process ends at EOF
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _settle(fut: asyncio.Future, reply: tuple) -> None:
+    if not fut.done():  # its awaiter may be cancelled (the client gone)
+        fut.set_result(reply)
+
+
+class RemoteEncoder:
+    """AudioEncoder's surface (aencode / afinish / close, media_type, seconds_out) over a stream in an encoder
+    process. Calls go one at a time, in order (the server awaits each)."""
+
+    def __init__(self, pool: EncoderPool, worker: _Worker, sid: int, fmt: str, sample_rate: int, speed: float,
+                 whole: bool):
+        self.pool, self.worker, self.sid, self.sample_rate = pool, worker, sid, sample_rate
+        self.media_type = MEDIA_TYPES[fmt]
+        self.samples_out = 0
+        self._closed = False
+        worker.pending[sid] = collections.deque()
+        worker.send(sid, OPEN, json.dumps({"fmt": fmt, "sample_rate": sample_rate, "speed": speed,
+                                           "whole": whole}).encode())
+
+    @property
+    def seconds_out(self) -> float:
+        return self.samples_out / self.sample_rate
+
+    async def _call(self, op: int, payload: bytes = b"") -> bytes:
+        if self._closed:
+            raise RuntimeError("encoder closed")
+        if not self.worker.alive:
+            raise RuntimeError("the encoder process exited")
+        fut = asyncio.get_running_loop().create_future()
+        self.worker.pending[self.sid].append((fut.get_loop(), fut))
+        self.worker.send(self.sid, op, payload)
+        ok, samples, data = await fut
+        if not ok:
+            raise RuntimeError(f"encoding failed: {data.decode(errors='replace')}")
+        self.samples_out = samples
+        return data
+
+    async def aencode(self, audio: np.ndarray) -> bytes:
+        return await self._call(ENCODE, np.ascontiguousarray(audio, np.float32).tobytes()) if len(audio) else b""
+
+    async def afinish(self) -> bytes:
+        return await self._call(FINISH)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.worker.send(self.sid, CLOSE)
+            self.worker.pending.pop(self.sid, None)
+            self.pool.release(self.worker)
+
+
+class EncoderPool:
+    """Encoder processes for the streams that need a codec or a speed (`offloaded`); the others encode in place.
+
+    Args:
+        workers: processes, started when first needed; a stream goes to the one with the fewest open streams, and
+            one that died is started again for the next stream. 0: every stream encodes in this process.
+    """
+
+    def __init__(self, workers: int):
+        self.workers: list[_Worker | None] = [None] * max(0, workers)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def open(self, fmt: str, sample_rate: int, speed: float = 1.0,
+             whole: bool = False) -> AudioEncoder | RemoteEncoder:
+        check_format(fmt)
+        if not self.workers or not offloaded(fmt, speed):
+            return AudioEncoder(fmt, sample_rate, speed, whole)
+        if not 0.25 <= speed <= 4.0:
+            raise ValueError(f"speed must be in [0.25, 4.0], got {speed}")
+        with self._lock:
+            for i, w in enumerate(self.workers):
+                if w is None or not w.alive:
+                    self.workers[i] = _Worker()
+            worker = min(self.workers, key=lambda w: w.streams)
+            worker.streams += 1
+        return RemoteEncoder(self, worker, next(self._ids), fmt, sample_rate, speed, whole)
+
+    def release(self, worker: _Worker) -> None:
+        with self._lock:
+            worker.streams -= 1
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self.workers = [w for w in self.workers if w is not None], [None] * len(self.workers)
+        for w in workers:
+            w.close()
+
+
+if __name__ == "__main__":  # an encoder process (EncoderPool): stray prints go to stderr, replies to the real stdout
+    _replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    worker_main(sys.stdin.buffer, _replies)

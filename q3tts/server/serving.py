@@ -37,7 +37,7 @@ from q3tts.engine import (
 from q3tts.inputs.align_text import WordTime, aligner_language
 from q3tts.inputs.request import InputError, PreparedRequest
 
-from .encode import AudioEncoder
+from .encode import AudioEncoder, EncoderPool, RemoteEncoder, default_encode_workers
 from .metrics import Metrics
 from .protocol import (
     ApiError,
@@ -119,6 +119,8 @@ class SpeechServing:
         self.ready = False
         self.warmup_error: str | None = None
         self.ws_clients: Counter[str] = Counter()  # client address -> its WebSocket utterances in flight
+        workers = settings.encode_workers
+        self.encoders = EncoderPool(default_encode_workers() if workers is None else workers)
         self.aligner = None  # q3tts.align.AlignerWorker when served with --aligner (create_app sets it)
         if settings.max_frames_per_token is not None:  # the runaway guard's default for every request
             tts.processor.max_frames_per_token = settings.max_frames_per_token
@@ -233,7 +235,7 @@ class SpeechServing:
             chunks = self.track(run, joined)
             headers["X-Q3TTS-Split"] = f"{num_segments} segments"
         # not streamed: one complete file, whose WAV / FLAC header states its length
-        enc = AudioEncoder(req.response_format, self.tts.sample_rate, req.speed, whole=not req.stream)
+        enc = self.encoders.open(req.response_format, self.tts.sample_rate, req.speed, whole=not req.stream)
         try:
             first = await chunks.__anext__()
         except BaseException as e:  # no response: release the encoder and the request
@@ -342,20 +344,20 @@ class SpeechServing:
             raise ApiError(400, str(e), param=e.param) from None
 
     async def _encoded(self, run: Run, first: AudioChunk, chunks: AsyncIterator[AudioChunk],
-                       enc: AudioEncoder, pcm: list[np.ndarray] | None = None) -> AsyncIterator[bytes]:
+                       enc: AudioEncoder | RemoteEncoder, pcm: list[np.ndarray] | None = None) -> AsyncIterator[bytes]:
         """Encoded bytes as chunks arrive, then the encoder's tail (the run is booked by self.stream)."""
         try:
             chunk = first
             while True:
                 if pcm is not None:  # the synthesized audio, kept for the aligner
                     pcm.append(chunk.audio)
-                data = enc.encode(chunk.audio)
+                data = await enc.aencode(chunk.audio)
                 if data:
                     yield data
                 if chunk.is_last:
                     break
                 chunk = await chunks.__anext__()
-            tail = enc.finish()
+            tail = await enc.afinish()
             if tail:
                 yield tail
         except Exception as e:  # engine failure mid-stream: the response is already started

@@ -34,6 +34,8 @@ class ServerSettings:
     max_queue: int = 256  # requests waiting for a slot; more get 503
     clone_workers: int = 2  # threads that clone reference audio (voice uploads, inline ref_audio)
     clone_queue: int = 16  # clones that may wait for one of them; more get 503
+    encode_workers: int | None = None  # processes encoding mp3 / opus / aac / flac and speed (None: half the CPUs, 1-4;
+    # 0: in the server's process)
     max_concurrent: int | None = None  # engine slots: streams generated together (None: fitted to the memory budget)
     max_seq_len: int | None = None  # KV positions per slot: prompt + frames (12.5 per second of audio; None: 4096
     # where the budget allows)
@@ -103,6 +105,9 @@ _FLAGS = [
     ("--max-upload-bytes", "max_upload_bytes", int, "maximum size of a reference audio upload"),
     ("--max-queue", "max_queue", int, "requests that may wait for a slot; more are refused with 503"),
     ("--clone-workers", "clone_workers", int, "threads that clone reference audio (uploads, inline ref_audio)"),
+    ("--encode-workers", "encode_workers", int, "processes that encode mp3 / opus / aac / flac and change speed, "
+                                                "beside the server's (default: half its CPUs, 1 to 4; 0: in the "
+                                                "server's own process)"),
     ("--clone-queue", "clone_queue", int, "clones that may wait for a clone thread; more are refused with 503"),
     ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots; default: as many as the "
                                                 "memory budget holds at --max-seq-len, at most 32; on a CPU 4)"),
@@ -211,6 +216,8 @@ def parse_args(argv: list[str] | None = None, environ: dict | None = None) -> Se
     check_shared_flags(ap, s)
     if s.clone_queue < 0:
         ap.error("--clone-queue must be >= 0")
+    if s.encode_workers is not None and s.encode_workers < 0:
+        ap.error("--encode-workers must be >= 0")
     if not (s.ws_config_timeout > 0 and s.ws_idle_timeout > 0):
         ap.error("--ws-config-timeout and --ws-idle-timeout must be > 0 (seconds)")
     if s.compile_artifact and not os.path.isfile(s.compile_artifact):  # (refused before the model loads)

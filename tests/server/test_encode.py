@@ -1,9 +1,12 @@
 """Encoders and the streaming time-stretch, without a server."""
 
+import asyncio
+import os
+
 import numpy as np
 import pytest
 
-from q3tts.server.encode import AudioEncoder, TimeStretch
+from q3tts.server.encode import AudioEncoder, EncoderPool, RemoteEncoder, TimeStretch
 
 SR = 24000
 
@@ -106,3 +109,94 @@ def test_settings_flags_and_env():
         parse_args(["--max-queue", "0"], environ={})
     assert not s.batch_invariant and parse_args(["--batch-invariant"], environ={}).batch_invariant
     assert parse_args([], environ={"Q3TTS_BATCH_INVARIANT": "1"}).batch_invariant
+    assert s.encode_workers is None and parse_args(["--encode-workers", "0"], environ={}).encode_workers == 0
+    assert parse_args([], environ={"Q3TTS_ENCODE_WORKERS": "3"}).encode_workers == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--encode-workers", "-1"], environ={})
+
+
+SIZES = [1920] + [1920 * 8] * 10  # the server's chunks: one frame first, then 8
+
+
+async def pooled_bytes(pool, fmt, x, speed=1.0):
+    enc = pool.open(fmt, SR, speed)
+    try:
+        parts = [await enc.aencode(x[i:i + n]) for i, n in zip(np.cumsum([0] + SIZES), SIZES + [len(x)])
+                 if i < len(x)]
+        return b"".join(parts) + await enc.afinish(), enc
+    finally:
+        enc.close()
+
+
+@pytest.mark.parametrize(("fmt", "speed"), [("mp3", 1.0), ("aac", 1.0), ("flac", 1.0), ("mp3", 1.25), ("pcm", 0.8)])
+def test_an_encoder_process_gives_the_bytes_of_an_encoder_in_place(fmt, speed):
+    """A codec's or a speed's stream encodes in a worker process, byte for byte as in this process (the codecs are
+    deterministic; opus is not compared: every Ogg stream gets a random serial number)."""
+    x = tone(1.2)
+    pool = EncoderPool(2)
+    try:
+        data, enc = asyncio.run(pooled_bytes(pool, fmt, x, speed))
+    finally:
+        pool.close()
+    local = AudioEncoder(fmt, SR, speed)
+    assert isinstance(enc, RemoteEncoder) and enc.media_type == local.media_type
+    assert data == b"".join(chunked(local.encode, local.finish, x, SIZES))
+    assert enc.seconds_out == pytest.approx(local.seconds_out) and enc.seconds_out > 0
+
+
+def test_pcm_wav_and_no_workers_encode_in_place_and_bad_options_fail_at_open():
+    pool = EncoderPool(2)
+    assert isinstance(pool.open("pcm", SR), AudioEncoder) and isinstance(pool.open("wav", SR), AudioEncoder)
+    assert pool.workers == [None, None]  # no process started for them
+    assert isinstance(EncoderPool(0).open("mp3", SR), AudioEncoder)
+    with pytest.raises(ValueError, match="response_format"):
+        pool.open("ogg", SR)
+    with pytest.raises(ValueError, match="speed"):
+        pool.open("mp3", SR, speed=5.0)
+    assert pool.workers == [None, None]
+
+
+def test_streams_spread_over_the_workers_and_an_abandoned_call_is_dropped():
+    """Each new stream goes to the worker with the fewest open; a stream closed while its call runs (the client gone)
+    leaves a reply nobody waits for, and the worker serves the next stream."""
+    pool = EncoderPool(2)
+
+    async def run():
+        a, b = pool.open("mp3", SR), pool.open("mp3", SR)
+        assert a.worker is not b.worker and [w.streams for w in pool.workers] == [1, 1]
+        call = asyncio.ensure_future(a.aencode(tone(0.5)))
+        await asyncio.sleep(0)
+        call.cancel()
+        a.close()
+        b.close()
+        assert [w.streams for w in pool.workers] == [0, 0]
+        return await pooled_bytes(pool, "mp3", tone(0.5))
+
+    try:
+        data, enc = asyncio.run(run())
+        assert data and all(w.alive for w in pool.workers)
+    finally:
+        pool.close()
+    assert pool.workers == [None, None]
+
+
+def test_an_encoder_process_that_dies_fails_its_streams_and_is_started_again():
+    pool = EncoderPool(1)
+
+    async def run():
+        enc = pool.open("mp3", SR)
+        await enc.aencode(tone(0.2))
+        enc.worker.proc.kill()
+        with pytest.raises(RuntimeError, match="encoder process exited"):
+            for _ in range(50):  # the reader sees the end within a call or two
+                await enc.aencode(tone(0.2))
+                await asyncio.sleep(0.05)
+        enc.close()
+        data, again = await pooled_bytes(pool, "mp3", tone(0.5))
+        return enc.worker.proc.pid, again.worker.proc.pid, data
+
+    try:
+        old, new, data = asyncio.run(run())
+    finally:
+        pool.close()
+    assert old != new and new != os.getpid() and data

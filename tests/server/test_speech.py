@@ -304,3 +304,24 @@ def test_health_turns_unhealthy_after_a_cuda_error(cv_server):
         assert r.status_code == 200 and r.json()["last_error"] == "ValueError: one bad request"
     finally:
         engine.last_error = None
+
+
+def test_a_codec_encodes_in_an_encoder_process(cv_server):
+    """mp3 goes through the server's encoder processes (never its event loop's or engine's thread: a codec at many
+    streams would take their cores and GIL), pcm stays in place; a finished or abandoned stream gives its worker's
+    stream back."""
+    import os
+
+    pool = cv_server.app.state.serving.encoders
+    data, _ = _stream(cv_server.client(), "mp3")
+    assert data[:3] == b"ID3" or data[0] == 0xFF  # an mp3 stream
+    live = [w for w in pool.workers if w is not None and w.alive]
+    assert live and all(w.proc.pid != os.getpid() for w in live)
+    with cv_server.client().audio.speech.with_streaming_response.create(
+            model="tiny", input=TEXT, voice="vivian", response_format="mp3",
+            extra_body={"max_new_tokens": N_TOKENS, **GREEDY}) as r:
+        next(r.iter_bytes())  # the client leaves after the first bytes
+    deadline = time.time() + 10
+    while sum(w.streams for w in live) and time.time() < deadline:
+        time.sleep(0.05)
+    assert sum(w.streams for w in live) == 0
