@@ -310,15 +310,14 @@ class AudioEncoder:
 
 
 # --------------------------------------------------------------------------- encoder processes
-# A codec (and WSOLA) costs far more than a copy: mp3 encodes ~100x faster than real time on one core, so hundreds of
-# audio seconds a second need several cores, and in the server's process every Python step of it holds the GIL that
-# the event loop and the engine's thread need (a worker thread made the engine's steps longer, not shorter:
-# BENCHMARKS.md). So those streams' encoders live in worker processes; pcm and wav (a copy) stay in the server's.
+# A codec (and WSOLA) costs far more than a copy: at hundreds of audio seconds a second mp3 needs several cores, and in
+# the server's process every Python step of it holds the GIL that the event loop and the engine's thread need (worker
+# threads made the engine's steps longer: BENCHMARKS.md). So those streams' encoders live in worker processes; pcm and
+# wav (a copy) stay in the server's.
 # Wire: to a worker HEAD + payload; from it REPLY + payload, one reply per ENCODE / FINISH, in the order sent.
 HEAD = struct.Struct("<IBI")  # stream id, op, payload bytes
 REPLY = struct.Struct("<IBqI")  # stream id, ok (1) or error (0), the stream's samples out so far, payload bytes
 OPEN, ENCODE, FINISH, CLOSE = range(4)
-log = logging.getLogger("q3tts.server")
 
 
 def offloaded(fmt: str, speed: float) -> bool:
@@ -327,9 +326,9 @@ def offloaded(fmt: str, speed: float) -> bool:
 
 
 def default_encode_workers() -> int:
-    """Half the CPUs this process may run on, 1 to 4."""
+    """One fewer than the CPUs this process may run on (the other is the event loop's and the engine's), 1 to 8."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(1, min(4, cpus // 2))
+    return max(1, min(8, cpus - 1))
 
 
 def _read(f: BinaryIO, n: int) -> bytes | None:
@@ -454,6 +453,8 @@ class RemoteEncoder:
         fut = asyncio.get_running_loop().create_future()
         self.worker.pending[self.sid].append((fut.get_loop(), fut))
         self.worker.send(self.sid, op, payload)
+        if not self.worker.alive:  # it died between the check and the append: its reader may have failed the rest
+            _settle(fut, (0, 0, b"the encoder process exited"))
         ok, samples, data = await fut
         if not ok:
             raise RuntimeError(f"encoding failed: {data.decode(errors='replace')}")

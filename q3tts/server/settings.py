@@ -34,8 +34,8 @@ class ServerSettings:
     max_queue: int = 256  # requests waiting for a slot; more get 503
     clone_workers: int = 2  # threads that clone reference audio (voice uploads, inline ref_audio)
     clone_queue: int = 16  # clones that may wait for one of them; more get 503
-    encode_workers: int | None = None  # processes encoding mp3 / opus / aac / flac and speed (None: half the CPUs, 1-4;
-    # 0: in the server's process)
+    encode_workers: int | None = None  # processes encoding mp3 / opus / aac / flac and speed (None: the CPUs less
+    # one, 1 to 8; 0: in the server's process)
     max_concurrent: int | None = None  # engine slots: streams generated together (None: fitted to the memory budget)
     max_seq_len: int | None = None  # KV positions per slot: prompt + frames (12.5 per second of audio; None: 4096
     # where the budget allows)
@@ -106,8 +106,8 @@ _FLAGS = [
     ("--max-queue", "max_queue", int, "requests that may wait for a slot; more are refused with 503"),
     ("--clone-workers", "clone_workers", int, "threads that clone reference audio (uploads, inline ref_audio)"),
     ("--encode-workers", "encode_workers", int, "processes that encode mp3 / opus / aac / flac and change speed, "
-                                                "beside the server's (default: half its CPUs, 1 to 4; 0: in the "
-                                                "server's own process)"),
+                                                "beside the server's (default: one fewer than its CPUs, 1 to 8; 0: "
+                                                "in the server's own process)"),
     ("--clone-queue", "clone_queue", int, "clones that may wait for a clone thread; more are refused with 503"),
     ("--max-concurrent", "max_concurrent", int, "streams generated at once (engine slots; default: as many as the "
                                                 "memory budget holds at --max-seq-len, at most 32; on a CPU 4)"),
