@@ -78,7 +78,8 @@ def summary(xs: list[float], scale: float = 1.0, digits: int = 4, qs: tuple[int,
 class Player:
     """A listener that starts playing at the first byte and pauses whenever it has played all it received.
 
-    feed(now, nbytes) for each read of s16 pcm; `stall_s` is the sum of its pauses, `gap_s` the longest one.
+    feed(now, nbytes) for each read of s16 pcm; `stall_s` is the sum of its pauses, `gap_s` the longest one,
+    `first_stall_at_s` the audio played when the first pause began (None: none).
     `stall_s` equals max over reads of (now - first) - (audio received before it): the buffer a player that never
     pauses would need, since each pause shifts the rest of the playback by its length.
     """
@@ -90,12 +91,15 @@ class Player:
         self.nbytes = 0
         self.stall_s = 0.0
         self.gap_s = 0.0
+        self.first_stall_at_s: float | None = None
 
     def feed(self, now: float, nbytes: int) -> None:
         if self.first is None:
             self.first = self.dry_at = now
         elif now > self.dry_at:
             gap = now - self.dry_at
+            if self.first_stall_at_s is None:
+                self.first_stall_at_s = self.nbytes / self.bytes_per_s
             self.stall_s += gap
             self.gap_s = max(self.gap_s, gap)
             self.dry_at = now
@@ -153,6 +157,7 @@ async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[byte
     audio_s = player.nbytes / player.bytes_per_s
     return {"ttfa_s": (player.first or t1) - t0, "wall_s": t1 - t0, "audio_s": audio_s,
             "rtf": (t1 - t0) / audio_s if audio_s else None, "stall_s": player.stall_s, "gap_s": player.gap_s,
+            "first_stall_at_s": player.first_stall_at_s,
             "replica": headers.get("x-q3tts-replica"), "client_send_s": None if on_wire is None else on_wire - t0,
             "request_id": headers.get("x-request-id")}  # the server's id (bench.load.phase_trace --join)
 
@@ -359,6 +364,9 @@ def level_summary(results: list[dict], wall: float, stall_tolerance_s: float) ->
         "stalled_share": round(sum(s > stall_tolerance_s for s in stalls) / len(ok), 4) if ok else None,
         "stall_ms": summary(stalls, 1000, 1),
         "stall_gap_ms": summary([r["gap_s"] for r in ok], 1000, 1),
+        # where the stalled streams' first pause began, in audio played (a start-up gap or one under way)
+        "first_stall_at_ms": summary([r["first_stall_at_s"] for r in ok if r.get("first_stall_at_s") is not None
+                                      and r["stall_s"] > stall_tolerance_s], 1000, 1),
         "send_lag_ms": summary(lags, 1000, 1, (50, 99)) if lags else None,
         "mean_audio_s_per_request": round(audio / len(ok), 3) if ok else None,
         # Ray Serve: requests per replica (the x-q3tts-replica header); {null: n} for a single server

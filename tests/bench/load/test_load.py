@@ -153,8 +153,9 @@ def test_player_pauses_when_the_audio_runs_out():
     p = load.Player()
     p.feed(10.0, FRAME_BYTES)  # first byte: 80 ms to play, dry at 10.08
     p.feed(10.05, FRAME_BYTES)  # in time: dry at 10.16
-    assert p.stall_s == 0 and p.gap_s == 0
-    p.feed(10.26, 2 * FRAME_BYTES)  # 100 ms late: a pause; dry at 10.42
+    assert p.stall_s == 0 and p.gap_s == 0 and p.first_stall_at_s is None
+    p.feed(10.26, 2 * FRAME_BYTES)  # 100 ms late: a pause after 2 frames played; dry at 10.42
+    assert p.first_stall_at_s == pytest.approx(2 * FRAME_S)
     p.feed(10.42, FRAME_BYTES)  # exactly in time
     p.feed(10.52, FRAME_BYTES)  # 20 ms late
     assert p.stall_s == pytest.approx(0.12) and p.gap_s == pytest.approx(0.10)
