@@ -35,6 +35,7 @@ from .live import SPF  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = "The same sentence for every stream."
+LONG = 200  # frames of a stream that must outlast the routing of the others (prompt + LONG <= --max-seq-len 256)
 REPLICAS, SLOTS = 4, 4
 
 
@@ -167,7 +168,7 @@ def _running_replicas() -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-def staggered(client, n: int, max_new_tokens: int = 120) -> list[Stream]:
+def staggered(client, n: int, max_new_tokens: int = LONG) -> list[Stream]:
     """n long streams, each started once the one before has its first audio (so the proxy has routed it)."""
     streams = []
     for _ in range(n):
@@ -193,17 +194,20 @@ def test_streams_spread_evenly_over_the_replicas(rs):
     assert set(by_replica) == rs.replicas and sorted(by_replica.values()) == [2] * REPLICAS, by_replica
 
     # the same number at once: requests routed in the same instant are counted as they are chosen, so again 2 each
-    burst = [Stream(client, max_new_tokens=120) for _ in range(2 * REPLICAS)]
+    burst = [Stream(client, max_new_tokens=LONG) for _ in range(2 * REPLICAS)]
     for s in burst:
         s.join()
     assert [s.error for s in burst] == [None] * len(burst)
     assert sorted(Counter(s.replica for s in burst).values()) == [2] * REPLICAS, Counter(s.replica for s in burst)
 
-    # every slot at once: a replica takes at most SLOTS (max_ongoing_requests), so each takes exactly SLOTS
-    burst = [Stream(client, max_new_tokens=24) for _ in range(REPLICAS * SLOTS)]
+    # every slot at once: a replica takes at most SLOTS (max_ongoing_requests), so each takes exactly SLOTS. The streams
+    # are long enough that none ends before the last is routed (a short one could, on a loaded machine, and its
+    # replica would take one more)
+    burst = [Stream(client, max_new_tokens=LONG) for _ in range(REPLICAS * SLOTS)]
     for s in burst:
         s.join()
     assert [s.error for s in burst] == [None] * len(burst)
+    assert max(s.reads[0][0] for s in burst) < min(s.reads[-1][0] for s in burst)  # the premise
     assert Counter(s.replica for s in burst) == {r: SLOTS for r in rs.replicas}
     for s in burst:
         assert s.nbytes > 0 and s.nbytes % (2 * SPF) == 0  # whole 80 ms frames of s16 pcm
@@ -243,7 +247,7 @@ def test_websocket_speech_session_through_the_proxy(rs):
 
 def test_replica_killed_under_load_loses_only_its_own_streams(rs):
     client = rs.client()
-    # long streams (~100 frames: seconds on CPU), 2 per replica, so every one is mid-way when a replica dies
+    # long streams (LONG frames: seconds on CPU), 2 per replica, so every one is mid-way when a replica dies
     streams = staggered(client, 2 * REPLICAS)
     by_replica = Counter(s.replica for s in streams)
     assert set(by_replica) == rs.replicas, by_replica
