@@ -337,7 +337,6 @@ def test_one_line_errors(tmp_path, capsys, monkeypatch):
                    "(missing: fastapi)"], err
 
 
-
 def test_serve_on_a_taken_port_exits_3(capfd):
     """The port already bound: uvicorn logs the bind error and `q3tts serve` exits with uvicorn's status for a start
     that failed (3), not 0."""
@@ -351,6 +350,7 @@ def test_serve_on_a_taken_port_exits_3(capfd):
             main(["serve", "--model", str(fx.checkpoint("cv06")), "--port", str(port), "--device", "cpu",
                   "--no-warmup", "--max-seq-len", "256"])
     assert exited.value.code == 3 and "address already in use" in capfd.readouterr().err
+
 
 def test_say_splits_a_text_of_several_sentences(tmp_path, capsys):
     """--text-file of three sentences: three segments (each max-new-tokens - 1 frames) with --pause-ms between

@@ -15,8 +15,9 @@ Two kinds of level:
   whose rate steps through the --rate list, S seconds each or `--duration S1,S2,...` one per step (an autoscaler's
   step test; add --per-request for each request's send time, first audio and stalls).
 
-Every request streams pcm (or --format's), so every byte is timed as it arrives (aiohttp clients, made for many concurrent
-connections; httpx's, kept as --client httpx, delayed requests by up to seconds from 64 streams on). Per request:
+Every request streams pcm (or --format's), so every byte is timed as it arrives (aiohttp clients, made for many
+concurrent connections; httpx's, kept as --client httpx, delayed requests by up to seconds from 64 streams on). Per
+request:
 time to first audio (first audio byte after the request was sent; with aiohttp also the client's own wait until the
 request's headers were written, `client_send`, and first audio from then, `ttfa_from_send`: a burst of requests from one
 client process goes out one after another), audio seconds, real-time factor (wall time /
@@ -59,6 +60,7 @@ import aiohttp
 import httpx
 
 SR = 24000
+FRAME_S = 1920 / SR  # seconds of audio per frame
 TEXT = ("The quick brown fox jumps over the lazy dog. Speech synthesis servers must stream audio faster than "
         "people listen to it, for many listeners at once, without making anyone wait for the first word.")
 
@@ -111,7 +113,7 @@ async def one_request(client: aiohttp.ClientSession | httpx.AsyncClient, body: d
     sent = time.time()  # wall clock, comparable across processes (--per-request)
     t0 = time.perf_counter()
     # a compressed format's audio length: the frames asked for (a random-weight checkpoint makes all of them)
-    coded_s = None if body.get("response_format", "pcm") == "pcm" else (body["max_new_tokens"] - 1) * 0.08
+    coded_s = None if body.get("response_format", "pcm") == "pcm" else (body["max_new_tokens"] - 1) * FRAME_S
     if isinstance(client, httpx.AsyncClient):
         async with client.stream("POST", "/v1/audio/speech", json=body) as r:
             return {"sent": sent, **await timed_body(t0, r.status_code, r.headers, r.aiter_raw(), r.aread,
@@ -151,7 +153,7 @@ async def timed_body(t0: float, status: int, headers, chunks: AsyncIterator[byte
             reads.append((time.perf_counter(), len(chunk)))
     t1 = time.perf_counter()
     total = sum(n for _, n in reads)
-    player = Player(total / coded_s if coded_s and total else 2 * SR)
+    player = Player(total / coded_s) if coded_s and total else Player()
     for now, n in reads:
         player.feed(now, n)
     audio_s = player.nbytes / player.bytes_per_s

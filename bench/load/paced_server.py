@@ -13,10 +13,10 @@ chunk is due) and each admission's prefill of its W newcomers (prefill-ms + pref
 engine tells the deadline policy are prefill graph replays, as a CUDA runner would; --text-ms: each call that hands a row its streamed text, as a GPU
 runner's host->device copy and projection of it; --host-ms: part of each frame spent holding the GIL instead, as a GPU
 runner's Python launches of a step do; --prefill-host-share: that share of each admission's wait spent holding the GIL,
-as a GPU runner's host-bound admission does); the frames are code 1 (never EOS) and the audio a fixed noise (as a random-weight
-checkpoint's vocoder makes: what costs as much to encode or compress as the GPU server's audio). Given the step times
-measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether the
-HTTP side or the client is the limit, without a GPU.
+as a GPU runner's host-bound admission does); the frames are code 1 (never EOS) and the audio a fixed noise (as a
+random-weight checkpoint's vocoder makes: what costs as much to encode or compress as the GPU server's audio). Given the
+step times measured on a GPU, the load bench then shows what the server delivers of what the engine makes, and whether
+the HTTP side or the client is the limit, without a GPU.
 """
 
 from __future__ import annotations

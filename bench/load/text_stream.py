@@ -10,8 +10,8 @@ ones spread evenly over --spread s); an utterance's text (~4 characters a token,
 Per utterance: time from its first text token to its first audio byte, and from the send of the token that completes
 its frame 0's text (frame0_piece; before it, first audio waits for the text itself); its playback buffer: how far
 behind a player that started at the first byte the audio ever fell (0 = it never stalls), split into the part while
-text was still arriving and the part after every token had been sent; and how late the client itself sent its tokens (`send_lag_ms`: a saturated client shows here,
-not in the server). Fix the audio length with --max-new-tokens (a random-weight checkpoint never samples EOS).
+text was still arriving and the part after every token had been sent; and how late the client itself sent its
+tokens (`send_lag_ms`: a saturated client shows here, not in the server). Fix the audio length with --max-new-tokens (a random-weight checkpoint never samples EOS).
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ def main() -> int:
             print(f"{int(r):>4} tok/s {s:>3} sessions: first audio p50 {res['ttfa_ms']['p50']} p95 "
                   f"{res['ttfa_ms']['p95']} ms (once the text is ahead, token {res['text_ahead_token']}: p50 "
                   f"{ahead['p50']} p95 {ahead['p95']} ms); stall after text p95 {res['stall_after_text_ms']['p95']} "
-                  f"ms, while text arrives p95 {res['stall_while_text_ms']['p95']} ms; {res['audio_s_per_s']} audio s/s; "
-                  f"the client's send lag p95 {res['send_lag_ms']['p95']} ms",
+                  f"ms, while text arrives p95 {res['stall_while_text_ms']['p95']} ms; {res['audio_s_per_s']} audio "
+                  f"s/s; the client's send lag p95 {res['send_lag_ms']['p95']} ms",
                   file=sys.stderr)
     if a.out:
         with open(a.out, "w") as f:

@@ -1,6 +1,6 @@
 """bench/load/load.py's figures against a server whose output is known: bench/load/paced_server.py's real server,
-whose paced engine makes exactly max_new_tokens - 1 frames (of a fixed noise) per request (its code 1 is never EOS), one frame per
-decode-ms. With either client library, closed or open loop, in one process or several, every byte the server sends
+whose paced engine makes exactly max_new_tokens - 1 frames (of a fixed noise) per request (its code 1 is never EOS),
+one frame per decode-ms. With either client library, closed or open loop, in one process or several, every byte the server sends
 is counted; a server slower than real time shows the stalls its pace implies, a faster one none."""
 
 import json
