@@ -136,10 +136,11 @@ def test_the_old_policy_stalls_where_deadlines_do_not(streams):
 
 @pytest.mark.parametrize(("streams", "stalled"), [(1, 1), (64, 32)])
 def test_audio_an_encoder_keeps_back_counts_against_slack_and_the_first_send(streams, stalled):
-    """An mp3 listener lacks the encoder's look-ahead (112 ms) until the stream's end: a one-frame first send plays
-    for 80 - 112 < 0 ms. Untold, the policy sends as for pcm and those listeners stall (a lone stream's first send
-    is one frame; under load most first sends are); told (StreamOptions.held_back_s), its first sends and deadlines
-    cover it and none does, for the same work in the same chunks."""
+    """A listener whose encoder keeps 112 ms back (aac keeps 80, mp3 with a bit reservoir 136) lacks them until the
+    stream's end: a one-frame first send plays for 80 - 112 < 0 ms. Untold, the policy sends as for pcm and those
+    listeners stall (a lone stream's first send is one frame; under load most first sends are); told
+    (StreamOptions.held_back_s), its first sends and deadlines cover it and none does, for the same work in the same
+    chunks."""
     untold = simulate(DeadlinePolicy(), spread(streams), held_s=0.112, declared=False)
     told = simulate(DeadlinePolicy(), spread(streams), held_s=0.112)
     assert untold["stalled"] >= stalled, untold
@@ -151,7 +152,7 @@ def test_audio_an_encoder_keeps_back_counts_against_slack_and_the_first_send(str
 def test_held_back_audio_is_not_slack():
     r = stream_req(0, stream=(1, 16, 0.112))
     r.sent(1, FRAME_S, 1.0)
-    assert r.slack(1.0) == pytest.approx(FRAME_S - 0.112)  # an mp3 listener has 80 - 112 ms: behind already
+    assert r.slack(1.0) == pytest.approx(FRAME_S - 0.112)  # its listener has 80 - 112 ms: behind already
     pol = policy(frame=0.01, vocode=0.002, prefill=0.005)
     # the first send must outlast the steps to its next chunk with 112 ms less: 1 frame did for pcm, 3 now
     assert pol.first_chunk_frames(stream_req(1)) == 1
