@@ -1,8 +1,9 @@
 """Deadline-aware streaming, pure Python: which chunks to vocode now, how large a first chunk, how many newcomers.
 
 Every streaming request keeps a playback clock: a listener starts playing at its first chunk, so at time t it has
-played (t - first_sent_at) s of its audio_sent_s s. Its slack = audio_sent_s - (t - first_sent_at) is how long the
-engine may leave it without a new chunk before its listener stalls. A step costs
+played (t - first_sent_at) s of its audio_sent_s s. Its slack = audio_sent_s - held_back_s - (t - first_sent_at) is
+how long the engine may leave it without a new chunk before its listener stalls (held_back_s: what the listener's
+encoder keeps of the sent audio, StreamOptions). A step costs
 
     text (streamed text to its rows) + prefill (its newcomers) + frame (every running row) + vocode (the chunks due)
 
@@ -228,20 +229,21 @@ class DeadlinePolicy:
         """The least audio (frames) of req's first send: enough to cover the steps until its next chunk is whole
         (cover_next_chunk; else the next step) and, while other requests share the engine (`contended`),
         first_chunk_prefills prefills, or with burst_wave and `waiting` requests queued the next wave's prefill; at
-        least its first chunk, at most its largest."""
+        least its first chunk, at most its largest. The audio its listener's encoder holds back
+        (StreamOptions.held_back_s) does not count: a player has only what came out of the encoder."""
         s = req.stream
         if self.burst_wave > 0 and waiting > 0:
             prefills = self.times.prefill.estimate(self.wave(min(waiting, self.burst_wave), 0, math.inf))
         else:
             prefills = self.first_chunk_prefills * self.times.prefill.estimate(1) if contended else 0.0
         if not self.cover_next_chunk:
-            need = math.ceil((self.times.step_s + prefills + self.margin_s) / FRAME_S)
+            need = math.ceil((self.times.step_s + prefills + self.margin_s + s.held_back_s) / FRAME_S)
             return max(s.first_chunk_frames, min(s.chunk_frames, need))
         # whole chunks whose audio outlasts the steps until the next one is whole (admission_budget's count)
         sent = 0
         while sent < s.chunk_frames:
             sent += chunk_size_at(s, sent)
-            if sent * FRAME_S >= chunk_size_at(s, sent) * self.times.step_s + prefills + self.margin_s:
+            if sent * FRAME_S - s.held_back_s >= chunk_size_at(s, sent) * self.times.step_s + prefills + self.margin_s:
                 break
         return min(s.chunk_frames, sent)
 

@@ -39,10 +39,15 @@ class StreamOptions:
 
     first_chunk_frames: int = 1  # frames in the first audio chunk (80 ms each)
     chunk_frames: int = 16  # the largest chunk
+    # seconds of sent audio the listener cannot play yet: what its encoder keeps back (an mp3 encoder's look-ahead);
+    # the deadline policy counts it against the stream's slack and its first send
+    held_back_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.first_chunk_frames < 1 or self.chunk_frames < 1:
             raise ValueError("first_chunk_frames and chunk_frames must be >= 1")
+        if not self.held_back_s >= 0:
+            raise ValueError(f"held_back_s must be >= 0 seconds, got {self.held_back_s!r}")
 
 
 @dataclass(slots=True, eq=False)
@@ -100,5 +105,8 @@ class EngineRequest:
 
     def slack(self, now: float) -> float | None:
         """Seconds of emitted audio its listener has not played yet at `now` (a player that started at the first
-        chunk; < 0: it stalled); None before the first chunk (and for offline requests)."""
-        return None if self.first_sent_at is None else self.audio_sent_s - (now - self.first_sent_at)
+        chunk; < 0: it stalled), less what the listener's encoder still holds back (StreamOptions.held_back_s); None
+        before the first chunk (and for offline requests)."""
+        if self.first_sent_at is None:
+            return None
+        return self.audio_sent_s - self.stream.held_back_s - (now - self.first_sent_at)

@@ -37,7 +37,7 @@ from q3tts.engine import (
 from q3tts.inputs.align_text import WordTime, aligner_language
 from q3tts.inputs.request import InputError, PreparedRequest
 
-from .encode import AudioEncoder, EncoderPool, RemoteEncoder, default_encode_workers
+from .encode import HELD_BACK_S, AudioEncoder, EncoderPool, RemoteEncoder, default_encode_workers
 from .metrics import Metrics
 from .protocol import (
     ApiError,
@@ -177,16 +177,20 @@ class SpeechServing:
             msg = re.sub(rf"\b{e.param}\b", field, str(e), count=1) if e.param else str(e)
             raise ApiError(400, msg, param=field, code=e.code) from None
 
+    def stream_options(self, fmt: str) -> StreamOptions:
+        """The server's chunking, and the audio a `fmt` encoder holds back from the listener (HELD_BACK_S)."""
+        s = self.settings
+        return StreamOptions(s.first_chunk_frames, s.chunk_frames, held_back_s=HELD_BACK_S.get(fmt, 0.0))
+
     # ------------------------------------------------------------------ the one submit path
     def submit(self, prepared: PreparedRequest, fmt: str, prefix: str, arrival: float,
                stream: StreamOptions | None = None) -> Generation:
         """Queue a prepared request in the engine (HTTP and WebSocket alike). Raises ApiError: 503 + Retry-After
         when the engine's queue is full, 400 when the engine refuses it (the prompt does not fit --max-seq-len)."""
-        s = self.settings
         layout = prepared.layout
         run = Run(f"{prefix}-{uuid.uuid4().hex[:16]}", fmt, arrival, len(layout) if layout is not None else 0)
         try:
-            handle = self.engine.submit(prepared, stream or StreamOptions(s.first_chunk_frames, s.chunk_frames),
+            handle = self.engine.submit(prepared, stream or self.stream_options(fmt),
                                         request_id=run.request_id, arrival_time=arrival)
         except QueueFullError as e:
             raise queue_full(e) from e
@@ -305,7 +309,7 @@ class SpeechServing:
         prepare = self._segment_preparer(req, text_of, run)
         first = await prepare(0)
         joiner = longform.Joiner(run.request_id, len(texts), self.tts.sample_rate, split.pause_ms, run.arrival)
-        options = StreamOptions(self.settings.first_chunk_frames, self.settings.chunk_frames)
+        options = self.stream_options(run.fmt)
         return longform.generate_async(self.engine, prepare, joiner, options, first=first), len(texts)
 
     def generate_streamed_long(self, req: SpeechOptions, split: longform.LongFormOptions, prefix: str, arrival: float,

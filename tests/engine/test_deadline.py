@@ -65,12 +65,14 @@ class Costs:
 
 
 def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 125, slots: int = 128,
-             costs: Costs = Costs()) -> dict:
+             costs: Costs = Costs(), held_s: float = 0.0, declared: bool = True) -> dict:
     """Streams arriving at `arrivals` (s), each of `frames` frames, through Scheduler.schedule -> prefill -> frame
     -> update_from_output -> the plan of chunks (the policy's, or full_chunks) on a fake clock. Per stream: its
-    first audio and its stall (a player that starts at the first chunk: the largest lateness of a chunk)."""
+    first audio and its stall (a player that starts at the first chunk: the largest lateness of a chunk). held_s:
+    audio the listener's encoder keeps back until the stream's end (the player lacks it), told to the engine in
+    StreamOptions.held_back_s when `declared`."""
     sched = Scheduler(max_slots=slots, max_queue=1024, policy=pol)
-    reqs = [stream_req(i, frames, t) for i, t in enumerate(arrivals)]
+    reqs = [stream_req(i, frames, t, stream=(1, 16, held_s if declared else 0.0)) for i, t in enumerate(arrivals)]
     stall = dict.fromkeys(range(len(reqs)), 0.0)
     cuts = {r.request_id: [] for r in reqs}  # per stream: the chunks its audio was cut into
     now, queued, waits, admissions, waves = 0.0, 0, [], 0, []
@@ -103,7 +105,7 @@ def simulate(pol: DeadlinePolicy | None, arrivals: list[float], frames: int = 12
             cuts[r.request_id] += chunk_cut(r.stream, r.frames_vocoded, k) if k else []
             if r.first_sent_at is not None:
                 i = int(r.request_id[1:])
-                stall[i] = max(stall[i], (now - r.first_sent_at) - r.audio_sent_s)
+                stall[i] = max(stall[i], (now - r.first_sent_at) - (r.audio_sent_s - held_s))
             r.sent(k, k * FRAME_S, now)
             r.stream_done = r.status.finished
         if pol is not None:
@@ -130,6 +132,36 @@ def test_the_old_policy_stalls_where_deadlines_do_not(streams):
     assert new["frames"] == old["frames"] == [125] * streams  # the same work done
     assert new["cuts"] == old["cuts"]  # in the same chunks: the vocoder makes the same audio
     assert old["stall_max"] > 0.1 and new["ttfa_p95"] < 0.5, (old, new)
+
+
+@pytest.mark.parametrize(("streams", "stalled"), [(1, 1), (64, 32)])
+def test_audio_an_encoder_keeps_back_counts_against_slack_and_the_first_send(streams, stalled):
+    """A listener whose encoder keeps 112 ms back (aac keeps 80, mp3 with a bit reservoir 136) lacks them until the
+    stream's end: a one-frame first send plays for 80 - 112 < 0 ms. Untold, the policy sends as for pcm and those
+    listeners stall (a lone stream's first send is one frame; under load most first sends are); told
+    (StreamOptions.held_back_s), its first sends and deadlines cover it and none does, for the same work in the same
+    chunks."""
+    untold = simulate(DeadlinePolicy(), spread(streams), held_s=0.112, declared=False)
+    told = simulate(DeadlinePolicy(), spread(streams), held_s=0.112)
+    assert untold["stalled"] >= stalled, untold
+    assert told["stalled"] == 0, told
+    assert told["frames"] == untold["frames"] and told["cuts"] == untold["cuts"]
+    assert told["ttfa_p95"] < 0.5, told
+
+
+def test_held_back_audio_is_not_slack():
+    r = stream_req(0, stream=(1, 16, 0.112))
+    r.sent(1, FRAME_S, 1.0)
+    assert r.slack(1.0) == pytest.approx(FRAME_S - 0.112)  # its listener has 80 - 112 ms: behind already
+    pol = policy(frame=0.01, vocode=0.002, prefill=0.005)
+    # the first send must outlast the steps to its next chunk with 112 ms less: 1 frame did for pcm, 3 now
+    assert pol.first_chunk_frames(stream_req(1)) == 1
+    assert pol.first_chunk_frames(stream_req(2, stream=(1, 16, 0.112))) == 3
+    one_step = policy(frame=0.01, cover_next_chunk=0)  # a step, two prefills, the margin and 112 ms: 154 ms
+    assert one_step.first_chunk_frames(stream_req(3)) == 1
+    assert one_step.first_chunk_frames(stream_req(3, stream=(1, 16, 0.112))) == 2
+    with pytest.raises(ValueError, match="held_back_s"):
+        StreamOptions(1, 16, -0.1)
 
 
 def test_a_burst_beyond_what_slack_allows_is_admitted_within_the_wait_bound():

@@ -1,14 +1,18 @@
 """Encoders and the streaming time-stretch, without a server."""
 
 import asyncio
+import itertools
 import os
 
 import numpy as np
 import pytest
 
-from q3tts.server.encode import AudioEncoder, EncoderPool, RemoteEncoder, TimeStretch
+from q3tts.engine.deadline import chunk_cut
+from q3tts.engine.request import StreamOptions
+from q3tts.server.encode import HELD_BACK_S, AudioEncoder, AvEncoder, EncoderPool, RemoteEncoder, TimeStretch
 
 SR = 24000
+FRAME = 1920  # samples of one 80 ms frame
 
 
 def tone(seconds=2.0, f0=200.0):
@@ -78,6 +82,28 @@ def test_encoders_incremental(fmt):
     if fmt in ("pcm", "wav", "flac"):
         np.testing.assert_allclose(y[:len(x)], x, atol=1 / 16000)
     assert enc.seconds_out == pytest.approx(len(x) / SR)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "aac", "opus", "flac"])
+def test_held_back_bounds_the_audio_each_codec_keeps(fmt):
+    """HELD_BACK_S is the most fed audio a codec keeps out of its packets at the server's chunk sizes (first chunks
+    of 1, 2 or 3 frames, doubling to 16), over silence, noise, tones and bursts; for mp3 and aac it is reached."""
+    rng = np.random.default_rng(0)
+    n = 125 * FRAME
+    t = np.arange(n) / SR
+    signals = [np.zeros(n), 0.3 * rng.standard_normal(n), 0.3 * np.sin(2 * np.pi * 200 * t),
+               0.3 * np.sin(2 * np.pi * 3000 * t), 0.5 * rng.standard_normal(n) * ((t * 3) % 1 < 0.3)]
+    most = 0.0
+    for x, first in itertools.product(signals, (1, 2, 3)):
+        enc, fed = AvEncoder(fmt, SR), 0
+        for k in chunk_cut(StreamOptions(first, 16), 0, 125):
+            enc.encode(x[fed:fed + k * FRAME].astype(np.float32))
+            fed += k * FRAME
+            most = max(most, fed / SR - enc.coded_s)
+        enc.close()
+    # packet durations are whole samples: exact to a sample
+    assert most <= HELD_BACK_S.get(fmt, 0.0) + 1 / SR, most
+    assert most >= HELD_BACK_S.get(fmt, 0.0) - 1 / SR, most
 
 
 def test_encoder_with_speed_and_no_audio():
