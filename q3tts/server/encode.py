@@ -217,8 +217,8 @@ class AvEncoder:
     # format -> (encoder, container, container options, stream options)
     SPECS: ClassVar[dict[str, tuple[str, str, dict, dict]]] = {
         # no bit reservoir: LAME then gives each frame's bytes without waiting for later frames' spare bits, so a
-        # stream keeps back at most 40 ms of the audio fed, not 136 (HELD_BACK_S); the same bytes at its constant
-        # bit rate, the same signal-to-noise ratio within 0.2 dB on a voice-like and a noise signal (BENCHMARKS.md)
+        # stream keeps back at most 40 ms of the audio fed, not 136 (HELD_BACK_S); as many bytes at its constant
+        # bit rate, its signal-to-noise ratio within 0.2 dB on a voice-like and a noise signal (BENCHMARKS.md)
         "mp3": ("libmp3lame", "mp3", {}, {"reservoir": "0"}),
         "opus": ("libopus", "ogg", {"page_duration": "20000"}, {}),  # Ogg pages of 20 ms, not 1 s
         "aac": ("aac", "adts", {}, {}),
