@@ -160,6 +160,11 @@ def test_held_back_audio_is_not_slack():
     one_step = policy(frame=0.01, cover_next_chunk=0)  # a step, two prefills, the margin and 112 ms: 154 ms
     assert one_step.first_chunk_frames(stream_req(3)) == 1
     assert one_step.first_chunk_frames(stream_req(3, stream=(1, 16, 0.112))) == 2
+    # mp3 as the server encodes it (40 ms held back), steps of 3 ms: alone one frame still covers them; beside others
+    # (two prefills of 10 ms) its 40 ms do not, where pcm's 80 do
+    pol, mp3 = policy(frame=0.003, vocode=0.0, prefill=0.01), stream_req(4, stream=(1, 16, 0.04))
+    assert pol.first_chunk_frames(mp3, contended=False) == 1
+    assert pol.first_chunk_frames(mp3) == 3 and pol.first_chunk_frames(stream_req(5)) == 1
     with pytest.raises(ValueError, match="held_back_s"):
         StreamOptions(1, 16, -0.1)
 

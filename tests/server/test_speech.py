@@ -306,6 +306,24 @@ def test_health_turns_unhealthy_after_a_cuda_error(cv_server):
         engine.last_error = None
 
 
+def test_a_codec_s_held_back_audio_reaches_the_engine(cv_server, monkeypatch):
+    """The engine is told what each format's encoder keeps from the listener (its slack and first send count it): an
+    mp3 stream's HELD_BACK_S, none for pcm."""
+    from q3tts.server.encode import HELD_BACK_S
+
+    engine = cv_server.app.state.serving.engine
+    seen, submit = [], engine.submit
+
+    def spy(prepared, stream=None, *args, **kw):
+        seen.append(stream)
+        return submit(prepared, stream, *args, **kw)
+    monkeypatch.setattr(engine, "submit", spy)
+    for fmt in ("mp3", "pcm"):
+        _stream(cv_server.client(), fmt)
+    assert [s.held_back_s for s in seen] == [HELD_BACK_S["mp3"], 0.0]
+    assert HELD_BACK_S["mp3"] > 0
+
+
 def test_a_codec_encodes_in_an_encoder_process(cv_server):
     """mp3 goes through the server's encoder processes (never its event loop's or engine's thread: a codec at many
     streams would take their cores and GIL), pcm stays in place; a finished or abandoned stream gives its worker's
