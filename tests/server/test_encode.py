@@ -87,7 +87,8 @@ def test_encoders_incremental(fmt):
 @pytest.mark.parametrize("fmt", ["mp3", "aac", "opus", "flac"])
 def test_held_back_bounds_the_audio_each_codec_keeps(fmt):
     """HELD_BACK_S is the most fed audio a codec keeps out of its packets at the server's chunk sizes (first chunks
-    of 1, 2 or 3 frames, doubling to 16), over silence, noise, tones and bursts; for mp3 and aac it is reached."""
+    of 1, 2 or 3 frames, doubling to 16), over silence, noise, tones and bursts, and it is reached (0 for opus and
+    flac): the deadline policy neither trusts audio a player lacks nor waits for more than it needs."""
     rng = np.random.default_rng(0)
     n = 125 * FRAME
     t = np.arange(n) / SR
