@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The packages the GPU machine's image lacks, for Python 3.12 there, as one xz archive to carry (the working tree and
-# the carry share 64 MiB; the wheels alone are ~45 MB, the installed tree packed ~33 MB):
+# the carry share 64 MiB; the wheels alone are ~48 MB, the installed tree packed ~35 MB):
 #   bash bench/device_site.sh [.scratch/site.tar.xz]          (here, in the repo root; needs pip and network)
 # On the device (run: carry [".scratch/site.tar.xz", ...]):
 #   mkdir -p /tmp/site && tar xJf .scratch/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
