@@ -235,18 +235,17 @@ class AvEncoder:
         self._stream = self._container.add_stream(codec, rate=sample_rate, options=sopts)
         self._stream.layout = "mono"
         self._pts = 0
-        self._coded = 0  # samples in the packets muxed so far (their durations)
+        self._coded = 0  # the packets' durations so far, in the codec's time base (summed as integers)
         self._closed = False
 
     @property
     def coded_s(self) -> float:
         """Seconds of audio in the packets given to the muxer so far (what fed audio less this is held back)."""
-        return self._coded / self.sample_rate
+        return float(self._coded * self._stream.codec_context.time_base)
 
     def _mux(self, frame) -> bytes:
         for packet in self._stream.encode(frame):
-            if packet.duration:
-                self._coded += round(packet.duration * packet.time_base * self.sample_rate)
+            self._coded += packet.duration or 0
             self._container.mux(packet)
         return self._sink.take()
 
