@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..kernels import MAX_ROWS
 from ..sampling import SamplingParams
 from .compile import compile_counts
 
@@ -117,15 +116,15 @@ def capture_runner(runner) -> int:
     runner.compiled_while_capturing = now["fx_hit"] + now["fx_miss"] - compiled["fx_hit"] - compiled["fx_miss"]
     if runner.compiled_while_capturing:
         log.warning("%d graphs compiled while capturing CUDA graphs", runner.compiled_while_capturing)
-    # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call), and for <= and >
-    # MAX_ROWS tokens in all (the skinny GEMM or cuBLAS): compile the four now, not while the first burst of
-    # requests waits. Long prompts run uncompiled (eager_prefill).
+    # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call; any number of tokens
+    # shares one variant: kernels.rows_linear chooses the skinny GEMM or cuBLAS when it runs): compile both now, not
+    # while the first burst of requests waits. Long prompts run uncompiled (eager_prefill).
     D, dev, dt = runner.cfg.hidden_size, runner.device, runner.dtype
     for n in (1, 2)[: runner.num_rows]:
-        for L in (8, 5 * MAX_ROWS):
-            runner.prefill_batch(0, [torch.zeros(L, D, device=dev, dtype=dt)] * n,
-                                 [torch.zeros(2, D, device=dev, dtype=dt)] * n,
-                                 [SamplingParams()] * n, graphs=n == 1)  # 2 rows: the batched forward
+        L = 32
+        runner.prefill_batch(0, [torch.zeros(L, D, device=dev, dtype=dt)] * n,
+                             [torch.zeros(2, D, device=dev, dtype=dt)] * n,
+                             [SamplingParams()] * n, graphs=n == 1)  # 2 rows: the batched forward
     # and a prompt past the last prefill graph's length, alone: its forward launched from Python straight into its
     # row, as each of a few (in batch-invariant mode, any number of) long newcomers runs
     L = max(lens, default=0) + 1

@@ -9,7 +9,9 @@ can differ from cuBLAS's in the last bf16 bit (different summation order), as cu
 between batch sizes.
 
 `linear` dispatches: these kernels on CUDA in bf16/fp16 for <= MAX_ROWS rows and divisible sizes;
-F.linear everywhere else (CPU, fp32, prefill, big batches). Q3TTS_SKINNY_GEMM=0 turns every kernel here off.
+F.linear everywhere else (CPU, fp32, prefill, big batches). On CUDA the row count is read inside one op
+(rows_linear), so a compiled caller is one graph on both sides of MAX_ROWS. Q3TTS_SKINNY_GEMM=0 turns every kernel
+here off.
 
 The kernels live by consumer: gemm (linears, one-row layer GEMVs), attention (decode attention), sampling (noise,
 top-k), vocoder (SnakeBeta joins, causal convolutions), prefill (the forced aligner's padded pass: Q/K norm + RoPE,

@@ -50,7 +50,6 @@ if triton is not None:
             acc += tl.dot(x, tl.trans(w))
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=rm[:, None] < M)
 
-    @torch.library.custom_op("q3tts::skinny_linear", mutates_args=())
     def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x: [M, K] contiguous, M <= MAX_ROWS; w: [N, K] contiguous -> [M, N]. Needs N % 32 == 0, K % 512 == 0."""
         M, K = x.shape
@@ -64,7 +63,17 @@ if triton is not None:
             _gemv_rows[(N // 32,)](x, w, y, M, N, K, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
         return y
 
-    @skinny_linear.register_fake
+    @torch.library.custom_op("q3tts::rows_linear", mutates_args=())
+    def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x: [M, K]; w: [N, K] contiguous (skinny_linear's sizes) -> x @ w.T [M, N]: skinny_linear up to MAX_ROWS
+        rows, F.linear (cuBLAS) beyond. The choice is made here, when the op runs, not where it is called: a
+        compiled caller (the decoder layer, dynamic in batch and length) then holds no guard on its row count, and
+        one compilation serves both sides of MAX_ROWS (BENCHMARKS.md: start-up)."""
+        if x.shape[0] <= MAX_ROWS:
+            return skinny_linear(x.contiguous(), w)
+        return F.linear(x, w)
+
+    @rows_linear.register_fake
     def _(x, w):
         return x.new_empty((x.shape[0], w.shape[0]))
 
@@ -114,9 +123,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if invariant.matmul_applies(x, w):  # batch-invariant mode: one kernel for every number of rows
         return invariant.matmul(x, w, bias)
     if (ENABLED and bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-            and x.numel() <= MAX_ROWS * x.shape[-1] and w.shape[0] % 32 == 0 and w.shape[1] % 512 == 0
-            and w.is_contiguous()):
-        y = torch.ops.q3tts.skinny_linear(x.reshape(-1, x.shape[-1]).contiguous(), w)
+            and w.shape[0] % 32 == 0 and w.shape[1] % 512 == 0 and w.is_contiguous()):
+        y = torch.ops.q3tts.rows_linear(x.reshape(-1, x.shape[-1]), w)  # skinny kernels up to MAX_ROWS rows
         return y.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, bias)
 

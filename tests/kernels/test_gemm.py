@@ -33,6 +33,26 @@ def test_skinny_linear_matches_cublas(rows, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
+def test_a_compiled_caller_serves_every_row_count_with_one_graph():
+    """The choice between the skinny kernels and cuBLAS is made inside the op (rows_linear), so a function compiled
+    with a dynamic batch, as the decoder layer is, traces once for 2 rows and serves 16 and 17 and 64 rows without
+    another graph, with the very values of the eager dispatch (the same kernel for each row count)."""
+    import torch._dynamo.utils
+    torch.manual_seed(2)
+    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) * 0.02
+    f = torch.compile(lambda x: kernels.linear(x, w) * 2, dynamic=True, fullgraph=True)
+    counters = torch._dynamo.utils.counters["stats"]
+    for i, rows in enumerate((2, 5, 16, 17, 64)):
+        x = torch.randn(rows, 1, 1024, device="cuda", dtype=torch.bfloat16)
+        out = f(x)
+        if i == 0:
+            traced = counters["unique_graphs"]
+        assert torch.equal(out, kernels.linear(x, w) * 2), rows
+    assert counters["unique_graphs"] == traced
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None, reason="needs CUDA and Triton")
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("rows", [1, 4, 64])
 def test_quant_linear_matches_the_dequantized_weight(wdtype, rows):
