@@ -264,7 +264,9 @@ def cmd_serve(argv: list[str]) -> int:
     _check_device(settings.device)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .engine.compile import serve_precompile
+    from .engine.compile_helpers import ENV as HELPERS_ENV
     serve_precompile()
+    os.environ.setdefault(HELPERS_ENV, "auto")  # a cold start's compilation shared with helper processes
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("q3tts.server").warning("serving on %s without an API key (--api-key)", settings.host)
     if settings.replicas or settings.max_replicas or settings.ray_address:

@@ -267,7 +267,10 @@ def describe_counts(before: dict[str, int], after: dict[str, int] | None = None)
     """The compilations between two compile_counts(), e.g. '12 graphs from the compile cache, 0 compiled (warm);
     Dynamo: 12 graphs traced, 0 functions' entries installed'."""
     after = after or compile_counts()
-    hit, miss = after["fx_hit"] - before["fx_hit"], after["fx_miss"] - before["fx_miss"]
+    # a graph from the cache is an AOTAutograd entry found (it holds Inductor's graph: no FX lookup follows) or, where
+    # none was, an FX graph found
+    hit = sum(after[k] - before[k] for k in ("fx_hit", "aot_hit"))
+    miss = after["fx_miss"] - before["fx_miss"]
     traced, installed = (after.get(k, 0) - before.get(k, 0) for k in ("traced", "dynamo_hit"))
     found = hit + installed
     state = "nothing compiled" if not found + miss else "warm" if not miss else "cold" if not found else "partly warm"

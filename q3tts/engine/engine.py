@@ -48,6 +48,7 @@ from .compile import (
     use_compile_cache,
     want_compile,
 )
+from .compile_helpers import Source
 from .deadline import DeadlinePolicy, chunk_cut, full_chunks
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
@@ -119,7 +120,9 @@ class Engine:
         self._precompile_in_steps = self.runner.compiled and not self.runner.use_graphs
         self._traced_flushed = counts["traced"]  # Dynamo's graphs traced when its entries were last written
         with precompiling(self.runner.compiled):
-            frame_graphs = self.runner.capture_graphs()
+            frame_graphs = self.runner.capture_graphs(Source(
+                str(ckpt.model_dir), str(ckpt.device), str(ckpt.dtype).removeprefix("torch."), ckpt.quantization,
+                max_slots, self.runner.max_len))
         if deadline is None:
             deadline = os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes")
         self.policy = DeadlinePolicy.from_env(os.environ) if deadline else None

@@ -7,6 +7,7 @@ them largest first into one shared memory pool with Python's cycle collector pau
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import torch
 
 from ..sampling import SamplingParams
 from .compile import compile_counts
+from .compile_helpers import Helpers, Source
 
 log = logging.getLogger("q3tts.engine")
 
@@ -74,64 +76,88 @@ def capture_beside(fn: Callable[[], object], pool) -> tuple[torch.cuda.CUDAGraph
     return g, out
 
 
-@torch.inference_mode()
-def capture_runner(runner) -> int:
-    """Capture a ModelRunner's graphs: one per (batch bucket up to the allocated rows, length bucket up to max_len,
-    sampler) of a frame's talker half and one per (batch bucket, sampler) of its code-predictor half, one per padded
-    prompt length of its single-request prefill and one per (wave size, padded length) of its batched prefill. Must
-    run while no request is active: the warm-up replays write into the rows they cover (all state is reset
-    afterwards)."""
-    keys = runner.graph_keys()
-    lens = runner.prefill_graph_lens
+def warm_ups(runner) -> list[tuple[str, Callable[[], object]]]:
+    """The runner's warm-up calls, named, in the order capture_runner runs them: a frame per (batch bucket, sampler)
+    ('frame 4 capped'), a prefill per padded prompt length ('prefill 32'), a wave per wave key ('wave 16x64'), then
+    the batched prefill of two rows ('batch 2') and a prompt past the last prefill graph's length ('long 257'), which
+    run after the captures. Each compiles what it is the first of its shape to need (compile_helpers.shape_class)."""
+    keys, lens = runner.graph_keys(), runner.prefill_graph_lens
     # one warm-up frame per (batch bucket, sampler), at its shortest span: the spans share every compiled variant
     # (the span is a dynamic size), and each frame launched from Python is slow. Paged: every key (a longer span
     # compiled a variant of its own there, inside a capture)
     warm = {}
     for B, n, c in sorted(keys):
         warm.setdefault((B, c) if runner.block_table is None else (B, n, c), (B, n, c))
-    with side_stream():
-        runner.warm_up_frames(list(warm.values()))
-        for L in lens:
-            runner._prefill_one(L)
-        for key in runner.wave_keys():
-            runner._prefill_wave(*key)
-    compiled = compile_counts()
-    with gc_paused():
-        for key in sorted(runner.wave_keys(), reverse=True):  # the most tokens first: the shared pool sized by them
-            runner.wave_graphs[key], _ = capture(lambda: runner._prefill_wave(*key), runner._pool)  # noqa: B023
-            runner._pool = runner.wave_graphs[key].pool()
-        # largest batch first: the shared pool is sized by it. A frame replays its two halves back to back on one
-        # stream, so their temporaries may share the pool's blocks as any two graphs' do
-        for key in sorted(runner.code_graph_keys(), reverse=True):
-            runner.code_graphs[key], _ = capture(lambda: runner._frame_codes(*key), runner._pool)  # noqa: B023
-            runner._pool = runner.code_graphs[key].pool()
-        for key in sorted(keys, reverse=True):
-            runner.graphs[key], _ = capture(lambda: runner._frame_talker(*key), runner._pool)  # noqa: B023
-            runner._pool = runner.graphs[key].pool()
-        for L in lens:
-            runner.prefill_graphs[L], _ = capture(lambda: runner._prefill_one(L), runner._pool)  # noqa: B023
-    # a variant compiled inside a capture (a span that needed its own) is a bug: it ran no warm-up, and its kernels
-    # were tuned while capturing
-    now = compile_counts()
-    runner.compiled_while_capturing = now["fx_hit"] + now["fx_miss"] - compiled["fx_hit"] - compiled["fx_miss"]
-    if runner.compiled_while_capturing:
-        log.warning("%d graphs compiled while capturing CUDA graphs", runner.compiled_while_capturing)
+    units = [(f"frame {B} {'capped' if c else 'full'}" + (f" {n}" if runner.block_table is not None else ""),
+              functools.partial(runner.warm_up_frames, [(B, n, c)])) for B, n, c in warm.values()]
+    units += [(f"prefill {L}", functools.partial(runner._prefill_one, L)) for L in lens]
+    units += [(f"wave {N}x{L}", functools.partial(runner._prefill_wave, N, L)) for N, L in runner.wave_keys()]
     # Batched prefills compile apart for 1 and >= 2 rows (and so do the samplers they call; any number of tokens
-    # shares one variant: kernels.rows_linear chooses the skinny GEMM or cuBLAS when it runs): compile both now, not
-    # while the first burst of requests waits. Long prompts run uncompiled (eager_prefill).
-    D, dev, dt = runner.cfg.hidden_size, runner.device, runner.dtype
-    for n in (1, 2)[: runner.num_rows]:
-        L = 32
-        runner.prefill_batch(0, [torch.zeros(L, D, device=dev, dtype=dt)] * n,
-                             [torch.zeros(2, D, device=dev, dtype=dt)] * n,
-                             [SamplingParams()] * n, graphs=n == 1)  # 2 rows: the batched forward
+    # shares one variant: kernels.rows_linear chooses the skinny GEMM or cuBLAS when it runs). One row replays its
+    # prefill graph after the captures (compiled apart only without them: a paged cache); long prompts run uncompiled
+    # (eager_prefill)
+    if runner.num_rows >= 2:
+        units.append(("batch 2", functools.partial(_prefill_batch, runner, 2, 32)))
     # and a prompt past the last prefill graph's length, alone: its forward launched from Python straight into its
     # row, as each of a few (in batch-invariant mode, any number of) long newcomers runs
     L = max(lens, default=0) + 1
     if L < runner.max_len and runner.block_table is None and not runner.eager_prefill(1, L):
-        runner.prefill_batch(0, [torch.zeros(L, D, device=dev, dtype=dt)], [torch.zeros(2, D, device=dev, dtype=dt)],
-                             [SamplingParams()])
-    torch.cuda.synchronize()
+        units.append((f"long {L}", functools.partial(_prefill_batch, runner, 1, L)))
+    return units
+
+
+def _prefill_batch(runner, n: int, L: int) -> None:
+    """n zero prompts of L tokens through prefill_batch into rows [0, n) (one row: its prefill graph if captured;
+    more: the batched forward)."""
+    D, dev, dt = runner.cfg.hidden_size, runner.device, runner.dtype
+    runner.prefill_batch(0, [torch.zeros(L, D, device=dev, dtype=dt)] * n,
+                         [torch.zeros(2, D, device=dev, dtype=dt)] * n, [SamplingParams()] * n, graphs=n == 1)
+
+
+@torch.inference_mode()
+def capture_runner(runner, source: Source | None = None) -> int:
+    """Capture a ModelRunner's graphs: one per (batch bucket up to the allocated rows, length bucket up to max_len,
+    sampler) of a frame's talker half and one per (batch bucket, sampler) of its code-predictor half, one per padded
+    prompt length of its single-request prefill and one per (wave size, padded length) of its batched prefill. Must
+    run while no request is active: the warm-up replays write into the rows they cover (all state is reset
+    afterwards). source: where the runner's checkpoint came from, for compile helpers on a cold start
+    (q3tts.engine.compile_helpers; None: none)."""
+    keys, lens = runner.graph_keys(), runner.prefill_graph_lens
+    units = warm_ups(runner)
+    after = [u for u in units if u[0].startswith(("batch", "long"))]  # (they run after the captures)
+    helpers = Helpers(source, runner, [name for name, _ in units])
+    try:
+        with side_stream():
+            for _, fn in units[:len(units) - len(after)]:
+                fn()
+        compiled = compile_counts()
+        with gc_paused():
+            for key in sorted(runner.wave_keys(), reverse=True):  # the most tokens first: the pool sized by them
+                runner.wave_graphs[key], _ = capture(lambda: runner._prefill_wave(*key), runner._pool)  # noqa: B023
+                runner._pool = runner.wave_graphs[key].pool()
+            # largest batch first: the shared pool is sized by it. A frame replays its two halves back to back on one
+            # stream, so their temporaries may share the pool's blocks as any two graphs' do
+            for key in sorted(runner.code_graph_keys(), reverse=True):
+                runner.code_graphs[key], _ = capture(lambda: runner._frame_codes(*key), runner._pool)  # noqa: B023
+                runner._pool = runner.code_graphs[key].pool()
+            for key in sorted(keys, reverse=True):
+                runner.graphs[key], _ = capture(lambda: runner._frame_talker(*key), runner._pool)  # noqa: B023
+                runner._pool = runner.graphs[key].pool()
+            for L in lens:
+                runner.prefill_graphs[L], _ = capture(lambda: runner._prefill_one(L), runner._pool)  # noqa: B023
+        # a variant compiled inside a capture (a span that needed its own) is a bug: it ran no warm-up, and its
+        # kernels were tuned while capturing
+        now = compile_counts()
+        runner.compiled_while_capturing = now["fx_hit"] + now["fx_miss"] - compiled["fx_hit"] - compiled["fx_miss"]
+        if runner.compiled_while_capturing:
+            log.warning("%d graphs compiled while capturing CUDA graphs", runner.compiled_while_capturing)
+        # one row's batched prefill (its prefill graph; compiled apart where there are none), then the rest
+        _prefill_batch(runner, 1, 32)
+        for _, fn in after:
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        helpers.stop()
     runner.slots.reset()  # the warm-ups wrote garbage into free rows
     torch.cuda.empty_cache()  # the warm-ups' blocks (cached on their side stream, where nothing else reuses them)
     return runner.num_frame_graphs

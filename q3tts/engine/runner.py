@@ -35,6 +35,7 @@ from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, rope_cos_sin, rope_i
 from ..models.talker import Talker, embed_prompts
 from ..sampling import SamplingParams, uniform_noise
 from .compile import compile_model, use_compile_cache, want_compile
+from .compile_helpers import Source
 from .depth import DepthLoop
 from .graphs import capture_runner
 from .memory import KV_SPARE, alloc_len, wave_buckets
@@ -462,7 +463,8 @@ class ModelRunner:
             self.slots.position.zero_()
             self._frame(*key)
 
-    def capture_graphs(self) -> int:
+    def capture_graphs(self, source: Source | None = None) -> int:
         """One CUDA graph per graph_keys(), code_graph_keys() and prefill length (q3tts.engine.graphs.capture_runner);
-        must run while no request is active. Returns the number of the frames' graphs."""
-        return capture_runner(self) if self.use_graphs else 0
+        must run while no request is active. Returns the number of the frames' graphs. source: the checkpoint's, for
+        compile helpers on a cold start (q3tts.engine.compile_helpers)."""
+        return capture_runner(self, source) if self.use_graphs else 0

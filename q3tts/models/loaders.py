@@ -58,6 +58,7 @@ class Checkpoint:
     device: torch.device
     dtype: torch.dtype
     sample_rate: int = SAMPLE_RATE
+    quantization: str | None = None  # as loaded (q3tts.models.quant)
 
     @property
     def samples_per_frame(self) -> int:
@@ -115,7 +116,7 @@ def load_checkpoint(name_or_path: str | os.PathLike, device: str | torch.device 
     with torch.inference_mode():
         pad = talker.embed_text(torch.tensor([cfg.tts_pad_token_id]))[0]
     defaults = parse_generation_defaults(read_json(d / "generation_config.json"), overrides)
-    return Checkpoint(d, cfg, speech_cfg, defaults, talker, code2wav, pad, device, dtype)
+    return Checkpoint(d, cfg, speech_cfg, defaults, talker, code2wav, pad, device, dtype, quantization=quantization)
 
 
 def vocoder_dtype(device: torch.device, dtype: torch.dtype, quantization: str | None) -> torch.dtype:

@@ -95,6 +95,9 @@ def test_describe_counts():
     assert describe_counts(zero, dict(zero, fx_hit=3, traced=3)) == (
         "3 graphs from the compile cache, 0 compiled (warm); Dynamo: 3 graphs traced, 0 functions' entries installed")
     assert "2 compiled (cold)" in describe_counts(zero, dict(zero, fx_miss=2, traced=2))
+    # AOTAutograd entries found count as from the cache (a compile helper's graphs come so)
+    assert describe_counts(zero, dict(zero, aot_hit=17, aot_miss=5, fx_miss=5, traced=22)).startswith(
+        "17 graphs from the compile cache, 5 compiled (partly warm)")
     assert "(warm); Dynamo: 0 graphs traced, 5 functions' entries installed" in describe_counts(zero,
                                                                                                dict(zero, dynamo_hit=5))
 

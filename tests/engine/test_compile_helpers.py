@@ -1,0 +1,92 @@
+"""Compile helpers (q3tts.engine.compile_helpers): which warm-ups they take, when there are any, and on a GPU that a
+cold start beside them computes what the engine computes without them."""
+
+import os
+import types
+
+import pytest
+import torch
+
+from q3tts.engine import compile_helpers
+from q3tts.engine.compile_helpers import plan, shape_class, wanted
+from tests.golden import fixtures as fx
+
+from .fresh_process import run_child
+
+# a 32-slot engine's warm-ups, in capture_runner's order (graphs.warm_ups)
+NAMES = ["frame 1 full", "frame 1 capped", "frame 2 full", "frame 2 capped", "frame 4 full", "frame 4 capped",
+         "frame 32 full", "frame 32 capped", "prefill 16", "prefill 32", "wave 16x32", "wave 32x64", "batch 2",
+         "long 257"]
+
+
+def test_each_shape_class_once_and_the_engines_first_left_to_it():
+    assert [shape_class(n) for n in ("frame 1 capped", "frame 2 full", "frame 32 full", "prefill 256", "wave 32x64",
+                                     "batch 2", "long 257")] == \
+        ["frame 1 capped", "frame 2+ full", "frame 2+ full", "prefill", "wave", "batch 2", "long"]
+    five = plan(NAMES, 5)
+    assert five == [["frame 1 capped", "batch 2"], ["frame 2 full", "long 257"], ["frame 2 capped"], ["prefill 16"],
+                    ["wave 16x32"]]
+    dealt = sorted(n for units in plan(NAMES, 2) for n in units)
+    assert dealt == sorted(n for units in five for n in units)  # the same warm-ups, whatever the number of helpers
+    assert plan(NAMES, 20) == [[n] for n in ("frame 1 capped", "frame 2 full", "frame 2 capped", "prefill 16",
+                                             "wave 16x32", "batch 2", "long 257")]
+    assert plan(NAMES[:1], 3) == []  # nothing but the engine's own first warm-up: no helper
+
+
+@pytest.mark.parametrize("setting, runner", [
+    (None, {}),  # off unless asked for (a library process)
+    ("0", {}),
+    ("auto", {"compiled": False}),
+    ("auto", {"use_graphs": False}),
+    ("2", {"block_table": torch.zeros(1)}),  # paged: its warm-ups are per span
+])
+def test_no_helpers_where_they_cannot_help(monkeypatch, setting, runner):
+    if setting is None:
+        monkeypatch.delenv(compile_helpers.ENV, raising=False)
+    else:
+        monkeypatch.setenv(compile_helpers.ENV, setting)
+    fake = types.SimpleNamespace(**({"compiled": True, "use_graphs": True, "block_table": None} | runner))
+    assert wanted(fake) == 0
+
+
+CHILD = """
+import json, logging, sys, torch
+from q3tts import TTS
+from q3tts.engine.compile import compile_counts
+lines = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("q3tts.engine").addHandler(Keep())
+logging.getLogger("q3tts.engine").setLevel(logging.INFO)
+ckpt, cache = sys.argv[1:3]
+tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32, compile=True, max_batch_size=4, max_seq_len=256,
+                          compile_cache=cache)
+p = tts.prepare_custom_voice("Helpers compile beside the engine.", "vivian", "English", do_sample=False,
+                             subtalker_dosample=False, max_new_tokens=41)
+codes = tts.generate_codes(p)
+print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(),
+                  "helpers": [m for m in lines if m.startswith("compile helpers")]}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 4, reason="compile helpers need 4 cores or more")
+def test_a_cold_start_with_helpers_computes_what_the_engine_computes(tmp_path):
+    """A fresh process on an empty compile cache with two helpers: they start, they finish, and the codes are those
+    of an engine built here (the compile cache this process uses: graphs the helpers did not make)."""
+    from q3tts import TTS
+    from q3tts.engine.engine import Engine
+    from tests.engine.steps import generate_codes
+    ckpt = fx.checkpoint("cv06")
+    out = run_child(CHILD, str(ckpt), str(tmp_path / "cache"), timeout=600, Q3TTS_PRECOMPILE="1",
+                    Q3TTS_COMPILE_HELPERS="2", TORCHINDUCTOR_COMPILE_THREADS="4")
+    started, finished = out["helpers"]
+    assert started.startswith("compile helpers: 2 processes"), out["helpers"]
+    assert finished == "compile helpers: 2 of 2 had finished", out["helpers"]
+    assert out["counts"]["dynamo_hit"] == 0, out["counts"]  # a cold start: nothing installed from the cache
+    tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32)
+    p = tts.prepare_custom_voice("Helpers compile beside the engine.", "vivian", "English", do_sample=False,
+                                 subtalker_dosample=False, max_new_tokens=41)
+    here = generate_codes(Engine(tts.ckpt, max_slots=4, max_seq_len=256), p)[0]
+    assert here.shape == (40, 16) and here.tolist() == out["codes"]
