@@ -110,15 +110,19 @@ class Helpers:
                                                stderr=subprocess.DEVNULL))
         log.info("compile helpers: %d processes for %s", len(self.procs), dealt)
 
-    def stop(self) -> None:
-        """End the helpers still running (their work is done or no longer needed) and log how they ended."""
-        codes = []
+    def stop(self) -> dict[str, int]:
+        """End the helpers still running (the engine has compiled what they had left) -> how many had finished, were
+        stopped so and had failed (an error: the engine compiled their classes itself), also logged."""
+        ended = {"finished": 0, "stopped": 0, "failed": 0}
         for p in self.procs:
-            if p.poll() is None:
+            running = p.poll() is None
+            if running:
                 p.kill()
-            codes.append(p.wait())
+            code = p.wait()
+            ended["stopped" if running else "finished" if code == 0 else "failed"] += 1
         if self.procs:
-            log.info("compile helpers: %d of %d had finished", sum(c == 0 for c in codes), len(codes))
+            log.info("compile helpers: %d finished, %d stopped, %d failed", *ended.values())
+        return ended
 
 
 def main(spec: dict) -> None:

@@ -73,8 +73,9 @@ print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(),
 @pytest.mark.gpu
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 4, reason="compile helpers need 4 cores or more")
 def test_a_cold_start_with_helpers_computes_what_the_engine_computes(tmp_path):
-    """A fresh process on an empty compile cache with two helpers: they start, they finish, and the codes are those
-    of an engine built here (the compile cache this process uses: graphs the helpers did not make)."""
+    """A fresh process on an empty compile cache with two helpers: they start, none fails (one may still be running
+    when the engine is done, then it is stopped), and the codes are those of an engine built here (the compile cache
+    this process uses: graphs the helpers did not make)."""
     from q3tts import TTS
     from q3tts.engine.engine import Engine
     from tests.engine.steps import generate_codes
@@ -83,7 +84,7 @@ def test_a_cold_start_with_helpers_computes_what_the_engine_computes(tmp_path):
                     Q3TTS_COMPILE_HELPERS="2", TORCHINDUCTOR_COMPILE_THREADS="4")
     started, finished = out["helpers"]
     assert started.startswith("compile helpers: 2 processes"), out["helpers"]
-    assert finished == "compile helpers: 2 of 2 had finished", out["helpers"]
+    assert finished.endswith(" failed") and finished.split()[-2] == "0", out["helpers"]
     assert out["counts"]["dynamo_hit"] == 0, out["counts"]  # a cold start: nothing installed from the cache
     tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32)
     p = tts.prepare_custom_voice("Helpers compile beside the engine.", "vivian", "English", do_sample=False,
