@@ -11,10 +11,10 @@ it traces them (Dynamo runs in every process) and takes the rest from the cache.
 engine computes: a cache hit is the graph the engine would have compiled; a helper that fails or is late only leaves
 the engine compiling that class itself.
 
-Off unless $Q3TTS_COMPILE_HELPERS says otherwise: "auto" (which `q3tts serve` and `q3tts warmup` set,
-engine.compile.serve_precompile) or a number. Started only for a cold start (no Dynamo entry installed from the cache
-or an artifact) of a compiled, captured runner with a contiguous cache, and only as many as the CPU cores and the free
-GPU memory hold (each builds a runner of the engine's size).
+Off unless $Q3TTS_COMPILE_HELPERS says otherwise: "auto" (which `q3tts serve` sets; not `q3tts warmup`, a build step
+whose speed matters less than its artifact holding what one process compiled) or a number. Started only for a cold start
+(no Dynamo entry installed from the cache or an artifact) of a compiled, captured runner with a contiguous cache, and
+only as many as the CPU cores and the free GPU memory hold (each builds a runner of the engine's size).
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def wanted(runner) -> int:
     setting = os.environ.get(ENV, "0").strip().lower()
     if setting in ("", "0", "off", "no", "false") or not (runner.compiled and runner.use_graphs):
         return 0
+    if setting != "auto" and not setting.isdigit():
+        raise ValueError(f"${ENV}={setting!r}: expected auto, 0 (off) or a number of helper processes")
     if runner.block_table is not None or compile_counts()["dynamo_hit"]:
         return 0
     n = MAX_HELPERS if setting == "auto" else int(setting)

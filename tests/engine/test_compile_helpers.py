@@ -49,6 +49,13 @@ def test_no_helpers_where_they_cannot_help(monkeypatch, setting, runner):
     assert wanted(fake) == 0
 
 
+def test_a_bad_setting_names_the_accepted_values(monkeypatch):
+    monkeypatch.setenv(compile_helpers.ENV, "many")
+    fake = types.SimpleNamespace(compiled=True, use_graphs=True, block_table=None)
+    with pytest.raises(ValueError, match="expected auto, 0 \\(off\\) or a number"):
+        wanted(fake)
+
+
 CHILD = """
 import json, logging, sys, torch
 from q3tts import TTS
