@@ -24,14 +24,16 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .. import invariant
+from .compile import compile_counts
 
 ENV = "Q3TTS_COMPILE_HELPERS"
+ENTRY = "q3tts.engine.helper_process"  # a helper's process: python -m ENTRY SPEC (a module of its own: it imports the
+# runner and the warm-ups, which import this one)
 MAX_HELPERS = 5
 log = logging.getLogger("q3tts.engine")
 
@@ -77,7 +79,6 @@ def wanted(runner) -> int:
     quarter of what it holds now plus 2 GiB for its captures and warm-ups), each helper holding what the engine holds
     now (the same runner) plus 1 GiB (its context and warm-up activations); 0 where helpers cannot help (no
     compilation, no CUDA graphs, a paged cache, Dynamo entries already installed: a warm start)."""
-    from .compile import compile_counts
     setting = os.environ.get(ENV, "0").strip().lower()
     if setting in ("", "0", "off", "no", "false") or not (runner.compiled and runner.use_graphs):
         return 0
@@ -107,7 +108,7 @@ class Helpers:
         dealt = plan(names, n)
         for units in dealt:
             spec = json.dumps({"source": asdict(source), "units": units, "batch_invariant": invariant.ENABLED})
-            self.procs.append(subprocess.Popen([sys.executable, "-m", __name__, spec], env=env,
+            self.procs.append(subprocess.Popen([sys.executable, "-m", ENTRY, spec], env=env,
                                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                stderr=subprocess.DEVNULL))
         log.info("compile helpers: %d processes for %s", len(self.procs), dealt)
@@ -125,27 +126,3 @@ class Helpers:
         if self.procs:
             log.info("compile helpers: %d finished, %d stopped, %d failed", *ended.values())
         return ended
-
-
-def main(spec: dict) -> None:
-    """A helper: load the checkpoint, build the runner, run its warm-ups, exit (no capture, nothing served)."""
-    from ..models.loaders import load_checkpoint
-    from .compile import precompiling
-    from .graphs import side_stream, warm_ups
-    from .runner import ModelRunner
-    invariant.set_enabled(spec["batch_invariant"])
-    s = Source(**spec["source"])
-    ckpt = load_checkpoint(s.model_dir, s.device, s.dtype, s.quantization)
-    runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=s.max_slots, max_len=s.max_len,
-                         use_cuda_graphs=True, compile=True)
-    units = dict(warm_ups(runner))
-    t0 = time.perf_counter()
-    with precompiling(), torch.inference_mode(), side_stream():
-        for name in spec["units"]:
-            units[name]()
-            torch.cuda.synchronize()
-            print(f"{name}: done at {time.perf_counter() - t0:.1f} s", flush=True)
-
-
-if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))

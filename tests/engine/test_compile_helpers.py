@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from q3tts.engine import compile_helpers
-from q3tts.engine.compile_helpers import plan, shape_class, wanted
+from q3tts.engine.compile_helpers import ENTRY, plan, shape_class, wanted
 from tests.golden import fixtures as fx
 
 from .fresh_process import run_child
@@ -47,6 +47,11 @@ def test_no_helpers_where_they_cannot_help(monkeypatch, setting, runner):
         monkeypatch.setenv(compile_helpers.ENV, setting)
     fake = types.SimpleNamespace(**({"compiled": True, "use_graphs": True, "block_table": None} | runner))
     assert wanted(fake) == 0
+
+
+def test_the_helpers_process_is_a_module_with_its_main():
+    import importlib
+    assert callable(importlib.import_module(ENTRY).main)
 
 
 def test_a_bad_setting_names_the_accepted_values(monkeypatch):

@@ -1,0 +1,37 @@
+"""A compile helper's process (q3tts.engine.compile_helpers): python -m q3tts.engine.helper_process SPEC, SPEC the JSON
+that compile_helpers.Helpers writes ({"source": Source's fields, "units": warm-up names, "batch_invariant": bool})."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from .. import invariant
+from ..models.loaders import load_checkpoint
+from .compile import precompiling
+from .compile_helpers import Source
+from .graphs import side_stream, warm_ups
+from .runner import ModelRunner
+
+
+def main(spec: dict) -> None:
+    """A helper: load the checkpoint, build the runner, run its warm-ups, exit (no capture, nothing served)."""
+    invariant.set_enabled(spec["batch_invariant"])
+    s = Source(**spec["source"])
+    ckpt = load_checkpoint(s.model_dir, s.device, s.dtype, s.quantization)
+    runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=s.max_slots, max_len=s.max_len,
+                         use_cuda_graphs=True, compile=True)
+    units = dict(warm_ups(runner))
+    t0 = time.perf_counter()
+    with precompiling(), torch.inference_mode(), side_stream():
+        for name in spec["units"]:
+            units[name]()
+            torch.cuda.synchronize()
+            print(f"{name}: done at {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
