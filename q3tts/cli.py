@@ -263,10 +263,15 @@ def cmd_serve(argv: list[str]) -> int:
                          f"(missing: {e.name})") from None
     _check_device(settings.device)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .engine import compile_helpers
     from .engine.compile import serve_precompile
-    from .engine.compile_helpers import ENV as HELPERS_ENV
     serve_precompile()
-    os.environ.setdefault(HELPERS_ENV, "auto")  # a cold start's compilation shared with helper processes
+    os.environ.setdefault(compile_helpers.ENV, "auto")  # a cold start's compilation shared with helper processes
+    if not (settings.replicas or settings.max_replicas or settings.ray_address or settings.compile_artifact
+            or settings.kv_block_size):
+        # their imports now, beside the engine's loading (Ray's replicas are processes of their own; a paged cache or
+        # an artifact takes no helper)
+        compile_helpers.prestart(settings.device, settings.compile_cache)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("q3tts.server").warning("serving on %s without an API key (--api-key)", settings.host)
     if settings.replicas or settings.max_replicas or settings.ray_address:

@@ -12,9 +12,15 @@ engine computes: a cache hit is the graph the engine would have compiled; a help
 the engine compiling that class itself.
 
 Off unless $Q3TTS_COMPILE_HELPERS says otherwise: "auto" (which `q3tts serve` sets; not `q3tts warmup`, a build step
-whose speed matters less than its artifact holding what one process compiled) or a number. Started only for a cold start
+whose speed matters less than its artifact holding what one process compiled) or a number. Used only for a cold start
 (no Dynamo entry installed from the cache or an artifact) of a compiled, captured runner with a contiguous cache, and
 only as many as the CPU cores and the free GPU memory hold (each builds a runner of the engine's size).
+
+`q3tts serve` starts its helpers at launch (`prestart`): each imports torch, Inductor and the runner and then waits on
+its stdin for the work, which the engine sends once its runner's geometry is known (the memory budget sizes it after
+the weights have loaded); a helper that gets none exits. So their imports overlap the engine's own imports and loading.
+A helper reports each warm-up it starts and finishes on its stdout; the engine, reaching a warm-up a helper is
+compiling, waits for it rather than compiling the same graphs beside it.
 """
 
 from __future__ import annotations
@@ -24,18 +30,22 @@ import logging
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .. import invariant
-from .compile import compile_counts
+from .compile import OFF, compile_counts, use_compile_cache, want_compile
 
 ENV = "Q3TTS_COMPILE_HELPERS"
 ENTRY = "q3tts.engine.helper_process"  # a helper's process: python -m ENTRY SPEC (a module of its own: it imports the
 # runner and the warm-ups, which import this one)
 MAX_HELPERS = 5
+WAIT_S = 240.0  # the longest the engine waits for a helper's warm-up (a class compiles in well under a minute)
 log = logging.getLogger("q3tts.engine")
+_waiting: list[subprocess.Popen] = []  # helpers started at launch (prestart), waiting for their warm-ups
 
 
 @dataclass(slots=True)
@@ -72,23 +82,31 @@ def plan(names: list[str], helpers: int) -> list[list[str]]:
     return [rest[i::helpers] for i in range(min(helpers, len(rest)))]
 
 
-def wanted(runner) -> int:
-    """How many helpers this cold start gets: $Q3TTS_COMPILE_HELPERS ('auto': up to MAX_HELPERS), bounded by the
-    cores (a helper is one busy core plus Inductor's compile workers: half the cores, less one for the engine) and by
-    the GPU memory free beyond what the engine may still take (a tenth of the device, outside its budget, and a
-    quarter of what it holds now plus 2 GiB for its captures and warm-ups), each helper holding what the engine holds
-    now (the same runner) plus 1 GiB (its context and warm-up activations); 0 where helpers cannot help (no
-    compilation, no CUDA graphs, a paged cache, Dynamo entries already installed: a warm start)."""
+def asked() -> int:
+    """The helpers $Q3TTS_COMPILE_HELPERS asks for ('auto': MAX_HELPERS; a number; 0 or compile.OFF's words: none),
+    bounded by the cores (a helper is one busy core plus Inductor's compile workers: half the cores, less one for the
+    engine). ValueError naming the accepted values for anything else."""
     setting = os.environ.get(ENV, "0").strip().lower()
-    if setting in ("", "0", "off", "no", "false") or not (runner.compiled and runner.use_graphs):
+    if setting in ("", *OFF):
         return 0
     if setting != "auto" and not setting.isdigit():
         raise ValueError(f"${ENV}={setting!r}: expected auto, 0 (off) or a number of helper processes")
-    if runner.block_table is not None or compile_counts()["dynamo_hit"]:
-        return 0
     n = MAX_HELPERS if setting == "auto" else int(setting)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    n = min(n, max(0, cores // 2 - 1))
+    return min(n, max(0, cores // 2 - 1))
+
+
+def wanted(runner) -> int:
+    """How many helpers this cold start gets: asked(), bounded by the GPU memory free beyond what the engine may still
+    take (a tenth of the device, outside its budget, and a quarter of what it holds now plus 2 GiB for its captures
+    and warm-ups), each helper holding what the engine holds now (the same runner) plus 1 GiB (its context and
+    warm-up activations); 0 where helpers cannot help (no compilation, no CUDA graphs, a paged cache, Dynamo entries
+    already installed: a warm start)."""
+    n = asked()
+    if not n or not (runner.compiled and runner.use_graphs):
+        return 0
+    if runner.block_table is not None or compile_counts()["dynamo_hit"]:
+        return 0
     dev = runner.device
     free, total = torch.cuda.mem_get_info(dev)
     used = torch.cuda.memory_allocated(dev)
@@ -96,21 +114,100 @@ def wanted(runner) -> int:
     return max(0, min(n, int(spare // (used + (1 << 30)))))
 
 
+def prestart(device: str | None, compile_cache: str | None) -> int:
+    """Start asked() helpers now, before the engine exists (q3tts serve, at launch, with its --device and
+    --compile-cache), to wait for their warm-ups (Helpers takes them) -> how many. None on a CPU, without compilation,
+    or where the compile cache already holds Dynamo entries (most likely a warm start, whose engine wants no helper:
+    any it still wants start then). They touch no GPU before their work comes, so the engine's memory budget sees none
+    of them."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cuda" or not want_compile(dev, None):
+        return 0
+    cache_dir = use_compile_cache(compile_cache)  # (the engine's runner resolves the same directory)
+    entries = os.path.join(cache_dir, "dynamo") if cache_dir else None
+    if entries and os.path.isdir(entries) and os.listdir(entries):
+        return 0
+    for _ in range(asked() - len(_waiting)):
+        _waiting.append(_spawn())
+    return len(_waiting)
+
+
+def dismiss() -> None:
+    """End the helpers still waiting (they hold no GPU memory yet): the engine wants no more of them."""
+    while _waiting:
+        p = _waiting.pop()
+        p.kill()
+        p.wait()
+
+
+def _spawn() -> subprocess.Popen:
+    env = dict(os.environ, **{ENV: "0"})
+    return subprocess.Popen([sys.executable, "-m", ENTRY], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+class Reports:
+    """What the helpers of one cold start report ('start NAME' and 'done NAME' lines per warm-up on their stdout), and
+    the engine's waits for them."""
+
+    def __init__(self):
+        self._done: dict[str, threading.Event] = {}  # per warm-up a helper has started: set once it is done
+        self._lock = threading.Lock()
+        self.waited = 0.0  # seconds the engine waited (wait_for)
+
+    def follow(self, lines) -> None:
+        """Read one helper's lines until it ends (a thread of its own); each warm-up it started counts as done once it
+        reports so or has ended (a failed helper leaves its warm-ups to the engine)."""
+        started = []
+        for line in lines:
+            what, _, name = line.strip().partition(" ")
+            with self._lock:
+                if what == "start":
+                    started.append(name)
+                    self._done.setdefault(name, threading.Event())
+                elif what == "done" and name in self._done:
+                    self._done[name].set()
+        with self._lock:
+            for name in started:
+                self._done[name].set()
+
+    def wait_for(self, name: str, timeout: float = WAIT_S) -> float:
+        """Before the engine runs warm-up `name`: if a helper is compiling it, wait until it is done (at most
+        `timeout` s) -> the seconds waited. One that no helper has started, the engine runs at once."""
+        with self._lock:
+            done = self._done.get(name)
+        if done is None or done.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        if not done.wait(timeout):
+            log.warning("compile helpers: %s not done after %.0f s; compiling it here", name, timeout)
+        waited = time.perf_counter() - t0
+        self.waited += waited
+        return waited
+
+
 class Helpers:
-    """The helper processes of one cold start (started by graphs.capture_runner before its warm-ups, stopped after)."""
+    """The helper processes of one cold start (started by graphs.capture_runner before its warm-ups, stopped after):
+    those waiting since launch (prestart) first, new ones for the rest."""
 
     def __init__(self, source: Source | None, runner, names: list[str]):
         self.procs: list[subprocess.Popen] = []
+        self.reports = Reports()
         n = wanted(runner) if source is not None else 0
         if not n:
             return
-        env = dict(os.environ, **{ENV: "0"})  # (the compile cache's directory is in it: engine.compile)
         dealt = plan(names, n)
+        # the compile cache's directory: the runner's (resolved after the launch of a waiting helper)
+        spec = {"source": asdict(source), "batch_invariant": invariant.ENABLED, "cache_dir": runner.compile_cache}
         for units in dealt:
-            spec = json.dumps({"source": asdict(source), "units": units, "batch_invariant": invariant.ENABLED})
-            self.procs.append(subprocess.Popen([sys.executable, "-m", ENTRY, spec], env=env,
-                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                               stderr=subprocess.DEVNULL))
+            p = _waiting.pop() if _waiting else _spawn()
+            try:
+                p.stdin.write(json.dumps(spec | {"units": units}) + "\n")
+                p.stdin.close()
+            except OSError:  # it has died (stop counts it failed): its warm-ups are the engine's
+                pass
+            self.procs.append(p)
+            threading.Thread(target=self.reports.follow, args=(p.stdout,), daemon=True).start()
         log.info("compile helpers: %d processes for %s", len(self.procs), dealt)
 
     def stop(self) -> dict[str, int]:
@@ -124,5 +221,6 @@ class Helpers:
             code = p.wait()
             ended["stopped" if running else "finished" if code == 0 else "failed"] += 1
         if self.procs:
-            log.info("compile helpers: %d finished, %d stopped, %d failed", *ended.values())
+            log.info("compile helpers: %d finished, %d stopped, %d failed; the engine waited %.1f s for them",
+                     *ended.values(), self.reports.waited)
         return ended

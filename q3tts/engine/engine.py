@@ -39,6 +39,7 @@ import numpy as np
 from .. import invariant
 from ..inputs.request import PreparedRequest
 from ..models.loaders import Checkpoint
+from . import compile_helpers
 from .artifact import load_artifact
 from .compile import (
     compile_counts,
@@ -123,6 +124,7 @@ class Engine:
             frame_graphs = self.runner.capture_graphs(Source(
                 str(ckpt.model_dir), str(ckpt.device), str(ckpt.dtype).removeprefix("torch."), ckpt.quantization,
                 max_slots, self.runner.max_len))
+        compile_helpers.dismiss()  # helpers started at launch that the cold start did not take
         if deadline is None:
             deadline = os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes")
         self.policy = DeadlinePolicy.from_env(os.environ) if deadline else None

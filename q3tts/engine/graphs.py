@@ -125,10 +125,12 @@ def capture_runner(runner, source: Source | None = None) -> int:
     keys, lens = runner.graph_keys(), runner.prefill_graph_lens
     units = warm_ups(runner)
     after = [u for u in units if u[0].startswith(("batch", "long"))]  # (they run after the captures)
+    before = [u for u in units if u not in after]
     helpers = Helpers(source, runner, [name for name, _ in units])
     try:
         with side_stream():
-            for _, fn in units[:len(units) - len(after)]:
+            for name, fn in before:
+                helpers.reports.wait_for(name)
                 fn()
         compiled = compile_counts()
         with gc_paused():
@@ -153,7 +155,8 @@ def capture_runner(runner, source: Source | None = None) -> int:
             log.warning("%d graphs compiled while capturing CUDA graphs", runner.compiled_while_capturing)
         # one row's batched prefill (its prefill graph; compiled apart where there are none), then the rest
         _prefill_batch(runner, 1, 32)
-        for _, fn in after:
+        for name, fn in after:
+            helpers.reports.wait_for(name)
             fn()
         torch.cuda.synchronize()
     finally:

@@ -1,11 +1,12 @@
-"""A compile helper's process (q3tts.engine.compile_helpers): python -m q3tts.engine.helper_process SPEC, SPEC the JSON
-that compile_helpers.Helpers writes ({"source": Source's fields, "units": warm-up names, "batch_invariant": bool})."""
+"""A compile helper's process (q3tts.engine.compile_helpers): python -m q3tts.engine.helper_process, reading one line
+from its stdin: the JSON that compile_helpers.Helpers writes ({"source": Source's fields, "units": warm-up names,
+"batch_invariant": bool, "cache_dir": the compile cache's directory}); none (the end of its stdin): exit. Reports
+'start NAME' and 'done NAME' per warm-up on its stdout."""
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 
 import torch
 
@@ -23,15 +24,18 @@ def main(spec: dict) -> None:
     s = Source(**spec["source"])
     ckpt = load_checkpoint(s.model_dir, s.device, s.dtype, s.quantization)
     runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=s.max_slots, max_len=s.max_len,
-                         use_cuda_graphs=True, compile=True)
+                         use_cuda_graphs=True, compile=True, compile_cache=spec.get("cache_dir") or False)
     units = dict(warm_ups(runner))
-    t0 = time.perf_counter()
     with precompiling(), torch.inference_mode(), side_stream():
         for name in spec["units"]:
+            print("start", name, flush=True)
             units[name]()
             torch.cuda.synchronize()
-            print(f"{name}: done at {time.perf_counter() - t0:.1f} s", flush=True)
+            print("done", name, flush=True)
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    import torch._inductor.compile_fx  # noqa: F401 (imported while waiting: the first compilation's imports)
+    line = sys.stdin.readline()
+    if line.strip():
+        main(json.loads(line))

@@ -36,6 +36,7 @@ def test_each_shape_class_once_and_the_engines_first_left_to_it():
 @pytest.mark.parametrize("setting, runner", [
     (None, {}),  # off unless asked for (a library process)
     ("0", {}),
+    ("none", {}),
     ("auto", {"compiled": False}),
     ("auto", {"use_graphs": False}),
     ("2", {"block_table": torch.zeros(1)}),  # paged: its warm-ups are per span
@@ -61,6 +62,64 @@ def test_a_bad_setting_names_the_accepted_values(monkeypatch):
         wanted(fake)
 
 
+def test_a_waiting_helper_ends_without_work():
+    """A helper started at launch waits for its work on stdin; the end of stdin ends it, with nothing done."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", ENTRY], input="", capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout == "", out.stderr[-2000:]
+
+
+def test_prestart_only_for_a_cold_start_on_a_gpu(monkeypatch, tmp_path):
+    monkeypatch.setenv(compile_helpers.ENV, "auto")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # room for 3 helpers
+    monkeypatch.delenv("Q3TTS_COMPILE", raising=False)
+    assert compile_helpers.prestart("cpu", str(tmp_path)) == 0
+    warm = tmp_path / "warm"
+    (warm / "dynamo").mkdir(parents=True)
+    (warm / "dynamo" / "entry").write_text("")  # a Dynamo entry in the cache: a warm start
+    assert compile_helpers.prestart("cuda", str(warm)) == 0
+    monkeypatch.setenv("Q3TTS_COMPILE", "0")
+    assert compile_helpers.prestart("cuda", str(tmp_path / "cold")) == 0
+    monkeypatch.setenv("Q3TTS_COMPILE", "1")
+    try:  # a cold cache on a GPU (as far as prestart can tell): three wait, until the engine dismisses them
+        assert compile_helpers.prestart("cuda", str(tmp_path / "cold")) == 3
+        procs = list(compile_helpers._waiting)
+        assert all(p.poll() is None for p in procs)
+    finally:
+        compile_helpers.dismiss()
+    assert compile_helpers._waiting == [] and all(p.poll() is not None for p in procs)
+
+
+def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other():
+    import queue
+    import threading
+    import time
+    reports = compile_helpers.Reports()
+    stdout = queue.Queue()  # a helper's stdout, line by line (None: it has ended)
+    follower = threading.Thread(target=reports.follow, args=(iter(stdout.get, None),))
+    follower.start()
+
+    def report(line):
+        stdout.put(line + "\n")
+        deadline = time.monotonic() + 10
+        while stdout.qsize() and time.monotonic() < deadline:  # (until the follower has read it)
+            time.sleep(0.001)
+        time.sleep(0.01)
+
+    assert reports.wait_for("frame 2 full") == 0.0  # no helper has started it: the engine runs it at once
+    report("start frame 2 full")
+    threading.Timer(0.3, stdout.put, args=("done frame 2 full\n",)).start()
+    assert 0.25 < reports.wait_for("frame 2 full") < 10  # started: the engine waits until it is done
+    assert reports.wait_for("frame 2 full") == 0.0
+    report("start prefill 16")
+    assert 0.15 < reports.wait_for("prefill 16", timeout=0.2) < 5  # a helper that hangs: the engine goes on
+    stdout.put(None)  # the helper ends without finishing it (it failed): nothing more to wait for
+    follower.join(10)
+    assert reports.wait_for("prefill 16") == 0.0 and reports.wait_for("wave 16x32") == 0.0
+    assert 0.15 < reports.waited < 10
+
+
 CHILD = """
 import json, logging, sys, torch
 from q3tts import TTS
@@ -72,12 +131,14 @@ class Keep(logging.Handler):
 logging.getLogger("q3tts.engine").addHandler(Keep())
 logging.getLogger("q3tts.engine").setLevel(logging.INFO)
 ckpt, cache = sys.argv[1:3]
+from q3tts.engine import compile_helpers
+prestarted = compile_helpers.prestart("cuda", cache)  # as `q3tts serve` does at launch
 tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32, compile=True, max_batch_size=4, max_seq_len=256,
                           compile_cache=cache)
 p = tts.prepare_custom_voice("Helpers compile beside the engine.", "vivian", "English", do_sample=False,
                              subtalker_dosample=False, max_new_tokens=41)
 codes = tts.generate_codes(p)
-print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(),
+print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(), "prestarted": prestarted,
                   "helpers": [m for m in lines if m.startswith("compile helpers")]}))
 """
 
@@ -85,9 +146,10 @@ print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(),
 @pytest.mark.gpu
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 4, reason="compile helpers need 4 cores or more")
 def test_a_cold_start_with_helpers_computes_what_the_engine_computes(tmp_path):
-    """A fresh process on an empty compile cache with two helpers: they start, none fails (one may still be running
-    when the engine is done, then it is stopped), and the codes are those of an engine built here (the compile cache
-    this process uses: graphs the helpers did not make)."""
+    """A fresh process on an empty compile cache with two helpers started before the engine (as at a server's
+    launch): the engine takes them, none fails (one may still be running when the engine is done, then it is
+    stopped), and the codes are those of an engine built here (the compile cache this process uses: graphs the
+    helpers did not make)."""
     from q3tts import TTS
     from q3tts.engine.engine import Engine
     from tests.engine.steps import generate_codes
@@ -95,8 +157,8 @@ def test_a_cold_start_with_helpers_computes_what_the_engine_computes(tmp_path):
     out = run_child(CHILD, str(ckpt), str(tmp_path / "cache"), timeout=600, Q3TTS_PRECOMPILE="1",
                     Q3TTS_COMPILE_HELPERS="2", TORCHINDUCTOR_COMPILE_THREADS="4")
     started, finished = out["helpers"]
-    assert started.startswith("compile helpers: 2 processes"), out["helpers"]
-    assert finished.endswith(" failed") and finished.split()[-2] == "0", out["helpers"]
+    assert out["prestarted"] == 2 and started.startswith("compile helpers: 2 processes"), out["helpers"]
+    assert " 0 failed; the engine waited " in finished, out["helpers"]
     assert out["counts"]["dynamo_hit"] == 0, out["counts"]  # a cold start: nothing installed from the cache
     tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32)
     p = tts.prepare_custom_voice("Helpers compile beside the engine.", "vivian", "English", do_sample=False,
