@@ -40,8 +40,8 @@ from .. import invariant
 from .compile import OFF, compile_counts, use_compile_cache, want_compile
 
 ENV = "Q3TTS_COMPILE_HELPERS"
-ENTRY = "q3tts.engine.helper_process"  # a helper's process: python -m ENTRY SPEC (a module of its own: it imports the
-# runner and the warm-ups, which import this one)
+ENTRY = "q3tts.engine.helper_process"  # a helper's process: python -m ENTRY, its work one line on stdin (a module of
+# its own: it imports the runner and the warm-ups, which import this one)
 MAX_HELPERS = 5
 WAIT_S = 240.0  # the longest the engine waits for a helper's warm-up (a class compiles in well under a minute)
 log = logging.getLogger("q3tts.engine")
