@@ -100,19 +100,18 @@ def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other()
     follower = threading.Thread(target=reports.follow, args=(iter(stdout.get, None),))
     follower.start()
 
-    def report(line):
-        stdout.put(line + "\n")
-        deadline = time.monotonic() + 10
-        while stdout.qsize() and time.monotonic() < deadline:  # (until the follower has read it)
+    def start(name):
+        stdout.put(f"start {name}\n")
+        deadline = time.monotonic() + 30
+        while name not in reports._done and time.monotonic() < deadline:  # (until the follower has read it)
             time.sleep(0.001)
-        time.sleep(0.01)
 
     assert reports.wait_for("frame 2 full") == 0.0  # no helper has started it: the engine runs it at once
-    report("start frame 2 full")
+    start("frame 2 full")
     threading.Timer(0.3, stdout.put, args=("done frame 2 full\n",)).start()
     assert 0.25 < reports.wait_for("frame 2 full") < 10  # started: the engine waits until it is done
     assert reports.wait_for("frame 2 full") == 0.0
-    report("start prefill 16")
+    start("prefill 16")
     assert 0.15 < reports.wait_for("prefill 16", timeout=0.2) < 5  # a helper that hangs: the engine goes on
     stdout.put(None)  # the helper ends without finishing it (it failed): nothing more to wait for
     follower.join(10)
