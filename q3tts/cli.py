@@ -267,14 +267,14 @@ def cmd_serve(argv: list[str]) -> int:
     from .engine.compile import serve_precompile
     serve_precompile()
     os.environ.setdefault(compile_helpers.ENV, "auto")  # a cold start's compilation shared with helper processes
-    if not (settings.replicas or settings.max_replicas or settings.ray_address or settings.compile_artifact
-            or settings.kv_block_size):
+    ray = settings.replicas or settings.max_replicas or settings.ray_address
+    if not (ray or settings.compile_artifact or settings.kv_block_size):
         # their imports now, beside the engine's loading (Ray's replicas are processes of their own; a paged cache or
         # an artifact takes no helper)
         compile_helpers.prestart(settings.device, settings.compile_cache)
     if settings.api_key is None and settings.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("q3tts.server").warning("serving on %s without an API key (--api-key)", settings.host)
-    if settings.replicas or settings.max_replicas or settings.ray_address:
+    if ray:
         try:
             from .server.ray_serve import serve_main
         except ImportError as e:
