@@ -84,16 +84,29 @@ def plan(names: list[str], helpers: int) -> list[list[str]]:
 
 def asked() -> int:
     """The helpers $Q3TTS_COMPILE_HELPERS asks for ('auto': MAX_HELPERS; a number; 0 or compile.OFF's words: none),
-    bounded by the cores (a helper is one busy core plus Inductor's compile workers: half the cores, less one for the
-    engine). ValueError naming the accepted values for anything else."""
+    bounded by the cores (a helper is one busy core plus its compile workers (helper_env): half the cores, less one
+    for the engine). ValueError naming the accepted values for anything else."""
     setting = os.environ.get(ENV, "0").strip().lower()
     if setting in ("", *OFF):
         return 0
     if setting != "auto" and not setting.isdigit():
         raise ValueError(f"${ENV}={setting!r}: expected auto, 0 (off) or a number of helper processes")
     n = MAX_HELPERS if setting == "auto" else int(setting)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return min(n, max(0, cores // 2 - 1))
+    return min(n, max(0, _cores() // 2 - 1))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def helper_env() -> dict[str, str]:
+    """A helper's environment: this one's, with no helpers of its own and, unless the user set it, Inductor's compile
+    pool sized to its share of the cores (the cores over the asked() helpers and the engine, at least 1). Inductor
+    sizes each process's pool by all the cores, so the engine and its helpers would each start that many workers on
+    the same cores, and the engine's own tracing, the start's critical path, would wait behind them."""
+    env = dict(os.environ, **{ENV: "0"})
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, _cores() // (asked() + 1))))
+    return env
 
 
 def wanted(runner) -> int:
@@ -141,9 +154,8 @@ def dismiss() -> None:
 
 
 def _spawn() -> subprocess.Popen:
-    env = dict(os.environ, **{ENV: "0"})
-    return subprocess.Popen([sys.executable, "-m", ENTRY], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    return subprocess.Popen([sys.executable, "-m", ENTRY], env=helper_env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
 class Reports:

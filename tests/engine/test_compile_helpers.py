@@ -86,9 +86,29 @@ def test_prestart_only_for_a_cold_start_on_a_gpu(monkeypatch, tmp_path):
         assert compile_helpers.prestart("cuda", str(tmp_path / "cold")) == 3
         procs = list(compile_helpers._waiting)
         assert all(p.poll() is None for p in procs)
+        if os.path.exists(f"/proc/{procs[0].pid}/environ"):  # (Linux) each with its share of the 8 cores' pool
+            env = open(f"/proc/{procs[0].pid}/environ", "rb").read().split(b"\0")
+            assert b"TORCHINDUCTOR_COMPILE_THREADS=2" in env and compile_helpers.ENV.encode() + b"=0" in env
     finally:
         compile_helpers.dismiss()
     assert compile_helpers._waiting == [] and all(p.poll() is not None for p in procs)
+
+
+def test_helpers_share_the_cores_compile_pool_unless_the_user_sized_it(monkeypatch):
+    """Inductor sizes each process's compile pool by all the cores: a helper gets the cores over the helpers asked for
+    and the engine (at least 1); a pool size the user set stays."""
+    monkeypatch.setenv(compile_helpers.ENV, "auto")
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)  # 5 helpers and the engine
+    assert compile_helpers.helper_env()["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)  # 1 helper
+    assert compile_helpers.helper_env()["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
+    monkeypatch.setenv(compile_helpers.ENV, "3")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert compile_helpers.helper_env()["TORCHINDUCTOR_COMPILE_THREADS"] == "16"
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    assert compile_helpers.helper_env()["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert compile_helpers.helper_env()[compile_helpers.ENV] == "0"  # no helpers of their own
 
 
 def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other():
