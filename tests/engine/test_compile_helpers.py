@@ -74,6 +74,7 @@ def test_prestart_only_for_a_cold_start_on_a_gpu(monkeypatch, tmp_path):
     monkeypatch.setenv(compile_helpers.ENV, "auto")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # room for 3 helpers
     monkeypatch.delenv("Q3TTS_COMPILE", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     assert compile_helpers.prestart("cpu", str(tmp_path)) == 0
     warm = tmp_path / "warm"
     (warm / "dynamo").mkdir(parents=True)
