@@ -7,9 +7,11 @@ sampler, one prompt's prefill, a wave, a batched prefill, a long prompt). The en
 order, compiling each class's variants as it reaches it. A helper is a fresh process that loads the same checkpoint,
 builds a runner of the same geometry and runs only the first warm-up of the classes it is given, then exits: Inductor's
 FX graphs and the AOTAutograd entries it writes are keyed by the traced graph, so when the engine reaches those classes
-it traces them (Dynamo runs in every process) and takes the rest from the cache. Nothing a helper does changes what the
-engine computes: a cache hit is the graph the engine would have compiled; a helper that fails or is late only leaves
-the engine compiling that class itself.
+it traces them (Dynamo runs in every process) and takes the rest from the cache. One helper also runs the streaming
+vocoder's warm-ups (VOCODER), whose Triton kernels the engine's process then loads from Triton's cache rather than
+compiling them after the runner's captures. Nothing a helper does changes what the engine computes: a cache hit is the
+graph the engine would have compiled; a helper that fails or is late only leaves the engine compiling that class
+itself.
 
 Off unless $Q3TTS_COMPILE_HELPERS says otherwise: "auto" (which `q3tts serve` sets; not `q3tts warmup`, a build step
 whose speed matters less than its artifact holding what one process compiled) or a number. Used only for a cold start
@@ -43,6 +45,8 @@ ENV = "Q3TTS_COMPILE_HELPERS"
 ENTRY = "q3tts.engine.helper_process"  # a helper's process: python -m ENTRY, its work one line on stdin (a module of
 # its own: it imports the runner and the warm-ups, which import this one)
 MAX_HELPERS = 5
+VOCODER = "vocoder"  # a helper's unit after the runner's warm-ups: the streaming vocoder's (StreamingVocoder.warm_up),
+# which compile the engine's own Triton kernels of the vocoder into Triton's cache for the engine's capture to find
 WAIT_S = 240.0  # the longest the engine waits for a helper's warm-up (a class compiles in well under a minute)
 log = logging.getLogger("q3tts.engine")
 _waiting: list[subprocess.Popen] = []  # helpers started at launch (prestart), waiting for their warm-ups
@@ -208,7 +212,7 @@ class Helpers:
         n = wanted(runner) if source is not None else 0
         if not n:
             return
-        dealt = plan(names, n)
+        dealt = plan([*names, VOCODER], n)
         # the compile cache's directory: the runner's (resolved after the launch of a waiting helper)
         spec = {"source": asdict(source), "batch_invariant": invariant.ENABLED, "cache_dir": runner.compile_cache}
         for units in dealt:

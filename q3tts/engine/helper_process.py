@@ -13,19 +13,22 @@ import torch
 from .. import invariant
 from ..models.loaders import load_checkpoint
 from .compile import precompiling
-from .compile_helpers import Source
+from .compile_helpers import VOCODER, Source
 from .graphs import side_stream, warm_ups
 from .runner import ModelRunner
+from .vocoder import StreamingVocoder
 
 
 def main(spec: dict) -> None:
-    """A helper: load the checkpoint, build the runner, run its warm-ups, exit (no capture, nothing served)."""
+    """A helper: load the checkpoint, build the runner, run its warm-ups (the runner's, or the vocoder's), exit (no
+    capture, nothing served)."""
     invariant.set_enabled(spec["batch_invariant"])
     s = Source(**spec["source"])
     ckpt = load_checkpoint(s.model_dir, s.device, s.dtype, s.quantization)
     runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=s.max_slots, max_len=s.max_len,
                          use_cuda_graphs=True, compile=True, compile_cache=spec.get("cache_dir") or False)
     units = dict(warm_ups(runner))
+    units[VOCODER] = lambda: StreamingVocoder(ckpt.code2wav, s.max_slots).warm_up()  # (the engine's vocoder's rows)
     with precompiling(), torch.inference_mode(), side_stream():
         for name in spec["units"]:
             print("start", name, flush=True)

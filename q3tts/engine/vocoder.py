@@ -175,24 +175,34 @@ class StreamingVocoder:
         return wav[:n].to(torch.float32, copy=True)
 
     # ------------------------------------------------------------------ CUDA graphs
+    def _graph_inputs(self) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]:
+        """(rows bucket up to call_rows[piece], piece size up to max_piece) -> static (row index [R] on the scratch
+        row, codes [R, K, piece]): one CUDA graph each."""
+        keys = [(1 << j, p) for p, rows in self.call_rows.items() for j in range(rows.bit_length())]
+        return {k: (torch.full((k[0],), self.scratch, device=self.device),
+                    torch.zeros(k[0], self.K, k[1], dtype=torch.long, device=self.device)) for k in keys}
+
+    @torch.inference_mode()
+    def warm_up(self, static: dict | None = None) -> None:
+        """The runs before a capture (Triton kernels' specializations, cuDNN/cuBLAS plans), on a side stream, writing
+        only the scratch row: per piece size at one row and at its most rows only (the row counts in between share
+        their Triton specializations, which depend on the piece size only; each run is a decoder pass launched from
+        Python). A compile helper runs them too, so the engine's process finds the Triton kernels in the cache."""
+        static = static or self._graph_inputs()
+        with side_stream():
+            for k in sorted(k for k in static if k[0] in (1, self.call_rows[k[1]])):
+                self._run(*static[k])
+
     @torch.inference_mode()
     def capture_graphs(self) -> int:
-        """One graph per (rows bucket up to call_rows[piece], piece size up to max_piece), sharing one memory
-        pool. The warm-up runs (Triton kernels' specializations, cuDNN/cuBLAS plans) write only the scratch row."""
+        """One graph per (rows bucket, piece size) (_graph_inputs), sharing one memory pool, after the warm-up."""
         if not self.use_graphs:
             return 0
-        keys = [(1 << j, p) for p, rows in self.call_rows.items() for j in range(rows.bit_length())]
-        static = {k: (torch.full((k[0],), self.scratch, device=self.device),
-                      torch.zeros(k[0], self.K, k[1], dtype=torch.long, device=self.device)) for k in keys}
-        # warm-ups per piece size at one row and at its most rows only: the row counts in between share their Triton
-        # specializations (which depend on the piece size only), and each warm-up is a decoder pass launched from Python
-        warm = {k for k in keys if k[0] in (1, self.call_rows[k[1]])}
-        with side_stream():
-            for k in sorted(warm):
-                self._run(*static[k])
+        static = self._graph_inputs()
+        self.warm_up(static)
         pool = None
         with gc_paused():
-            for k in sorted(keys, reverse=True):  # the largest first: the shared pool is sized by it
+            for k in sorted(static, reverse=True):  # the largest first: the shared pool is sized by it
                 g, wav = capture(lambda: self._run(*static[k]), pool)  # noqa: B023 (called at once)
                 pool = g.pool()
                 self.graphs[k] = (g, *static[k], wav)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from q3tts.engine import compile_helpers
-from q3tts.engine.compile_helpers import ENTRY, plan, shape_class, wanted
+from q3tts.engine.compile_helpers import ENTRY, VOCODER, plan, shape_class, wanted
 from tests.golden import fixtures as fx
 
 from .fresh_process import run_child
@@ -31,6 +31,8 @@ def test_each_shape_class_once_and_the_engines_first_left_to_it():
     assert plan(NAMES, 20) == [[n] for n in ("frame 1 capped", "frame 2 full", "frame 2 capped", "prefill 16",
                                              "wave 16x32", "batch 2", "long 257")]
     assert plan(NAMES[:1], 3) == []  # nothing but the engine's own first warm-up: no helper
+    # Helpers deals the vocoder's warm-ups after the runner's: to a helper with one class of the runner's
+    assert plan([*NAMES, VOCODER], 5)[2] == ["frame 2 capped", VOCODER]
 
 
 @pytest.mark.parametrize("setting, runner", [
@@ -178,6 +180,7 @@ def test_a_cold_start_with_helpers_computes_what_the_engine_computes(tmp_path):
                     Q3TTS_COMPILE_HELPERS="2", TORCHINDUCTOR_COMPILE_THREADS="4")
     started, finished = out["helpers"]
     assert out["prestarted"] == 2 and started.startswith("compile helpers: 2 processes"), out["helpers"]
+    assert f"'{VOCODER}'" in started, out["helpers"]
     assert " 0 failed; the engine waited " in finished, out["helpers"]
     assert out["counts"]["dynamo_hit"] == 0, out["counts"]  # a cold start: nothing installed from the cache
     tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32)
