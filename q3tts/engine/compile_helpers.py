@@ -5,24 +5,28 @@ A runner's warm-ups (q3tts.engine.graphs.warm_ups) fall into shape classes, each
 the layers, the code predictor's step and the samplers (a one-row frame per sampler, a frame of two rows and more per
 sampler, one prompt's prefill, a wave, a batched prefill, a long prompt). The engine's process works through them in
 order, compiling each class's variants as it reaches it. A helper is a fresh process that loads the same checkpoint,
-builds a runner of the same geometry and runs only the first warm-up of the classes it is given, then exits: Inductor's
-FX graphs and the AOTAutograd entries it writes are keyed by the traced graph, so when the engine reaches those classes
-it traces them (Dynamo runs in every process) and takes the rest from the cache. One helper also runs the streaming
-vocoder's warm-ups (VOCODER), whose Triton kernels the engine's process then loads from Triton's cache rather than
-compiling them after the runner's captures. Nothing a helper does changes what the engine computes: a cache hit is the
-graph the engine would have compiled; a helper that fails or is late only leaves the engine compiling that class
-itself.
+builds a runner of the same slots and runs only the first warm-up of the classes it is given, then exits: Inductor's FX
+graphs and the AOTAutograd entries it writes are keyed by the traced graph, so when the engine reaches those classes it
+traces them (Dynamo runs in every process) and takes the rest from the cache. A helper's runner has fewer positions than
+the engine's (helper_len: enough for every warm-up's prompt): the compiled functions take the KV cache's length as a
+dynamic size, so the graphs are the same, and a helper holds a fraction of the engine's memory (so a GPU that holds the
+engine holds its helpers too). One helper also runs the streaming vocoder's warm-ups (VOCODER), whose Triton kernels the
+engine's process then loads from Triton's cache rather than compiling them after the runner's captures, and the helper
+that takes the engine's next class first runs an uncompiled one-row frame (KERNELS), so that the engine's first class
+finds q3tts's own Triton kernels compiled. Nothing a helper does changes what the engine computes: a cache hit is the
+graph the engine would have compiled; a helper that fails or is late only leaves the engine compiling that class itself.
 
 Off unless $Q3TTS_COMPILE_HELPERS says otherwise: "auto" (which `q3tts serve` sets; not `q3tts warmup`, a build step
 whose speed matters less than its artifact holding what one process compiled) or a number. Used only for a cold start
 (no Dynamo entry installed from the cache or an artifact) of a compiled, captured runner with a contiguous cache, and
-only as many as the CPU cores and the free GPU memory hold (each builds a runner of the engine's size).
+only as many as the CPU cores and the free GPU memory hold.
 
 `q3tts serve` starts its helpers at launch (`prestart`): each imports torch, Inductor and the runner and then waits on
 its stdin for the work, which the engine sends once its runner's geometry is known (the memory budget sizes it after
 the weights have loaded); a helper that gets none exits. So their imports overlap the engine's own imports and loading.
-A helper reports each warm-up it starts and finishes on its stdout; the engine, reaching a warm-up a helper is
-compiling, waits for it rather than compiling the same graphs beside it.
+A helper reports each warm-up it starts and finishes on its stdout. The engine runs the classes no helper is compiling
+and takes the others as their helpers finish them (Helpers.in_turn), waiting only when nothing else is left, rather
+than compiling the same graphs beside a helper.
 """
 
 from __future__ import annotations
@@ -34,17 +38,22 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from .. import invariant
 from .compile import OFF, compile_counts, use_compile_cache, want_compile
+from .memory import alloc_len
 
 ENV = "Q3TTS_COMPILE_HELPERS"
 ENTRY = "q3tts.engine.helper_process"  # a helper's process: python -m ENTRY, its work one line on stdin (a module of
 # its own: it imports the runner and the warm-ups, which import this one)
 MAX_HELPERS = 5
+KERNELS = "kernels"  # the first unit of the helper that compiles the engine's next class: one uncompiled one-row frame
+# per sampler (helper_process.eager_frames), which compiles q3tts's own Triton kernels (q3tts.kernels) that the
+# engine's first class launches into Triton's cache before the engine first runs its compiled frame (there they would
+# compile one after another on its critical path); that helper's own one-row frame then finds them too
 VOCODER = "vocoder"  # a helper's unit after the runner's warm-ups: the streaming vocoder's (StreamingVocoder.warm_up),
 # which compile the engine's own Triton kernels of the vocoder into Triton's cache for the engine's capture to find
 WAIT_S = 240.0  # the longest the engine waits for a helper's warm-up (a class compiles in well under a minute)
@@ -54,7 +63,8 @@ _waiting: list[subprocess.Popen] = []  # helpers started at launch (prestart), w
 
 @dataclass(slots=True)
 class Source:
-    """What a helper needs to build the engine's runner again: the checkpoint as loaded and the runner's geometry."""
+    """What a helper needs to build a runner like the engine's: the checkpoint as loaded, the slots and the positions
+    (the engine's; a helper gets helper_len's)."""
 
     model_dir: str
     device: str
@@ -84,6 +94,16 @@ def plan(names: list[str], helpers: int) -> list[list[str]]:
             firsts.append(name)
     rest = firsts[1:]
     return [rest[i::helpers] for i in range(min(helpers, len(rest)))]
+
+
+def helper_len(runner) -> int:
+    """A helper's runner's positions: the fewest the runner allocates (a power of two) that hold every warm-up's
+    prompt (the prefill graphs' and waves' lengths, and the long prompt one past the last prefill graph's), at most
+    the engine's. Its KV cache (most of a runner's memory) is then a fraction of the engine's, and its warm-ups trace
+    the same graphs: the compiled functions take the cache's length as a dynamic size, and each warm-up attends to
+    its own positions only."""
+    need = max([*runner.prefill_graph_lens, *runner.wave_lens], default=0) + 2
+    return min(runner.max_len, alloc_len(need))
 
 
 def asked() -> int:
@@ -116,9 +136,9 @@ def helper_env() -> dict[str, str]:
 def wanted(runner) -> int:
     """How many helpers this cold start gets: asked(), bounded by the GPU memory free beyond what the engine may still
     take (a tenth of the device, outside its budget, and a quarter of what it holds now plus 2 GiB for its captures
-    and warm-ups), each helper holding what the engine holds now (the same runner) plus 1 GiB (its context and
-    warm-up activations); 0 where helpers cannot help (no compilation, no CUDA graphs, a paged cache, Dynamo entries
-    already installed: a warm start)."""
+    and warm-ups), each helper holding what the engine holds now less the KV cache positions its runner lacks
+    (helper_len) plus 1 GiB (its context and warm-up activations); 0 where helpers cannot help (no compilation, no
+    CUDA graphs, a paged cache, Dynamo entries already installed: a warm start)."""
     n = asked()
     if not n or not (runner.compiled and runner.use_graphs):
         return 0
@@ -128,7 +148,9 @@ def wanted(runner) -> int:
     free, total = torch.cuda.mem_get_info(dev)
     used = torch.cuda.memory_allocated(dev)
     spare = free - total * 0.1 - used * 0.25 - (2 << 30)
-    return max(0, min(n, int(spare // (used + (1 << 30)))))
+    kv = runner.kv.numel() * runner.kv.element_size()
+    each = used - kv * (1 - helper_len(runner) / runner.max_len) + (1 << 30)
+    return max(0, min(n, int(spare // each)))
 
 
 def prestart(device: str | None, compile_cache: str | None) -> int:
@@ -167,9 +189,13 @@ class Reports:
     the engine's waits for them."""
 
     def __init__(self):
-        self._done: dict[str, threading.Event] = {}  # per warm-up a helper has started: set once it is done
-        self._lock = threading.Lock()
-        self.waited = 0.0  # seconds the engine waited (wait_for)
+        self._busy: set[str] = set()  # warm-ups a helper has started and not finished (nor ended)
+        self._changed = threading.Condition()  # notified whenever _busy loses a name
+        self.waited = 0.0  # seconds the engine waited (wait_any)
+        self.t0 = time.perf_counter()  # the helpers' work sent (about): `spans` count from here
+        self.spans: dict[str, list[float]] = {}  # per warm-up a helper started: [start, done] s after t0 (done: nan
+        # while it runs)
+        self.waits: dict[str, float] = {}  # per warm-up the engine waited for: seconds
 
     def follow(self, lines) -> None:
         """Read one helper's lines until it ends (a thread of its own); each warm-up it started counts as done once it
@@ -177,29 +203,54 @@ class Reports:
         started = []
         for line in lines:
             what, _, name = line.strip().partition(" ")
-            with self._lock:
+            t = time.perf_counter() - self.t0
+            with self._changed:
                 if what == "start":
                     started.append(name)
-                    self._done.setdefault(name, threading.Event())
-                elif what == "done" and name in self._done:
-                    self._done[name].set()
-        with self._lock:
-            for name in started:
-                self._done[name].set()
+                    self._busy.add(name)
+                    self.spans[name] = [t, float("nan")]
+                elif what == "done" and name in self.spans:
+                    self._busy.discard(name)
+                    self.spans[name][1] = t
+                    self._changed.notify_all()
+        with self._changed:
+            self._busy.difference_update(started)
+            self._changed.notify_all()
+
+    def busy(self, name: str) -> bool:
+        """Whether a helper is compiling warm-up `name` (started, not done). One dealt to a helper that has not
+        started it yet, the engine runs itself when it comes to it (the helper then finds its graphs cached)."""
+        with self._changed:
+            return name in self._busy
+
+    def wait_any(self, names: list[str], timeout: float = WAIT_S) -> float:
+        """Until a helper is done with one of `names` (at once if a helper is compiling none of them), at most
+        `timeout` s, after which they are the engine's -> the seconds waited."""
+        t0 = time.perf_counter()
+        with self._changed:
+            if not self._busy.issuperset(names):
+                return 0.0
+            if not self._changed.wait_for(lambda: not self._busy.issuperset(names), timeout):
+                log.warning("compile helpers: %s not done after %.0f s; compiling here", ", ".join(names), timeout)
+                self._busy.difference_update(names)
+            first = next(n for n in names if n not in self._busy)
+        waited = time.perf_counter() - t0
+        self.waited += waited
+        self.waits[first] = self.waits.get(first, 0.0) + waited
+        return waited
 
     def wait_for(self, name: str, timeout: float = WAIT_S) -> float:
         """Before the engine runs warm-up `name`: if a helper is compiling it, wait until it is done (at most
         `timeout` s) -> the seconds waited. One that no helper has started, the engine runs at once."""
-        with self._lock:
-            done = self._done.get(name)
-        if done is None or done.is_set():
-            return 0.0
-        t0 = time.perf_counter()
-        if not done.wait(timeout):
-            log.warning("compile helpers: %s not done after %.0f s; compiling it here", name, timeout)
-        waited = time.perf_counter() - t0
-        self.waited += waited
-        return waited
+        return self.wait_any([name], timeout)
+
+    def describe(self) -> str:
+        """The helpers' warm-ups and the engine's waits, e.g. 'frame 1 capped 5.2-31.0 s, ... after the work was sent;
+        the engine waited for batch 2 2.7 s' (a span whose end is nan: its helper ended or was stopped first)."""
+        with self._changed:
+            spans = ", ".join(f"{n} {a:.1f}-{b:.1f} s" for n, (a, b) in sorted(self.spans.items(), key=lambda x: x[1]))
+            waits = ", ".join(f"{n} {w:.1f} s" for n, w in self.waits.items() if w >= 0.05) or "nothing"
+        return f"{spans or 'no warm-up started'} after the work was sent; the engine waited for {waits}"
 
 
 class Helpers:
@@ -213,8 +264,10 @@ class Helpers:
         if not n:
             return
         dealt = plan([*names, VOCODER], n)
+        dealt[0].insert(0, KERNELS)
         # the compile cache's directory: the runner's (resolved after the launch of a waiting helper)
-        spec = {"source": asdict(source), "batch_invariant": invariant.ENABLED, "cache_dir": runner.compile_cache}
+        spec = {"source": asdict(replace(source, max_len=helper_len(runner))), "batch_invariant": invariant.ENABLED,
+                "cache_dir": runner.compile_cache}
         for units in dealt:
             p = _waiting.pop() if _waiting else _spawn()
             try:
@@ -225,6 +278,23 @@ class Helpers:
             self.procs.append(p)
             threading.Thread(target=self.reports.follow, args=(p.stdout,), daemon=True).start()
         log.info("compile helpers: %d processes for %s", len(self.procs), dealt)
+
+    def in_turn(self, units: list[tuple[str, object]]):
+        """The named warm-ups in their order, except that a shape class whose first warm-up a helper is compiling goes
+        (with the rest of its class, which use its variants) behind those the engine can run now; with nothing else
+        to run, the engine waits for the first helper to be done with one. So the engine traces a class as soon as
+        its graphs are in the cache, whichever helper finishes first."""
+        firsts: dict[str, str] = {}
+        for name, _ in units:
+            firsts.setdefault(shape_class(name), name)
+        pending = list(units)
+        while pending:
+            owners = [firsts[shape_class(name)] for name, _ in pending]
+            free = [i for i, o in enumerate(owners) if not self.reports.busy(o)]
+            if not free:
+                self.reports.wait_any(list(dict.fromkeys(owners)))
+                free = [i for i, o in enumerate(owners) if not self.reports.busy(o)] or [0]
+            yield pending.pop(free[0])
 
     def stop(self) -> dict[str, int]:
         """End the helpers still running (the engine has compiled what they had left) -> how many had finished, were
@@ -237,6 +307,6 @@ class Helpers:
             code = p.wait()
             ended["stopped" if running else "finished" if code == 0 else "failed"] += 1
         if self.procs:
-            log.info("compile helpers: %d finished, %d stopped, %d failed; the engine waited %.1f s for them",
-                     *ended.values(), self.reports.waited)
+            log.info("compile helpers: %d finished, %d stopped, %d failed; the engine waited %.1f s for them (%s)",
+                     *ended.values(), self.reports.waited, self.reports.describe())
         return ended

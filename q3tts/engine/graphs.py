@@ -129,8 +129,7 @@ def capture_runner(runner, source: Source | None = None) -> int:
     helpers = Helpers(source, runner, [name for name, _ in units])
     try:
         with side_stream():
-            for name, fn in before:
-                helpers.reports.wait_for(name)
+            for _, fn in helpers.in_turn(before):
                 fn()
         compiled = compile_counts()
         with gc_paused():
@@ -155,8 +154,7 @@ def capture_runner(runner, source: Source | None = None) -> int:
             log.warning("%d graphs compiled while capturing CUDA graphs", runner.compiled_while_capturing)
         # one row's batched prefill (its prefill graph; compiled apart where there are none), then the rest
         _prefill_batch(runner, 1, 32)
-        for name, fn in after:
-            helpers.reports.wait_for(name)
+        for _, fn in helpers.in_turn(after):
             fn()
         torch.cuda.synchronize()
     finally:

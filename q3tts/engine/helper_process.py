@@ -13,7 +13,7 @@ import torch
 from .. import invariant
 from ..models.loaders import load_checkpoint
 from .compile import precompiling
-from .compile_helpers import VOCODER, Source
+from .compile_helpers import KERNELS, VOCODER, Source
 from .graphs import side_stream, warm_ups
 from .runner import ModelRunner
 from .vocoder import StreamingVocoder
@@ -29,12 +29,22 @@ def main(spec: dict) -> None:
                          use_cuda_graphs=True, compile=True, compile_cache=spec.get("cache_dir") or False)
     units = dict(warm_ups(runner))
     units[VOCODER] = lambda: StreamingVocoder(ckpt.code2wav, s.max_slots).warm_up()  # (the engine's vocoder's rows)
+    units[KERNELS] = lambda: eager_frames(runner)
     with precompiling(), torch.inference_mode(), side_stream():
         for name in spec["units"]:
             print("start", name, flush=True)
             units[name]()
             torch.cuda.synchronize()
             print("done", name, flush=True)
+
+
+def eager_frames(runner: ModelRunner) -> None:
+    """One frame of one row per sampler at the shortest span, every compiled function run uncompiled: the same calls
+    of q3tts's kernels as the compiled one-row frames make (the same shapes, dtypes and alignments), so Triton
+    compiles them into its cache without waiting for Inductor."""
+    n = min(n for _, n, _ in runner.graph_keys())
+    with torch.compiler.set_stance("force_eager"):
+        runner.warm_up_frames([(1, n, False), (1, n, True)])
 
 
 if __name__ == "__main__":

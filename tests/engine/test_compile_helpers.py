@@ -2,13 +2,14 @@
 cold start beside them computes what the engine computes without them."""
 
 import os
+import re
 import types
 
 import pytest
 import torch
 
 from q3tts.engine import compile_helpers
-from q3tts.engine.compile_helpers import ENTRY, VOCODER, plan, shape_class, wanted
+from q3tts.engine.compile_helpers import ENTRY, KERNELS, VOCODER, helper_len, plan, shape_class, wanted
 from tests.golden import fixtures as fx
 
 from .fresh_process import run_child
@@ -33,6 +34,36 @@ def test_each_shape_class_once_and_the_engines_first_left_to_it():
     assert plan(NAMES[:1], 3) == []  # nothing but the engine's own first warm-up: no helper
     # Helpers deals the vocoder's warm-ups after the runner's: to a helper with one class of the runner's
     assert plan([*NAMES, VOCODER], 5)[2] == ["frame 2 capped", VOCODER]
+
+
+def test_a_helpers_runner_has_the_positions_of_every_warm_up_and_no_more():
+    """The engine's geometry but the fewest positions (a power of two) that still hold each warm-up's prompt: the
+    prefill graphs' and waves' lengths and the long prompt one past the last prefill graph's (graphs.warm_ups)."""
+    engine = types.SimpleNamespace(max_len=4096, prefill_graph_lens=[16, 32, 64, 128, 256], wave_lens=[32, 64, 128])
+    assert helper_len(engine) == 512  # the long prompt: 257 tokens, and a position past it
+    assert helper_len(types.SimpleNamespace(**vars(engine) | {"max_len": 256})) == 256  # never more than the engine's
+    assert helper_len(types.SimpleNamespace(max_len=4096, prefill_graph_lens=[], wave_lens=[])) == 64
+
+
+def test_the_kernels_unit_runs_one_row_frames_of_both_samplers_uncompiled():
+    """helper_process.eager_frames (KERNELS): the one-row frames run with every compiled function uncompiled (their
+    purpose is q3tts's own kernels, compiled by Triton, not Inductor's graphs), and the runner's state moves on as a
+    frame's does."""
+    from q3tts.engine.compile import compile_counts
+    from q3tts.engine.helper_process import eager_frames
+    from q3tts.engine.runner import ModelRunner
+    tts = fx.tts("cv06")
+    runner = ModelRunner(tts.ckpt.talker, tts.ckpt.tts_pad_embed, max_slots=2, max_len=64, use_cuda_graphs=False,
+                         compile=True)
+    before = compile_counts()
+    calls = []
+    frame = runner._frame
+    runner._frame = lambda *key: (calls.append(key), frame(*key))
+    with torch.inference_mode():
+        eager_frames(runner)
+    assert calls == [(1, 64, False), (1, 64, True)]
+    assert compile_counts()["traced"] == before["traced"]  # nothing traced, so nothing compiled
+    assert runner.slots.position[0].item() == 1  # the last frame advanced row 0 from position 0
 
 
 @pytest.mark.parametrize("setting, runner", [
@@ -102,7 +133,7 @@ def test_helpers_share_the_cores_compile_pool_unless_the_user_sized_it(monkeypat
     and the engine (at least 1); a pool size the user set stays."""
     monkeypatch.setenv(compile_helpers.ENV, "auto")
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)  # 5 helpers and the engine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)  # 7 helpers and the engine
     assert compile_helpers.helper_env()["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)  # 1 helper
     assert compile_helpers.helper_env()["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
@@ -120,13 +151,13 @@ def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other()
     import time
     reports = compile_helpers.Reports()
     stdout = queue.Queue()  # a helper's stdout, line by line (None: it has ended)
-    follower = threading.Thread(target=reports.follow, args=(iter(stdout.get, None),))
+    follower = threading.Thread(target=reports.follow, args=(iter(stdout.get, None),), daemon=True)
     follower.start()
 
     def start(name):
         stdout.put(f"start {name}\n")
         deadline = time.monotonic() + 30
-        while name not in reports._done and time.monotonic() < deadline:  # (until the follower has read it)
+        while name not in reports.spans and time.monotonic() < deadline:  # (until the follower has read it)
             time.sleep(0.001)
 
     assert reports.wait_for("frame 2 full") == 0.0  # no helper has started it: the engine runs it at once
@@ -140,6 +171,46 @@ def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other()
     follower.join(10)
     assert reports.wait_for("prefill 16") == 0.0 and reports.wait_for("wave 16x32") == 0.0
     assert 0.15 < reports.waited < 10
+    # the log's account: each warm-up's span after the work was sent (unfinished: nan) and the engine's waits
+    told = reports.describe()
+    assert re.fullmatch(r"frame 2 full [\d.]+-[\d.]+ s, prefill 16 [\d.]+-nan s after the work was sent; the engine "
+                        r"waited for frame 2 full 0\.\d s, prefill 16 0\.\d s", told), told
+
+
+def test_the_engine_runs_what_it_can_while_a_helper_compiles_a_class_and_its_members_after_it():
+    """Helpers.in_turn: the warm-ups in order, but a class whose first warm-up a helper is compiling waits, with its
+    members, behind the classes the engine can run (one that no helper has started among them); with nothing else
+    left, the engine waits for a helper, whichever finishes first; a helper that ends without finishing leaves its
+    warm-ups to the engine."""
+    import queue
+    import threading
+    import time
+    helpers = compile_helpers.Helpers(None, None, [])  # no processes: the reports are this test's
+    reports = helpers.reports
+    units = [(n, None) for n in ("frame 1 full", "frame 1 capped", "frame 2 full", "frame 4 full", "prefill 16",
+                                 "prefill 32", "wave 16x32")]
+    lines = {h: queue.Queue() for h in ("a", "b")}  # two helpers' stdout
+    for q in lines.values():
+        threading.Thread(target=reports.follow, args=(iter(q.get, None),), daemon=True).start()
+
+    def put(h, line):
+        lines[h].put(line)
+        deadline = time.monotonic() + 30
+        while reports.spans.get(line.split(" ", 1)[1]) is None and time.monotonic() < deadline:  # (read)
+            time.sleep(0.001)
+
+    put("a", "start frame 1 capped")
+    put("b", "start frame 2 full")
+    put("a", "start wave 16x32")
+    order = helpers.in_turn(units)
+    assert [next(order)[0] for _ in range(3)] == ["frame 1 full", "prefill 16", "prefill 32"]  # the helpers' wait
+    threading.Timer(0.3, lines["b"].put, args=("done frame 2 full",)).start()
+    assert next(order)[0] == "frame 2 full"  # b was first to finish: its class, then its members
+    assert next(order)[0] == "frame 4 full"
+    assert 0.25 < reports.waits["frame 2 full"] < 10
+    lines["a"].put(None)  # a ends (failed) with its two warm-ups unfinished: the engine's now
+    assert [n for n, _ in order] == ["frame 1 capped", "wave 16x32"]
+    assert not reports.busy("wave 16x32") and reports.spans["wave 16x32"][1] != reports.spans["wave 16x32"][1]
 
 
 CHILD = """
@@ -155,7 +226,7 @@ logging.getLogger("q3tts.engine").setLevel(logging.INFO)
 ckpt, cache = sys.argv[1:3]
 from q3tts.engine import compile_helpers
 prestarted = compile_helpers.prestart("cuda", cache)  # as `q3tts serve` does at launch
-tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32, compile=True, max_batch_size=4, max_seq_len=256,
+tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32, compile=True, max_batch_size=4, max_seq_len=1024,
                           compile_cache=cache)
 p = tts.prepare_custom_voice("Helpers compile beside the engine.", "vivian", "English", do_sample=False,
                              subtalker_dosample=False, max_new_tokens=41)
@@ -170,8 +241,9 @@ print(json.dumps({"counts": compile_counts(), "codes": codes[0].tolist(), "prest
 def test_a_cold_start_with_helpers_computes_what_the_engine_computes(tmp_path):
     """A fresh process on an empty compile cache with two helpers started before the engine (as at a server's
     launch): the engine takes them, none fails (one may still be running when the engine is done, then it is
-    stopped), and the codes are those of an engine built here (the compile cache this process uses: graphs the
-    helpers did not make)."""
+    stopped), the engine finds graphs they compiled though their runners have a fraction of its positions
+    (helper_len: 512 of 1024), and the codes are those of an engine built here (the compile cache this process
+    uses: graphs the helpers did not make)."""
     from q3tts import TTS
     from q3tts.engine.engine import Engine
     from tests.engine.steps import generate_codes
@@ -180,9 +252,11 @@ def test_a_cold_start_with_helpers_computes_what_the_engine_computes(tmp_path):
                     Q3TTS_COMPILE_HELPERS="2", TORCHINDUCTOR_COMPILE_THREADS="4")
     started, finished = out["helpers"]
     assert out["prestarted"] == 2 and started.startswith("compile helpers: 2 processes"), out["helpers"]
-    assert f"'{VOCODER}'" in started, out["helpers"]
+    assert f"'{VOCODER}'" in started and f"[['{KERNELS}', " in started, out["helpers"]
     assert " 0 failed; the engine waited " in finished, out["helpers"]
     assert out["counts"]["dynamo_hit"] == 0, out["counts"]  # a cold start: nothing installed from the cache
+    # the classes the helpers compiled, the engine traced and found in the cache (AOTAutograd entries)
+    assert out["counts"]["aot_hit"] >= 2, (out["counts"], out["helpers"])
     tts = TTS.from_pretrained(ckpt, device="cuda", dtype=torch.float32)
     p = tts.prepare_custom_voice("Helpers compile beside the engine.", "vivian", "English", do_sample=False,
                                  subtalker_dosample=False, max_new_tokens=41)
