@@ -52,9 +52,12 @@ def test_the_kernels_unit_runs_one_row_frames_of_both_samplers_uncompiled():
     from q3tts.engine.compile import compile_counts
     from q3tts.engine.helper_process import eager_frames
     from q3tts.engine.runner import ModelRunner
-    tts = fx.tts("cv06")
-    runner = ModelRunner(tts.ckpt.talker, tts.ckpt.tts_pad_embed, max_slots=2, max_len=64, use_cuda_graphs=False,
-                         compile=True)
+    from q3tts.models.talker import Talker
+    cfg = fx.tts("cv06").ckpt.talker.cfg
+    torch.manual_seed(0)
+    # a talker of its own: compile=True compiles its layers in place (the shared fixture's stay uncompiled)
+    runner = ModelRunner(Talker(cfg).eval(), torch.zeros(cfg.hidden_size), max_slots=2, max_len=64,
+                         use_cuda_graphs=False, compile=True)
     before = compile_counts()
     calls = []
     frame = runner._frame
