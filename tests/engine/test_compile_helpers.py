@@ -148,27 +148,29 @@ def test_helpers_share_the_cores_compile_pool_unless_the_user_sized_it(monkeypat
     assert compile_helpers.helper_env()[compile_helpers.ENV] == "0"  # no helpers of their own
 
 
+def started(stdout, reports, name):
+    """A helper's 'start NAME' line on its stdout (a queue that Reports.follow reads), once the follower has read it."""
+    import time
+    stdout.put(f"start {name}\n")
+    deadline = time.monotonic() + 30
+    while name not in reports.spans and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other():
     import queue
     import threading
-    import time
     reports = compile_helpers.Reports()
     stdout = queue.Queue()  # a helper's stdout, line by line (None: it has ended)
     follower = threading.Thread(target=reports.follow, args=(iter(stdout.get, None),), daemon=True)
     follower.start()
 
-    def start(name):
-        stdout.put(f"start {name}\n")
-        deadline = time.monotonic() + 30
-        while name not in reports.spans and time.monotonic() < deadline:  # (until the follower has read it)
-            time.sleep(0.001)
-
     assert reports.wait_for("frame 2 full") == 0.0  # no helper has started it: the engine runs it at once
-    start("frame 2 full")
+    started(stdout, reports, "frame 2 full")
     threading.Timer(0.3, stdout.put, args=("done frame 2 full\n",)).start()
     assert 0.25 < reports.wait_for("frame 2 full") < 10  # started: the engine waits until it is done
     assert reports.wait_for("frame 2 full") == 0.0
-    start("prefill 16")
+    started(stdout, reports, "prefill 16")
     assert 0.15 < reports.wait_for("prefill 16", timeout=0.2) < 5  # a helper that hangs: the engine goes on
     stdout.put(None)  # the helper ends without finishing it (it failed): nothing more to wait for
     follower.join(10)
@@ -188,7 +190,6 @@ def test_the_engine_runs_what_it_can_while_a_helper_compiles_a_class_and_its_mem
     import math
     import queue
     import threading
-    import time
     helpers = compile_helpers.Helpers(None, None, [])  # no processes: the reports are this test's
     reports = helpers.reports
     units = [(n, None) for n in ("frame 1 full", "frame 1 capped", "frame 2 full", "frame 4 full", "prefill 16",
@@ -197,15 +198,9 @@ def test_the_engine_runs_what_it_can_while_a_helper_compiles_a_class_and_its_mem
     for q in lines.values():
         threading.Thread(target=reports.follow, args=(iter(q.get, None),), daemon=True).start()
 
-    def put(h, line):
-        lines[h].put(line)
-        deadline = time.monotonic() + 30
-        while reports.spans.get(line.split(" ", 1)[1]) is None and time.monotonic() < deadline:  # (read)
-            time.sleep(0.001)
-
-    put("a", "start frame 1 capped")
-    put("b", "start frame 2 full")
-    put("a", "start wave 16x32")
+    started(lines["a"], reports, "frame 1 capped")
+    started(lines["b"], reports, "frame 2 full")
+    started(lines["a"], reports, "wave 16x32")
     order = helpers.in_turn(units)
     # the classes no helper is compiling first, in order (frame 4 full waits with its class's first)
     assert [next(order)[0] for _ in range(3)] == ["frame 1 full", "prefill 16", "prefill 32"]
