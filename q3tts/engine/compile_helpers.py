@@ -3,18 +3,19 @@ engine's own process runs all of them.
 
 A runner's warm-ups (q3tts.engine.graphs.warm_ups) fall into shape classes, each of which compiles its own variants of
 the layers, the code predictor's step and the samplers (a one-row frame per sampler, a frame of two rows and more per
-sampler, one prompt's prefill, a wave, a batched prefill, a long prompt). The engine's process works through them in
-order, compiling each class's variants as it reaches it. A helper is a fresh process that loads the same checkpoint,
-builds a runner of the same slots and runs only the first warm-up of the classes it is given, then exits: Inductor's FX
-graphs and the AOTAutograd entries it writes are keyed by the traced graph, so when the engine reaches those classes it
-traces them (Dynamo runs in every process) and takes the rest from the cache. A helper's runner has fewer positions than
-the engine's (helper_len: enough for every warm-up's prompt): the compiled functions take the KV cache's length as a
-dynamic size, so the graphs are the same, and a helper holds a fraction of the engine's memory (so a GPU that holds the
-engine holds its helpers too). One helper also runs the streaming vocoder's warm-ups (VOCODER), whose Triton kernels the
-engine's process then loads from Triton's cache rather than compiling them after the runner's captures, and the helper
-that takes the engine's next class first runs an uncompiled one-row frame (KERNELS), so that the engine's first class
-finds q3tts's own Triton kernels compiled. Nothing a helper does changes what the engine computes: a cache hit is the
-graph the engine would have compiled; a helper that fails or is late only leaves the engine compiling that class itself.
+sampler, with capped frames past the top-k kernel's rows apart, one prompt's prefill, a wave, a batched prefill, a long
+prompt). The engine's process works through them in order, compiling each class's variants as it reaches it. A helper is
+a fresh process that loads the same checkpoint, builds a runner of the same slots and runs only the first warm-up of the
+classes it is given, then exits: Inductor's FX graphs and the AOTAutograd entries it writes are keyed by the traced
+graph, so when the engine reaches those classes it traces them (Dynamo runs in every process) and takes the rest from
+the cache. A helper's runner has fewer positions than the engine's (helper_len: enough for every warm-up's prompt): the
+compiled functions take the KV cache's length as a dynamic size, so the graphs are the same, and a helper holds a
+fraction of the engine's memory (so a GPU that holds the engine holds its helpers too). One helper also runs the
+streaming vocoder's warm-ups (VOCODER), whose Triton kernels the engine's process then loads from Triton's cache rather
+than compiling them after the runner's captures, and the helper that takes the engine's next class first runs an
+uncompiled one-row frame (KERNELS), so that the engine's first class finds q3tts's own Triton kernels compiled. Nothing
+a helper does changes what the engine computes: a cache hit is the graph the engine would have compiled; a helper that
+fails or is late only leaves the engine compiling that class itself.
 
 Off unless $Q3TTS_COMPILE_HELPERS says otherwise: "auto" (which `q3tts serve` sets; not `q3tts warmup`, a build step
 whose speed matters less than its artifact holding what one process compiled) or a number. Used only for a cold start
@@ -43,6 +44,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from .. import invariant
+from ..kernels import TOP_KERNEL_MAX_ROWS
 from .compile import OFF, compile_counts, use_compile_cache, want_compile
 from .memory import alloc_len
 
@@ -76,10 +78,15 @@ class Source:
 
 def shape_class(name: str) -> str:
     """The compiled variants a named warm-up (graphs.warm_ups) shares with others: frames by one row or more and
-    sampler ('frame 1 capped', 'frame 2+ full'), the rest by kind ('prefill', 'wave', 'batch 2', 'long')."""
+    sampler ('frame 1 capped', 'frame 2+ full'), except that capped frames of more rows than the top-k kernel takes
+    (kernels.sample_top_applies: any number in batch-invariant mode) sample through torch's ops, a class of their own
+    ('frame 17+ capped'); the rest by kind ('prefill', 'wave', 'batch 2', 'long')."""
     kind, *rest = name.split()
     if kind == "frame":
-        return f"frame {'1' if rest[0] == '1' else '2+'} {rest[1]}"
+        rows, sampler = int(rest[0]), rest[1]
+        if sampler == "capped" and rows > TOP_KERNEL_MAX_ROWS and not invariant.ENABLED:
+            return f"frame {TOP_KERNEL_MAX_ROWS + 1}+ capped"
+        return f"frame {'1' if rows == 1 else '2+'} {sampler}"
     return " ".join([kind, *rest[:1]]) if kind == "batch" else kind
 
 
@@ -191,7 +198,6 @@ class Reports:
     def __init__(self):
         self._busy: set[str] = set()  # warm-ups a helper has started and not finished (nor ended)
         self._changed = threading.Condition()  # notified whenever _busy loses a name
-        self.waited = 0.0  # seconds the engine waited (wait_any)
         self.t0 = time.perf_counter()  # the helpers' work sent (about): `spans` count from here
         self.spans: dict[str, list[float]] = {}  # per warm-up a helper started: [start, done] s after t0 (done: nan
         # while it runs)
@@ -235,14 +241,8 @@ class Reports:
                 self._busy.difference_update(names)
             first = next(n for n in names if n not in self._busy)
         waited = time.perf_counter() - t0
-        self.waited += waited
         self.waits[first] = self.waits.get(first, 0.0) + waited
         return waited
-
-    def wait_for(self, name: str, timeout: float = WAIT_S) -> float:
-        """Before the engine runs warm-up `name`: if a helper is compiling it, wait until it is done (at most
-        `timeout` s) -> the seconds waited. One that no helper has started, the engine runs at once."""
-        return self.wait_any([name], timeout)
 
     def describe(self) -> str:
         """The helpers' warm-ups and the engine's waits, e.g. 'frame 1 capped 5.2-31.0 s, ... after the work was sent;
@@ -308,5 +308,5 @@ class Helpers:
             ended["stopped" if running else "finished" if code == 0 else "failed"] += 1
         if self.procs:
             log.info("compile helpers: %d finished, %d stopped, %d failed; the engine waited %.1f s for them (%s)",
-                     *ended.values(), self.reports.waited, self.reports.describe())
+                     *ended.values(), sum(self.reports.waits.values()), self.reports.describe())
         return ended

@@ -262,7 +262,7 @@ class ModelRunner:
         if graph is None or lo + N > self.num_rows:
             return False
         # rows [n, N) and positions [L, Lb) keep an earlier wave's finite values: NOTE(C1), never read
-        self.wave_in[:n, :L] = x
+        self.wave_input(N, Lb)[:n, :L] = x
         self.wave_last[:n] = last - 1
         self.wave_last[n:N] = 0
         self.wave_rows[:N] = self.row_ids[lo:lo + N]
@@ -437,17 +437,24 @@ class ModelRunner:
         cfg, D, dev, dt = self.cfg, self.cfg.hidden_size, self.device, self.dtype
         N, L = max(self.wave_sizes), max(self.wave_lens)
         with torch.inference_mode():
-            self.wave_in = torch.zeros(N, L, D, device=dev, dtype=dt)
+            self.wave_in = torch.zeros(N * L, D, device=dev, dtype=dt)  # flat: see wave_input
             self.wave_last = torch.zeros(N, dtype=torch.long, device=dev)
             self.row_ids = torch.arange(self.num_rows, device=dev)
             self.wave_rows = self.row_ids[:N].clone()  # distinct rows for the warm-ups too
         self.wave_kv = torch.zeros(cfg.num_hidden_layers, 2, N, cfg.num_key_value_heads, L + KV_SPARE, cfg.head_dim,
                                    device=dev, dtype=dt)
 
+    def wave_input(self, N: int, L: int) -> torch.Tensor:
+        """The static input of wave graph (N, L): a contiguous [N, L, D] view of the front of wave_in. NOTE(compile):
+        contiguous for every key, so the first decoder layer takes the same compiled variant as the others (a slice
+        [:N, :L] of an [N_max, L_max, D] buffer is strided and compiles a variant of its own, whose Dynamo symbols can
+        differ between a helper's process and the engine's: a compile-cache miss, compile_helpers)."""
+        return self.wave_in[:N * L].view(N, L, self.cfg.hidden_size)
+
     def _prefill_wave(self, N: int, L: int) -> None:
         """A wave of N newcomers at padded length L (a wave graph): their prompts from the static input into the
         scratch cache, then their code 0 of frame 0 into their rows (wave_rows; _first_code0)."""
-        h = self._prefill_forward(self.wave_in[:N, :L], self.wave_kv[:, :, :N], None, self.wave_last[:N])
+        h = self._prefill_forward(self.wave_input(N, L), self.wave_kv[:, :, :N], None, self.wave_last[:N])
         self._first_code0(h, self.wave_rows[:N])
 
     def _prefill_one(self, L: int) -> None:

@@ -21,19 +21,33 @@ NAMES = ["frame 1 full", "frame 1 capped", "frame 2 full", "frame 2 capped", "fr
 
 
 def test_each_shape_class_once_and_the_engines_first_left_to_it():
-    assert [shape_class(n) for n in ("frame 1 capped", "frame 2 full", "frame 32 full", "prefill 256", "wave 32x64",
-                                     "batch 2", "long 257")] == \
-        ["frame 1 capped", "frame 2+ full", "frame 2+ full", "prefill", "wave", "batch 2", "long"]
+    assert [shape_class(n) for n in ("frame 1 capped", "frame 2 full", "frame 32 full", "frame 16 capped",
+                                     "frame 32 capped", "prefill 256", "wave 32x64", "batch 2", "long 257")] == \
+        ["frame 1 capped", "frame 2+ full", "frame 2+ full", "frame 2+ capped", "frame 17+ capped", "prefill", "wave",
+         "batch 2", "long"]
     five = plan(NAMES, 5)
-    assert five == [["frame 1 capped", "batch 2"], ["frame 2 full", "long 257"], ["frame 2 capped"], ["prefill 16"],
-                    ["wave 16x32"]]
+    assert five == [["frame 1 capped", "wave 16x32"], ["frame 2 full", "batch 2"], ["frame 2 capped", "long 257"],
+                    ["frame 32 capped"], ["prefill 16"]]
     dealt = sorted(n for units in plan(NAMES, 2) for n in units)
     assert dealt == sorted(n for units in five for n in units)  # the same warm-ups, whatever the number of helpers
-    assert plan(NAMES, 20) == [[n] for n in ("frame 1 capped", "frame 2 full", "frame 2 capped", "prefill 16",
-                                             "wave 16x32", "batch 2", "long 257")]
+    assert plan(NAMES, 20) == [[n] for n in ("frame 1 capped", "frame 2 full", "frame 2 capped", "frame 32 capped",
+                                             "prefill 16", "wave 16x32", "batch 2", "long 257")]
     assert plan(NAMES[:1], 3) == []  # nothing but the engine's own first warm-up: no helper
     # Helpers deals the vocoder's warm-ups after the runner's: to a helper with one class of the runner's
-    assert plan([*NAMES, VOCODER], 5)[2] == ["frame 2 capped", VOCODER]
+    assert plan([*NAMES, VOCODER], 5)[3] == ["frame 32 capped", VOCODER]
+
+
+def test_capped_frames_past_the_top_k_kernels_rows_are_a_class_of_their_own_except_batch_invariant(monkeypatch):
+    """Capped frames of up to TOP_KERNEL_MAX_ROWS rows sample with the top-k kernel, more rows with torch's ops
+    (kernels.sample_top_applies), which compile variants of their own; in batch-invariant mode every batch takes the
+    kernel."""
+    from q3tts import invariant
+    from q3tts.kernels import TOP_KERNEL_MAX_ROWS
+    edge = f"frame {TOP_KERNEL_MAX_ROWS} capped"
+    past = f"frame {TOP_KERNEL_MAX_ROWS + 1} capped"
+    assert shape_class(edge) != shape_class(past) == f"frame {TOP_KERNEL_MAX_ROWS + 1}+ capped"
+    monkeypatch.setattr(invariant, "ENABLED", True)
+    assert shape_class(edge) == shape_class(past) == "frame 2+ capped"
 
 
 def test_a_helpers_runner_has_the_positions_of_every_warm_up_and_no_more():
@@ -165,17 +179,17 @@ def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other()
     follower = threading.Thread(target=reports.follow, args=(iter(stdout.get, None),), daemon=True)
     follower.start()
 
-    assert reports.wait_for("frame 2 full") == 0.0  # no helper has started it: the engine runs it at once
+    assert reports.wait_any(["frame 2 full"]) == 0.0  # no helper has started it: the engine runs it at once
     started(stdout, reports, "frame 2 full")
     threading.Timer(0.3, stdout.put, args=("done frame 2 full\n",)).start()
-    assert 0.25 < reports.wait_for("frame 2 full") < 10  # started: the engine waits until it is done
-    assert reports.wait_for("frame 2 full") == 0.0
+    assert 0.25 < reports.wait_any(["frame 2 full"]) < 10  # started: the engine waits until it is done
+    assert reports.wait_any(["frame 2 full"]) == 0.0
     started(stdout, reports, "prefill 16")
-    assert 0.15 < reports.wait_for("prefill 16", timeout=0.2) < 5  # a helper that hangs: the engine goes on
+    assert 0.15 < reports.wait_any(["prefill 16"], timeout=0.2) < 5  # a helper that hangs: the engine goes on
     stdout.put(None)  # the helper ends without finishing it (it failed): nothing more to wait for
     follower.join(10)
-    assert reports.wait_for("prefill 16") == 0.0 and reports.wait_for("wave 16x32") == 0.0
-    assert 0.15 < reports.waited < 10
+    assert reports.wait_any(["prefill 16"]) == 0.0 and reports.wait_any(["wave 16x32"]) == 0.0
+    assert 0.15 < sum(reports.waits.values()) < 10
     # the log's account: each warm-up's span after the work was sent (unfinished: nan) and the engine's waits
     told = reports.describe()
     assert re.fullmatch(r"frame 2 full [\d.]+-[\d.]+ s, prefill 16 [\d.]+-nan s after the work was sent; the engine "
