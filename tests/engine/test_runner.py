@@ -139,3 +139,25 @@ def test_every_frame_key_has_its_code_predictor_half():
     assert len(keys) == len(r.batch_buckets) * len({n for _, n, _ in keys}) * 2 > len(r.code_graph_keys())
     with pytest.raises(RuntimeError, match="batch 24 x length 1024"):
         r.frame_graphs(24, 1024, True)
+
+
+def test_every_wave_graph_runs_its_layers_through_one_compiled_variant():
+    """A wave graph's input (wave_input) is a contiguous view for every (size, length): the first decoder layer takes
+    the variant the others take. A strided slice of the largest wave's buffer compiled a second one, whose Dynamo
+    symbols could differ between a compile helper's process and the engine's (a compile-cache miss on the start's
+    critical path: BENCHMARKS.md). Random weights: only the compiled variants are counted."""
+    from q3tts.models.layers import DecoderLayer
+    from q3tts.models.talker import Talker
+    cfg = fx.tts("cv06").ckpt.talker.cfg
+    torch.manual_seed(0)
+    # a talker of its own: compile=True compiles its layers in place (the shared fixture's stay uncompiled)
+    runner = ModelRunner(Talker(cfg).eval(), torch.zeros(cfg.hidden_size), max_slots=4, max_len=64,
+                         use_cuda_graphs=False, compile=True)
+    runner.wave_sizes, runner.wave_lens = [2, 4], [32, 64]
+    runner.alloc_wave_scratch()
+    assert runner.wave_input(2, 32).is_contiguous() and runner.wave_input(2, 32).shape == (2, 32, cfg.hidden_size)
+    torch._dynamo.reset()  # the layer's variants of earlier tests (other shapes) are not this test's
+    with torch.inference_mode():
+        runner._prefill_wave(2, 32)  # the smaller key: a slice of the largest wave's buffer
+    variants = torch._dynamo.eval_frame._debug_get_cache_entry_list(DecoderLayer.forward.__code__)
+    assert len(variants) == 1
