@@ -150,7 +150,7 @@ def test_helpers_share_the_cores_compile_pool_unless_the_user_sized_it(monkeypat
     and the engine (at least 1); a pool size the user set stays."""
     monkeypatch.setenv(compile_helpers.ENV, "auto")
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)  # 7 helpers and the engine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)  # 5 helpers (MAX_HELPERS) and the engine
     assert compile_helpers.helper_env()["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)  # 1 helper
     assert compile_helpers.helper_env()["TORCHINDUCTOR_COMPILE_THREADS"] == "2"
