@@ -26,14 +26,16 @@ only as many as the CPU cores and the free GPU memory hold.
 its stdin for the work, which the engine sends once its runner's geometry is known (the memory budget sizes it after
 the weights have loaded); a helper that gets none exits. So their imports overlap the engine's own imports and loading.
 A helper reports each warm-up it starts and finishes on its stdout. The engine runs the classes no helper is compiling
-and takes the others as their helpers finish them (Helpers.in_turn), waiting only when nothing else is left, rather
-than compiling the same graphs beside a helper.
+(first those a helper has compiled, last those a helper has still to start) and takes the others as their helpers
+finish them (Helpers.in_turn), waiting only when nothing else is left, rather than compiling the same graphs beside a
+helper.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -58,6 +60,7 @@ KERNELS = "kernels"  # the first unit of the helper that compiles the engine's n
 # compile one after another on its critical path); that helper's own one-row frame then finds them too
 VOCODER = "vocoder"  # a helper's unit after the runner's warm-ups: the streaming vocoder's (StreamingVocoder.warm_up),
 # which compile the engine's own Triton kernels of the vocoder into Triton's cache for the engine's capture to find
+TURN = ("done", "none", "queued")  # Helpers.in_turn's order of the classes by Reports.state (a busy one waits)
 WAIT_S = 240.0  # the longest the engine waits for a helper's warm-up (a class compiles in well under a minute)
 log = logging.getLogger("q3tts.engine")
 _waiting: list[subprocess.Popen] = []  # helpers started at launch (prestart), waiting for their warm-ups
@@ -92,7 +95,9 @@ def shape_class(name: str) -> str:
 
 def plan(names: list[str], helpers: int) -> list[list[str]]:
     """Per helper, the warm-ups it runs: the first of each shape class after the engine's own first one, dealt in
-    the engine's order (so the classes the engine reaches first are compiled first)."""
+    the engine's order (so the classes the engine reaches first are compiled first), every other round from the last
+    helper back (a snake: the first helper, which also runs KERNELS, does not get the second round's first class too,
+    which would start only after both of its others)."""
     firsts, seen = [], set()
     for name in names:
         c = shape_class(name)
@@ -100,7 +105,12 @@ def plan(names: list[str], helpers: int) -> list[list[str]]:
             seen.add(c)
             firsts.append(name)
     rest = firsts[1:]
-    return [rest[i::helpers] for i in range(min(helpers, len(rest)))]
+    n = min(helpers, len(rest))
+    dealt = [[] for _ in range(n)]
+    for i, name in enumerate(rest):
+        turn, j = divmod(i, n)
+        dealt[n - 1 - j if turn % 2 else j].append(name)
+    return dealt
 
 
 def helper_len(runner) -> int:
@@ -197,15 +207,21 @@ class Reports:
 
     def __init__(self):
         self._busy: set[str] = set()  # warm-ups a helper has started and not finished (nor ended)
+        self._queued: set[str] = set()  # warm-ups dealt to a helper that has not started them (nor ended)
         self._changed = threading.Condition()  # notified whenever _busy loses a name
         self.t0 = time.perf_counter()  # the helpers' work sent (about): `spans` count from here
         self.spans: dict[str, list[float]] = {}  # per warm-up a helper started: [start, done] s after t0 (done: nan
         # while it runs)
         self.waits: dict[str, float] = {}  # per warm-up the engine waited for: seconds
 
-    def follow(self, lines) -> None:
+    def deal(self, units: list[str]) -> None:
+        """One helper's warm-ups, sent to it: queued until it starts each."""
+        with self._changed:
+            self._queued.update(units)
+
+    def follow(self, lines, units: list[str] = ()) -> None:
         """Read one helper's lines until it ends (a thread of its own); each warm-up it started counts as done once it
-        reports so or has ended (a failed helper leaves its warm-ups to the engine)."""
+        reports so or has ended (a failed helper leaves its warm-ups, `units`, to the engine)."""
         started = []
         for line in lines:
             what, _, name = line.strip().partition(" ")
@@ -214,6 +230,7 @@ class Reports:
                 if what == "start":
                     started.append(name)
                     self._busy.add(name)
+                    self._queued.discard(name)
                     self.spans[name] = [t, float("nan")]
                 elif what == "done" and name in self.spans:
                     self._busy.discard(name)
@@ -221,13 +238,18 @@ class Reports:
                     self._changed.notify_all()
         with self._changed:
             self._busy.difference_update(started)
+            self._queued.difference_update(units)
             self._changed.notify_all()
 
-    def busy(self, name: str) -> bool:
-        """Whether a helper is compiling warm-up `name` (started, not done). One dealt to a helper that has not
-        started it yet, the engine runs itself when it comes to it (the helper then finds its graphs cached)."""
+    def state(self, name: str) -> str:
+        """Warm-up `name`: 'busy' (a helper is compiling it), 'done' (a helper has compiled it), 'queued' (a helper
+        has it still to start) or 'none' (no helper has it: never dealt, or its helper ended without it)."""
         with self._changed:
-            return name in self._busy
+            if name in self._busy:
+                return "busy"
+            if name in self._queued:
+                return "queued"
+            return "done" if name in self.spans and not math.isnan(self.spans[name][1]) else "none"
 
     def wait_any(self, names: list[str], timeout: float = WAIT_S) -> float:
         """Until a helper is done with one of `names` (at once if a helper is compiling none of them), at most
@@ -270,31 +292,35 @@ class Helpers:
                 "cache_dir": runner.compile_cache}
         for units in dealt:
             p = _waiting.pop() if _waiting else _spawn()
+            self.reports.deal(units)
             try:
                 p.stdin.write(json.dumps(spec | {"units": units}) + "\n")
                 p.stdin.close()
             except OSError:  # it has died (stop counts it failed): its warm-ups are the engine's
                 pass
             self.procs.append(p)
-            threading.Thread(target=self.reports.follow, args=(p.stdout,), daemon=True).start()
+            threading.Thread(target=self.reports.follow, args=(p.stdout, units), daemon=True).start()
         log.info("compile helpers: %d processes for %s", len(self.procs), dealt)
 
     def in_turn(self, units: list[tuple[str, object]]):
-        """The named warm-ups in their order, except that a shape class whose first warm-up a helper is compiling goes
-        (with the rest of its class, which use its variants) behind those the engine can run now; with nothing else
-        to run, the engine waits for the first helper to be done with one. So the engine traces a class as soon as
-        its graphs are in the cache, whichever helper finishes first."""
+        """The named warm-ups, each shape class with the rest of its class (which use its variants) after its first
+        warm-up, in this order: classes a helper has compiled (the engine traces them, taking the graphs from the
+        cache), then those no helper has (the engine compiles them), then those a helper has still to start (the
+        engine compiling one would do that helper's work twice), each group in the given order; a class a helper is
+        compiling waits. With only those left, the engine waits for the first helper to be done with one. So the
+        engine traces a class as soon as its graphs are in the cache, whichever helper finishes first."""
         firsts: dict[str, str] = {}
         for name, _ in units:
             firsts.setdefault(shape_class(name), name)
         pending = list(units)
         while pending:
             owners = [firsts[shape_class(name)] for name, _ in pending]
-            free = [i for i, o in enumerate(owners) if not self.reports.busy(o)]
-            if not free:
+            states = [self.reports.state(o) for o in owners]
+            ready = [(TURN.index(s), i) for i, s in enumerate(states) if s != "busy"]
+            if not ready:
                 self.reports.wait_any(list(dict.fromkeys(owners)))
-                free = [i for i, o in enumerate(owners) if not self.reports.busy(o)] or [0]
-            yield pending.pop(free[0])
+                continue
+            yield pending.pop(min(ready)[1])
 
     def stop(self) -> dict[str, int]:
         """End the helpers still running (the engine has compiled what they had left) -> how many had finished, were

@@ -25,16 +25,16 @@ def test_each_shape_class_once_and_the_engines_first_left_to_it():
                                      "frame 32 capped", "prefill 256", "wave 32x64", "batch 2", "long 257")] == \
         ["frame 1 capped", "frame 2+ full", "frame 2+ full", "frame 2+ capped", "frame 17+ capped", "prefill", "wave",
          "batch 2", "long"]
-    five = plan(NAMES, 5)
-    assert five == [["frame 1 capped", "wave 16x32"], ["frame 2 full", "batch 2"], ["frame 2 capped", "long 257"],
-                    ["frame 32 capped"], ["prefill 16"]]
+    five = plan(NAMES, 5)  # dealt in order, the second round back from the last helper (a snake)
+    assert five == [["frame 1 capped"], ["frame 2 full"], ["frame 2 capped", "long 257"],
+                    ["frame 32 capped", "batch 2"], ["prefill 16", "wave 16x32"]]
     dealt = sorted(n for units in plan(NAMES, 2) for n in units)
     assert dealt == sorted(n for units in five for n in units)  # the same warm-ups, whatever the number of helpers
     assert plan(NAMES, 20) == [[n] for n in ("frame 1 capped", "frame 2 full", "frame 2 capped", "frame 32 capped",
                                              "prefill 16", "wave 16x32", "batch 2", "long 257")]
     assert plan(NAMES[:1], 3) == []  # nothing but the engine's own first warm-up: no helper
     # Helpers deals the vocoder's warm-ups after the runner's: to a helper with one class of the runner's
-    assert plan([*NAMES, VOCODER], 5)[3] == ["frame 32 capped", VOCODER]
+    assert plan([*NAMES, VOCODER], 5)[1] == ["frame 2 full", VOCODER]
 
 
 def test_capped_frames_past_the_top_k_kernels_rows_are_a_class_of_their_own_except_batch_invariant(monkeypatch):
@@ -197,34 +197,40 @@ def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other()
 
 
 def test_the_engine_runs_what_it_can_while_a_helper_compiles_a_class_and_its_members_after_it():
-    """Helpers.in_turn: the warm-ups in order, but a class whose first warm-up a helper is compiling waits, with its
-    members, behind the classes the engine can run (one that no helper has started among them); with nothing else
-    left, the engine waits for a helper, whichever finishes first; a helper that ends without finishing leaves its
-    warm-ups to the engine."""
+    """Helpers.in_turn: a class whose first warm-up a helper is compiling waits, with its members; the engine first
+    takes the classes a helper has compiled, then those no helper has, then those a helper has still to start (each
+    group in order); with nothing else left it waits for a helper, whichever finishes first; a helper that ends
+    without finishing leaves its warm-ups to the engine."""
     import math
     import queue
     import threading
     helpers = compile_helpers.Helpers(None, None, [])  # no processes: the reports are this test's
     reports = helpers.reports
-    units = [(n, None) for n in ("frame 1 full", "frame 1 capped", "frame 2 full", "frame 4 full", "prefill 16",
-                                 "prefill 32", "wave 16x32")]
-    lines = {h: queue.Queue() for h in ("a", "b")}  # two helpers' stdout
-    for q in lines.values():
-        threading.Thread(target=reports.follow, args=(iter(q.get, None),), daemon=True).start()
+    units = [(n, None) for n in ("frame 1 full", "frame 1 capped", "frame 2 full", "frame 4 full", "frame 2 capped",
+                                 "prefill 16", "prefill 32", "wave 16x32", "batch 2")]
+    dealt = {"a": ["frame 1 capped", "wave 16x32", "batch 2"], "b": ["frame 2 full", "frame 2 capped"]}
+    lines = {h: queue.Queue() for h in dealt}  # the two helpers' stdout
+    for h, q in lines.items():
+        reports.deal(dealt[h])
+        threading.Thread(target=reports.follow, args=(iter(q.get, None), dealt[h]), daemon=True).start()
 
     started(lines["a"], reports, "frame 1 capped")
     started(lines["b"], reports, "frame 2 full")
-    started(lines["a"], reports, "wave 16x32")
+    lines["b"].put("done frame 2 full\n")
+    started(lines["b"], reports, "frame 2 capped")
     order = helpers.in_turn(units)
-    # the classes no helper is compiling first, in order (frame 4 full waits with its class's first)
-    assert [next(order)[0] for _ in range(3)] == ["frame 1 full", "prefill 16", "prefill 32"]
-    threading.Timer(0.3, lines["b"].put, args=("done frame 2 full",)).start()
-    assert next(order)[0] == "frame 2 full"  # b was first to finish: its class, then its members
-    assert next(order)[0] == "frame 4 full"
-    assert 0.25 < reports.waits["frame 2 full"] < 10
-    lines["a"].put(None)  # a ends (failed) with its two warm-ups unfinished: the engine's now
-    assert [n for n, _ in order] == ["frame 1 capped", "wave 16x32"]
-    assert not reports.busy("wave 16x32") and math.isnan(reports.spans["wave 16x32"][1])  # never reported done
+    assert reports.state("frame 2 full") == "done" and reports.state("wave 16x32") == "queued"
+    # b's finished class with its member, then the classes no helper has, then a's class it has still to start
+    assert [next(order)[0] for _ in range(7)] == ["frame 2 full", "frame 4 full", "frame 1 full", "prefill 16",
+                                                  "prefill 32", "wave 16x32", "batch 2"]
+    # only the classes the helpers are compiling are left: the engine waits for the first to finish
+    threading.Timer(0.3, lines["b"].put, args=("done frame 2 capped",)).start()
+    assert next(order)[0] == "frame 2 capped"
+    assert 0.25 < reports.waits["frame 2 capped"] < 10
+    lines["a"].put(None)  # a ends (failed), frame 1 capped unfinished: the engine's now
+    assert [n for n, _ in order] == ["frame 1 capped"]
+    assert reports.state("frame 1 capped") == "none" and math.isnan(reports.spans["frame 1 capped"][1])
+    assert reports.state("batch 2") == "none"  # dealt to a, never started, and a has ended
 
 
 CHILD = """
