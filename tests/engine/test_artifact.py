@@ -170,10 +170,18 @@ def child_runner(tmp_path):
                                          Q3TTS_PRECOMPILE="1")  # (as serve / warmup)
 
 
-@pytest.mark.slow  # two starts that compile on the CPU (Inductor's C++ kernels: gcc in both)
-def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
-    run = child_runner(tmp_path)
-    cold = run("save", "cache-builder")
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(run, the cold start's JSON): one start that compiled on the CPU into the compile cache cache-builder
+    (Inductor's C++ kernels: gcc) and saved the artifact after its first request. The tests below start fresh
+    processes from what it left: the artifact on an empty cache, and a restart on its cache."""
+    run = child_runner(tmp_path_factory.mktemp("artifact"))
+    return run, run("save", "cache-builder")
+
+
+@pytest.mark.slow  # its fixture's start compiles on the CPU
+def test_fresh_process_with_the_artifact_compiles_nothing(built):
+    run, cold = built
     c = cold["counts"]
     assert c["fx_miss"] > 0 and c["fx_hit"] == 0 and c["traced"] == c["fx_miss"] and c["dynamo_hit"] == 0, c
     warm = run("load", "cache-fresh")  # another, empty compile cache: only the artifact can supply the graphs
@@ -186,14 +194,13 @@ def test_fresh_process_with_the_artifact_compiles_nothing(tmp_path):
     assert warm["codes"] == cold["codes"]
 
 
-@pytest.mark.slow  # a start that compiles on the CPU
-def test_a_restart_installs_what_the_first_requests_compiled(tmp_path):
+@pytest.mark.slow  # its fixture's start compiles on the CPU
+def test_a_restart_installs_what_the_first_requests_compiled(built):
     """On a CPU the engine compiles in its first steps, not at the build: those steps write their Dynamo entries
     into the compile cache, so a restart on it traces and compiles nothing."""
-    run = child_runner(tmp_path)
-    cold = run("first", "cache")
+    run, cold = built
     assert cold["counts"]["traced"] > 0 and cold["counts"]["dynamo_hit"] == 0, cold["counts"]
-    warm = run("restart", "cache")
+    warm = run("restart", "cache-builder")
     w = warm["counts"]
     assert w["traced"] == 0 and w["fx_miss"] == 0 and w["dynamo_hit"] == 5, w
     assert warm["codes"] == cold["codes"]
