@@ -6,16 +6,16 @@ the layers, the code predictor's step and the samplers (a one-row frame per samp
 sampler, with capped frames past the top-k kernel's rows apart, one prompt's prefill, a wave, a batched prefill, a long
 prompt). The engine's process works through them in order, compiling each class's variants as it reaches it. A helper is
 a fresh process that loads the same checkpoint, builds a runner of the same slots and runs only the first warm-up of the
-classes it is given, then exits: Inductor's FX graphs and the AOTAutograd entries it writes are keyed by the traced
-graph, so when the engine reaches those classes it traces them (Dynamo runs in every process) and takes the rest from
-the cache. A helper's runner has fewer positions than the engine's (helper_len: enough for every warm-up's prompt): the
-compiled functions take the KV cache's length as a dynamic size, so the graphs are the same, and a helper holds a
-fraction of the engine's memory (so a GPU that holds the engine holds its helpers too). One helper also runs the
-streaming vocoder's warm-ups (VOCODER), whose Triton kernels the engine's process then loads from Triton's cache rather
-than compiling them after the runner's captures, and the helper that takes the engine's next class first runs an
-uncompiled one-row frame (KERNELS), so that the engine's first class finds q3tts's own Triton kernels compiled. Nothing
-a helper does changes what the engine computes: a cache hit is the graph the engine would have compiled; a helper that
-fails or is late only leaves the engine compiling that class itself.
+classes it is given (of a frame class, the code predictor's half or the talker's: halves()), then exits: Inductor's FX
+graphs and the AOTAutograd entries it writes are keyed by the traced graph, so when the engine reaches those classes it
+traces them (Dynamo runs in every process) and takes the rest from the cache. A helper's runner has fewer positions than
+the engine's (helper_len: enough for every warm-up's prompt): the compiled functions take the KV cache's length as a
+dynamic size, so the graphs are the same, and a helper holds a fraction of the engine's memory (so a GPU that holds the
+engine holds its helpers too). One helper also runs the streaming vocoder's warm-ups (VOCODER), whose Triton kernels the
+engine's process then loads from Triton's cache rather than compiling them after the runner's captures, and the helper
+that takes the engine's next class first runs an uncompiled one-row frame (KERNELS), so that the engine's first class
+finds q3tts's own Triton kernels compiled. Nothing a helper does changes what the engine computes: a cache hit is the
+graph the engine would have compiled; a helper that fails or is late only leaves the engine compiling that class itself.
 
 Off unless $Q3TTS_COMPILE_HELPERS says otherwise: "auto" (which `q3tts serve` sets; not `q3tts warmup`, a build step
 whose speed matters less than its artifact holding what one process compiled) or a number. Used only for a cold start
@@ -60,6 +60,7 @@ KERNELS = "kernels"  # the first unit of the helper that compiles the engine's n
 # compile one after another on its critical path); that helper's own one-row frame then finds them too
 VOCODER = "vocoder"  # a helper's unit after the runner's warm-ups: the streaming vocoder's (StreamingVocoder.warm_up),
 # which compile the engine's own Triton kernels of the vocoder into Triton's cache for the engine's capture to find
+HALVES = ("codes", "talker")  # a frame's halves, in the order it runs them (halves())
 TURN = ("done", "none", "queued")  # Helpers.in_turn's order of the classes by Reports.state (a busy one waits)
 WAIT_S = 240.0  # the longest the engine waits for a helper's warm-up (a class compiles in well under a minute)
 log = logging.getLogger("q3tts.engine")
@@ -94,23 +95,31 @@ def shape_class(name: str) -> str:
 
 
 def plan(names: list[str], helpers: int) -> list[list[str]]:
-    """Per helper, the warm-ups it runs: the first of each shape class after the engine's own first one, dealt in
-    the engine's order (so the classes the engine reaches first are compiled first), every other round from the last
-    helper back (a snake: the first helper, which also runs KERNELS, does not get the second round's first class too,
-    which would start only after both of its others)."""
+    """Per helper, the warm-ups it runs: the first of each shape class after the engine's own first one (a frame's as
+    its two halves: halves()), dealt in the engine's order (so the classes the engine reaches first are compiled
+    first), every other round from the last helper back (a snake: the first helper, which also runs KERNELS, does not
+    get the second round's first unit too, which would start only after both of its others)."""
     firsts, seen = [], set()
     for name in names:
         c = shape_class(name)
         if c not in seen:
             seen.add(c)
             firsts.append(name)
-    rest = firsts[1:]
+    rest = [unit for name in firsts[1:] for unit in halves(name)]
     n = min(helpers, len(rest))
     dealt = [[] for _ in range(n)]
     for i, name in enumerate(rest):
         turn, j = divmod(i, n)
         dealt[n - 1 - j if turn % 2 else j].append(name)
     return dealt
+
+
+def halves(name: str) -> list[str]:
+    """A helper's units of warm-up `name`: a frame's two halves apart ('frame 2 capped:codes', 'frame 2 capped:talker':
+    ModelRunner.warm_up_frames' `half`), which compile mostly different graphs (the code predictor's steps at its
+    dimensions; the talker's layer, its logits rules and code 0's sampler), so two helpers compile a frame class side
+    by side; any other warm-up whole."""
+    return [f"{name}:{half}" for half in HALVES] if name.startswith("frame ") else [name]
 
 
 def helper_len(runner) -> int:
@@ -242,21 +251,27 @@ class Reports:
             self._changed.notify_all()
 
     def state(self, name: str) -> str:
-        """Warm-up `name`: 'busy' (a helper is compiling it), 'done' (a helper has compiled it), 'queued' (a helper
-        has it still to start) or 'none' (no helper has it: never dealt, or its helper ended without it)."""
+        """Warm-up `name`, over its units (halves()): 'busy' (a helper is compiling one), 'queued' (a helper has one
+        still to start), 'none' (no helper has one: never dealt, or its helper ended without it) or 'done' (helpers
+        have compiled them all), the first of these that holds."""
         with self._changed:
-            if name in self._busy:
-                return "busy"
-            if name in self._queued:
-                return "queued"
-            return "done" if name in self.spans and not math.isnan(self.spans[name][1]) else "none"
+            states = {self._state(unit) for unit in halves(name)}
+        return next(s for s in ("busy", "queued", "none", "done") if s in states)
+
+    def _state(self, unit: str) -> str:
+        if unit in self._busy:
+            return "busy"
+        if unit in self._queued:
+            return "queued"
+        return "done" if unit in self.spans and not math.isnan(self.spans[unit][1]) else "none"
 
     def wait_any(self, names: list[str], timeout: float = WAIT_S) -> float:
-        """Until a helper is done with one of `names` (at once if a helper is compiling none of them), at most
-        `timeout` s, after which they are the engine's -> the seconds waited."""
+        """Until a helper is done with a unit of one of `names` (halves()), at once if a helper is compiling none of
+        them, at most `timeout` s, after which they are the engine's -> the seconds waited."""
         t0 = time.perf_counter()
         with self._changed:
-            if not self._busy.issuperset(names):
+            names = [unit for name in names for unit in halves(name) if unit in self._busy]
+            if not names:
                 return 0.0
             if not self._changed.wait_for(lambda: not self._busy.issuperset(names), timeout):
                 log.warning("compile helpers: %s not done after %.0f s; compiling here", ", ".join(names), timeout)

@@ -5,6 +5,7 @@ from its stdin: the JSON that compile_helpers.Helpers writes ({"source": Source'
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -33,7 +34,8 @@ def main(spec: dict) -> None:
     with precompiling(), torch.inference_mode(), side_stream():
         for name in spec["units"]:
             print("start", name, flush=True)
-            units[name]()
+            warm_up, _, half = name.partition(":")  # a frame's half (compile_helpers.halves): warm_up_frames' own
+            (functools.partial(units[warm_up], half=half) if half else units[warm_up])()
             torch.cuda.synchronize()
             print("done", name, flush=True)
 

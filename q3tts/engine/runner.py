@@ -463,12 +463,16 @@ class ModelRunner:
         h = self._prefill_forward(self.prefill_in[:, :L], self.prefill_kv, None, self.prefill_last)
         self._first_code0(h, self.prefill_row)
 
-    def warm_up_frames(self, keys) -> None:
+    def warm_up_frames(self, keys, half: str = "") -> None:
         """One frame per key before capturing (compilation, allocations, cuBLAS handles), each from position 0: past
-        the key's span n a paged row would write outside its n // block_size blocks (a device-side assert)."""
-        for key in keys:
+        the key's span n a paged row would write outside its n // block_size blocks (a device-side assert). half:
+        'codes' or 'talker' runs that half of each frame alone (a compile helper's unit: compile_helpers.halves)."""
+        for B, n, capped in keys:
             self.slots.position.zero_()
-            self._frame(*key)
+            if half != "talker":
+                self._frame_codes(B, capped)
+            if half != "codes":
+                self._frame_talker(B, n, capped)
 
     def capture_graphs(self, source: Source | None = None) -> int:
         """One CUDA graph per graph_keys(), code_graph_keys() and prefill length (q3tts.engine.graphs.capture_runner);

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from q3tts.engine import compile_helpers
-from q3tts.engine.compile_helpers import ENTRY, KERNELS, VOCODER, helper_len, plan, shape_class, wanted
+from q3tts.engine.compile_helpers import ENTRY, KERNELS, VOCODER, halves, helper_len, plan, shape_class, wanted
 from tests.golden import fixtures as fx
 
 from .fresh_process import run_child
@@ -25,16 +25,19 @@ def test_each_shape_class_once_and_the_engines_first_left_to_it():
                                      "frame 32 capped", "prefill 256", "wave 32x64", "batch 2", "long 257")] == \
         ["frame 1 capped", "frame 2+ full", "frame 2+ full", "frame 2+ capped", "frame 17+ capped", "prefill", "wave",
          "batch 2", "long"]
-    five = plan(NAMES, 5)  # dealt in order, the second round back from the last helper (a snake)
-    assert five == [["frame 1 capped"], ["frame 2 full"], ["frame 2 capped", "long 257"],
-                    ["frame 32 capped", "batch 2"], ["prefill 16", "wave 16x32"]]
+    # a frame's two halves apart, dealt in order, the second round back from the last helper (a snake)
+    f1c, f2f, f2c, f32c = (halves(n) for n in ("frame 1 capped", "frame 2 full", "frame 2 capped", "frame 32 capped"))
+    assert f2c == ["frame 2 capped:codes", "frame 2 capped:talker"] and halves("prefill 16") == ["prefill 16"]
+    five = plan(NAMES, 5)
+    assert five == [[f1c[0], "wave 16x32", "batch 2"], [f1c[1], "prefill 16", "long 257"], [f2f[0], f32c[1]],
+                    [f2f[1], f32c[0]], f2c]
     dealt = sorted(n for units in plan(NAMES, 2) for n in units)
     assert dealt == sorted(n for units in five for n in units)  # the same warm-ups, whatever the number of helpers
-    assert plan(NAMES, 20) == [[n] for n in ("frame 1 capped", "frame 2 full", "frame 2 capped", "frame 32 capped",
-                                             "prefill 16", "wave 16x32", "batch 2", "long 257")]
+    assert plan(NAMES, 20) == [[n] for n in (*f1c, *f2f, *f2c, *f32c, "prefill 16", "wave 16x32", "batch 2",
+                                             "long 257")]
     assert plan(NAMES[:1], 3) == []  # nothing but the engine's own first warm-up: no helper
-    # Helpers deals the vocoder's warm-ups after the runner's: to a helper with one class of the runner's
-    assert plan([*NAMES, VOCODER], 5)[1] == ["frame 2 full", VOCODER]
+    # Helpers deals the vocoder's warm-ups after the runner's
+    assert plan([*NAMES, VOCODER], 5)[2] == [f2f[0], f32c[1], VOCODER]
 
 
 def test_capped_frames_past_the_top_k_kernels_rows_are_a_class_of_their_own_except_batch_invariant(monkeypatch):
@@ -74,8 +77,8 @@ def test_the_kernels_unit_runs_one_row_frames_of_both_samplers_uncompiled():
                          use_cuda_graphs=False, compile=True)
     before = compile_counts()
     calls = []
-    frame = runner._frame
-    runner._frame = lambda *key: (calls.append(key), frame(*key))
+    talker = runner._frame_talker
+    runner._frame_talker = lambda *key: (calls.append(key), talker(*key))
     with torch.inference_mode():
         eager_frames(runner)
     assert calls == [(1, 64, False), (1, 64, True)]
@@ -180,9 +183,9 @@ def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other()
     follower.start()
 
     assert reports.wait_any(["frame 2 full"]) == 0.0  # no helper has started it: the engine runs it at once
-    started(stdout, reports, "frame 2 full")
-    threading.Timer(0.3, stdout.put, args=("done frame 2 full\n",)).start()
-    assert 0.25 < reports.wait_any(["frame 2 full"]) < 10  # started: the engine waits until it is done
+    started(stdout, reports, "frame 2 full:talker")
+    threading.Timer(0.3, stdout.put, args=("done frame 2 full:talker\n",)).start()
+    assert 0.25 < reports.wait_any(["frame 2 full"]) < 10  # a half started: the engine waits until it is done
     assert reports.wait_any(["frame 2 full"]) == 0.0
     started(stdout, reports, "prefill 16")
     assert 0.15 < reports.wait_any(["prefill 16"], timeout=0.2) < 5  # a helper that hangs: the engine goes on
@@ -192,8 +195,8 @@ def test_the_engine_waits_for_a_warm_up_a_helper_is_compiling_and_for_no_other()
     assert 0.15 < sum(reports.waits.values()) < 10
     # the log's account: each warm-up's span after the work was sent (unfinished: nan) and the engine's waits
     told = reports.describe()
-    assert re.fullmatch(r"frame 2 full [\d.]+-[\d.]+ s, prefill 16 [\d.]+-nan s after the work was sent; the engine "
-                        r"waited for frame 2 full 0\.\d s, prefill 16 0\.\d s", told), told
+    assert re.fullmatch(r"frame 2 full:talker [\d.]+-[\d.]+ s, prefill 16 [\d.]+-nan s after the work was sent; the "
+                        r"engine waited for frame 2 full:talker 0\.\d s, prefill 16 0\.\d s", told), told
 
 
 def test_the_engine_runs_what_it_can_while_a_helper_compiles_a_class_and_its_members_after_it():
@@ -208,28 +211,34 @@ def test_the_engine_runs_what_it_can_while_a_helper_compiles_a_class_and_its_mem
     reports = helpers.reports
     units = [(n, None) for n in ("frame 1 full", "frame 1 capped", "frame 2 full", "frame 4 full", "frame 2 capped",
                                  "prefill 16", "prefill 32", "wave 16x32", "batch 2")]
-    dealt = {"a": ["frame 1 capped", "wave 16x32", "batch 2"], "b": ["frame 2 full", "frame 2 capped"]}
+    f1c, f2f, f2c = (halves(n) for n in ("frame 1 capped", "frame 2 full", "frame 2 capped"))
+    dealt = {"a": [*f1c, "wave 16x32", "batch 2"], "b": [*f2f, *f2c]}
     lines = {h: queue.Queue() for h in dealt}  # the two helpers' stdout
     for h, q in lines.items():
         reports.deal(dealt[h])
         threading.Thread(target=reports.follow, args=(iter(q.get, None), dealt[h]), daemon=True).start()
 
-    started(lines["a"], reports, "frame 1 capped")
-    started(lines["b"], reports, "frame 2 full")
-    lines["b"].put("done frame 2 full\n")
-    started(lines["b"], reports, "frame 2 capped")
+    started(lines["a"], reports, f1c[0])
+    started(lines["b"], reports, f2f[0])
+    lines["b"].put(f"done {f2f[0]}\n")
+    started(lines["b"], reports, f2f[1])
+    assert reports.state("frame 2 full") == "busy"  # a class is done when both its halves are
+    lines["b"].put(f"done {f2f[1]}\n")
+    started(lines["b"], reports, f2c[0])
     order = helpers.in_turn(units)
     assert reports.state("frame 2 full") == "done" and reports.state("wave 16x32") == "queued"
-    # b's finished class with its member, then the classes no helper has, then a's class it has still to start
+    assert reports.state("frame 1 capped") == "busy"  # one half busy, the other still to start
+    # b's finished class with its member, then the classes no helper has, then a's warm-ups it has still to start
     assert [next(order)[0] for _ in range(7)] == ["frame 2 full", "frame 4 full", "frame 1 full", "prefill 16",
                                                   "prefill 32", "wave 16x32", "batch 2"]
-    # only the classes the helpers are compiling are left: the engine waits for the first to finish
-    threading.Timer(0.3, lines["b"].put, args=("done frame 2 capped",)).start()
+    # only the classes the helpers are compiling are left: the engine waits for the first half to finish; b has the
+    # other half of frame 2 capped still to start, so the engine takes the class
+    threading.Timer(0.3, lines["b"].put, args=(f"done {f2c[0]}",)).start()
     assert next(order)[0] == "frame 2 capped"
-    assert 0.25 < reports.waits["frame 2 capped"] < 10
+    assert 0.25 < reports.waits[f2c[0]] < 10 and reports.state("frame 2 capped") == "queued"
     lines["a"].put(None)  # a ends (failed), frame 1 capped unfinished: the engine's now
     assert [n for n, _ in order] == ["frame 1 capped"]
-    assert reports.state("frame 1 capped") == "none" and math.isnan(reports.spans["frame 1 capped"][1])
+    assert reports.state("frame 1 capped") == "none" and math.isnan(reports.spans[f1c[0]][1])
     assert reports.state("batch 2") == "none"  # dealt to a, never started, and a has ended
 
 

@@ -141,6 +141,33 @@ def test_every_frame_key_has_its_code_predictor_half():
         r.frame_graphs(24, 1024, True)
 
 
+def test_a_warm_up_frames_halves_run_one_after_the_other_are_its_whole_frame():
+    """warm_up_frames' halves (a compile helper's units: compile_helpers.halves): the code predictor's half, then the
+    talker's, leave every slot tensor and the frame's codes as the whole warm-up frame does, bit for bit (the same
+    calls in the same order on the same inputs), and each half alone runs only its own part."""
+    tts = fx.tts("cv06")
+    keys = [(2, 64, False), (1, 64, True)]
+
+    def state(halves):
+        torch.manual_seed(0)
+        r = ModelRunner(tts.ckpt.talker, tts.ckpt.tts_pad_embed, max_slots=4, max_len=64, use_cuda_graphs=False,
+                        compile=False)
+        r.slots.last_hidden.normal_()  # a talker state to start the code predictor from
+        with torch.inference_mode():
+            for key in keys:
+                for half in halves:
+                    r.warm_up_frames([key], half)
+        return {name: t.clone() for name, t in [*vars(r.slots).items(), ("frame_codes", r.frame_codes)]
+                if isinstance(t, torch.Tensor)}
+
+    whole, split = state([""]), state(["codes", "talker"])
+    assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
+    codes, talker, start = state(["codes"]), state(["talker"]), state([])
+    assert codes["frame_codes"].ne(0).any() and torch.equal(codes["position"], start["position"])
+    assert torch.equal(codes["last_hidden"], start["last_hidden"])  # the talker's step did not run
+    assert talker["frame_codes"].eq(0).all() and talker["position"].sum() > 0  # the code predictor did not run
+
+
 def test_every_wave_graph_runs_its_layers_through_one_compiled_variant():
     """A wave graph's input (wave_input) is a contiguous view for every (size, length): the first decoder layer takes
     the variant the others take. A strided slice of the largest wave's buffer compiled a second one, whose Dynamo
