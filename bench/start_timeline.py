@@ -3,7 +3,8 @@ this process started, at each phase (torch imported, the checkpoint loading, the
 the end of each warm-up the engine runs, with its seconds, Dynamo's seconds and the compile-cache counts between its
 start and end (q3tts.engine.compile.describe_counts): which classes a cold start compiled, took from the cache or
 waited for (BENCHMARKS.md: where a cold start's time goes). The server itself is unchanged; each timed phase
-synchronizes the device before and after it.
+synchronizes the device before and after it. Dynamo is imported where the command imports it (`q3tts serve` starts its
+compile helpers before that: importing it here first would start them seconds later than the real command does).
 
     Q3TTS_COMPILE_CACHE=/tmp/cc TRITON_CACHE_DIR=/tmp/cc/triton \
         python bench/start_timeline.py serve --model /tmp/ck06 --port 8101 2> start.log
@@ -22,9 +23,6 @@ def stamp(msg: str) -> None:
 import torch  # noqa: E402
 
 stamp("torch imported")
-import torch._dynamo.utils  # noqa: E402,F401 (the counters; the loading imports it anyway)
-
-stamp("torch._dynamo imported")
 import q3tts.api  # noqa: E402
 from q3tts.engine import compile as qc  # noqa: E402
 from q3tts.engine import graphs  # noqa: E402
