@@ -71,9 +71,13 @@ class LeastOngoingRouter(FIFOMixin, RequestRouter):
     request) leaves out what is routed to it but not yet arrived; requests routed in the same instant (a burst of
     streams) would see the same counts and pile onto one replica. So the choice is made again from the counts as
     they are once any probe returned, each replica's count taken as at least the requests this router sent it that
-    have not completed, and counted at once; Serve's own count on send is then skipped for it. Ties go in random
-    order, so that several proxies do not pile onto one replica either. This uses two of Serve's internal methods
-    (ray 2.60); without them it is the plain choice among all replicas.
+    have not completed, and counted at once; Serve's own count on send is then skipped for it. A replica whose
+    cached count has expired (no probe or reply from it for Serve's staleness timeout, 10 s) counts as those
+    requests alone: a lower bound, probed in the background meanwhile, where skipping it sent a whole burst to the
+    one replica still in the cache until that one was full. A replica that is full after all (another proxy's
+    streams) rejects the request and Serve routes it again. Ties go in random order, so that several proxies do
+    not pile onto one replica either. This uses two of Serve's internal methods (ray 2.60); without them it is
+    the plain choice among all replicas.
     """
 
     @property
@@ -93,17 +97,15 @@ class LeastOngoingRouter(FIFOMixin, RequestRouter):
         if chosen is None or cache is None or not getattr(self, "_use_replica_queue_len_cache", False):
             return chosen
 
-        def load(r) -> int | None:  # None: unknown (not probed, or its entry expired)
-            n = cache.get(r.replica_id)
-            return None if n is None else max(n, self._inflight[r.replica_id])
+        def load(r) -> int:  # the cache's count (None: not probed, or expired), at least what this router sent
+            return max(cache.get(r.replica_id) or 0, self._inflight[r.replica_id])
 
         best, best_len = chosen, load(chosen)
         for r in candidates:  # no await from here on: the choice and its count are one step
             n = load(r)
-            if n is not None and n < r.max_ongoing_requests and (best_len is None or n < best_len) \
-                    and r.replica_id in self._replicas:
+            if n < r.max_ongoing_requests and n < best_len and r.replica_id in self._replicas:
                 best, best_len = r, n
-        cache.update(best.replica_id, (best_len or 0) + 1)
+        cache.update(best.replica_id, best_len + 1)
         self._claimed[best.replica_id] += 1
         self._inflight[best.replica_id] += 1
         return best

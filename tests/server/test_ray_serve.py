@@ -374,3 +374,44 @@ def test_every_replica_gets_the_compiled_artifact_and_logs_its_start(tmp_path, c
         qlog.handlers[:], qlog.level, qlog.propagate = saved
     err = capsys.readouterr().err
     assert "INFO q3tts.server: replica r: engine built" in err and "not at info" not in err
+
+
+def test_a_burst_spreads_over_replicas_whose_cached_counts_expired():
+    """The router's choice alone (no Ray): of four idle replicas only one is still in Serve's queue-length cache
+    (the others' entries expired), a burst of 8 is routed in one instant (no probe answers), and every replica
+    gets 2. Taking only cached replicas as candidates gave that one replica 4, until it was full."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.request_router.common import ReplicaQueueLengthCache
+
+    from q3tts.server.ray_serve import LeastOngoingRouter
+
+    async def burst():
+        router = LeastOngoingRouter.__new__(LeastOngoingRouter)  # its state, not Serve's machinery
+        replicas = {f"r{i}": SimpleNamespace(replica_id=f"r{i}", max_ongoing_requests=SLOTS) for i in range(REPLICAS)}
+        probed = []
+
+        async def probe(rs, backoff_index):  # no answer in time, as under a burst on a loaded machine
+            probed.append(sorted(r.replica_id for r in rs))
+            return []
+
+        router.__dict__.update(_replicas=replicas, _replica_queue_len_cache=ReplicaQueueLengthCache(),
+                               _use_replica_queue_len_cache=True, _probe_queue_lens=probe,
+                               _lazily_fetched_loop=None)
+        router._replica_queue_len_cache.update("r0", 0)
+        chosen = []
+        for _ in range(2 * REPLICAS):
+            candidates = (await router.choose_replicas(list(replicas.values())))[0]
+            r = await router._select_from_candidate_replicas(candidates, 0)
+            chosen.append(r.replica_id)
+            router.on_send_request(r.replica_id)
+        await asyncio.sleep(0)  # the background probes Serve started for the replicas not in its cache
+        return router, chosen, probed
+
+    router, chosen, probed = asyncio.run(burst())
+    assert Counter(chosen) == {f"r{i}": 2 for i in range(REPLICAS)}, chosen
+    assert probed[0] == ["r1", "r2", "r3"]  # the expired ones: probed in the background, not waited for
+    for r in set(chosen):
+        router.on_request_completed(r, "id")
+    assert router._inflight == Counter({f"r{i}": 1 for i in range(REPLICAS)})
