@@ -73,8 +73,8 @@ class LeastOngoingRouter(FIFOMixin, RequestRouter):
     they are once any probe returned, each replica's count taken as at least the requests this router sent it that
     have not completed, and counted at once; Serve's own count on send is then skipped for it. A replica whose
     cached count has expired (no probe or reply from it for Serve's staleness timeout, 10 s) counts as those
-    requests alone: a lower bound, probed in the background meanwhile, where skipping it sent a whole burst to the
-    one replica still in the cache until that one was full. A replica that is full after all (another proxy's
+    requests alone: a lower bound, probed in the background meanwhile (skipped, it would leave a burst to the one
+    replica still in the cache until that one was full). A replica that is full after all (another proxy's
     streams) rejects the request and Serve routes it again. Ties go in random order, so that several proxies do
     not pile onto one replica either. This uses two of Serve's internal methods (ray 2.60); without them it is
     the plain choice among all replicas.
