@@ -4,14 +4,18 @@ build of its graphs (bench/load/prefill_ab.sh with MODULE=bench.load.policy_serv
     SIGHUP   "default":  the policy as the server built it (DeadlinePolicy's defaults and $Q3TTS_DEADLINE_<NAME>)
     SIGUSR1  "usr1":     the built policy with $POLICY_USR1's fields, e.g. POLICY_USR1="first_chunk_prefills=24"
     SIGUSR2  "usr2":     the built policy with $POLICY_USR2's fields, e.g. POLICY_USR2="max_wait_s=0.1,margin_s=0.01"
+    SIGWINCH "winch":    the built policy with $POLICY_WINCH's fields (a fourth setting)
 
 A setting is "field=value,..." over DeadlinePolicy's number fields (not `times`: the measured step costs stay, as one
 server has them) and `alone_max`: the runner's PREFILL_GRAPH_MAX_REQUESTS (up to it newcomers replay their prefill
 graphs one by one, more share a wave graph), read at every step as bench/load/prefill_serve.py switches it; a setting
-that changes it empties the policy's prefill cost fits, as a server started with it has them. An unknown field, a
-value that is not a number or a fraction for an integer field fails at the start, naming the accepted fields. The
-scheduler reads the policy at every step: a switch applies from the next step on. One server instead of one per
-setting: a 0.6B server at 128 slots x 1024 positions holds ~20 GiB, so four of them do not fit an 80 GB H100.
+that changes it empties the policy's prefill cost fits, as a server started with it has them. "off" is no policy at
+all: the engine and its scheduler as Engine(deadline=False) builds them (admission by count, chunks when full; the
+policy's step costs are not measured meanwhile, and the warm-up burst after the next switch brings them up to date).
+An unknown field, a value that is not a number or a fraction for an integer field fails at the start, naming the
+accepted fields. The engine and the scheduler read the policy at every step: a switch applies from the next step on.
+One server instead of one per setting: a 0.6B server at 128 slots x 1024 positions holds ~20 GiB, so four of them do
+not fit an 80 GB H100.
 
     python3 -m bench.load.policy_serve serve --model DIR ...     (the arguments of `q3tts serve`)
 """
@@ -31,7 +35,7 @@ from q3tts.engine.engine import Engine
 ENGINES: list[Engine] = []  # every Engine built in this process
 POLICY_KNOBS = {f.name: type(f.default) for f in dataclasses.fields(DeadlinePolicy) if f.name != "times"}  # int/float
 KNOBS = {**POLICY_KNOBS, "alone_max": int}  # and the runner's PREFILL_GRAPH_MAX_REQUESTS
-BUILT: dict[int, dict[str, float]] = {}  # id(engine) -> its policy's knobs as built
+BUILT: dict[int, tuple[DeadlinePolicy, dict[str, float]]] = {}  # id(engine) -> its policy and its knobs as built
 ALONE_MAX = runner_mod.PREFILL_GRAPH_MAX_REQUESTS  # as the server was built
 
 
@@ -54,28 +58,43 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
-def apply(name: str, fields: dict[str, float]) -> None:
-    """Every engine's policy: its knobs as built, then `fields` (alone_max: the runners', as built unless given)."""
-    alone_max = fields.get("alone_max", ALONE_MAX)
+def setting(text: str) -> dict[str, float] | None:
+    """A signal's setting: "off" -> None (no policy), else parse(text)."""
+    return None if text.strip().lower() == "off" else parse(text)
+
+
+def apply(name: str, fields: dict[str, float] | None) -> None:
+    """Every engine's policy: its knobs as built, then `fields` (alone_max: the runners', as built unless given);
+    fields None: no policy, in the engine and its scheduler. An engine built without a policy keeps none."""
+    alone_max = (fields or {}).get("alone_max", ALONE_MAX)
     changed, runner_mod.PREFILL_GRAPH_MAX_REQUESTS = alone_max != runner_mod.PREFILL_GRAPH_MAX_REQUESTS, alone_max
     for engine in ENGINES:
-        if engine.policy is None:
+        if id(engine) not in BUILT:
+            continue
+        policy, knobs = BUILT[id(engine)]
+        engine.policy = engine.scheduler.policy = None if fields is None else policy
+        if fields is None:
             continue
         for knob in POLICY_KNOBS:
-            setattr(engine.policy, knob, fields.get(knob, BUILT[id(engine)][knob]))
+            setattr(policy, knob, fields.get(knob, knobs[knob]))
         if changed:
-            engine.policy.times.prefill = PrefillCost()
-    print(f"policy setting {name}: {fields or 'as built'} ({len(ENGINES)} engine(s))", file=sys.stderr, flush=True)
+            policy.times.prefill = PrefillCost()
+    what = "off" if fields is None else fields or "as built"
+    print(f"policy setting {name}: {what} ({len(ENGINES)} engine(s))", file=sys.stderr, flush=True)
 
 
 def remember(engine: Engine) -> None:
     if engine.policy is not None:
-        BUILT[id(engine)] = {k: getattr(engine.policy, k) for k in POLICY_KNOBS}
+        BUILT[id(engine)] = (engine.policy, {k: getattr(engine.policy, k) for k in POLICY_KNOBS})
 
+
+SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH)  # each with $POLICY_<name>'s setting; SIGHUP: as built
 
 if __name__ == "__main__":
-    settings = {"usr1": parse(os.environ.get("POLICY_USR1", "")), "usr2": parse(os.environ.get("POLICY_USR2", ""))}
     track(Engine, ENGINES, remember)
-    raise SystemExit(serve({signal.SIGHUP: lambda: apply("default", {}),
-                            signal.SIGUSR1: lambda: apply("usr1", settings["usr1"]),
-                            signal.SIGUSR2: lambda: apply("usr2", settings["usr2"])}))
+    switches = {signal.SIGHUP: lambda: apply("default", {})}
+    for sig in SIGNALS:
+        name = sig.name.removeprefix("SIG")
+        fields = setting(os.environ.get(f"POLICY_{name}", ""))
+        switches[sig] = lambda name=name.lower(), fields=fields: apply(name, fields)
+    raise SystemExit(serve(switches))

@@ -1,5 +1,5 @@
 """bench.load.policy_serve: a setting's fields parse or fail naming the accepted ones; a switch sets every engine's
-policy knobs over those it was built with, and the default restores them."""
+policy knobs over those it was built with, and the default restores them; "off" takes the policy away."""
 
 import types
 
@@ -22,7 +22,7 @@ def test_parse_takes_policy_fields_and_names_them_on_a_bad_item():
 def test_a_switch_sets_the_knobs_over_the_built_ones_and_default_restores_them(monkeypatch):
     from bench.load import policy_serve as ps
     built = DeadlinePolicy(margin_s=0.03)  # as $Q3TTS_DEADLINE_MARGIN_MS=30 would build it
-    engine, off = types.SimpleNamespace(policy=built), types.SimpleNamespace(policy=None)
+    engine, off = _engine(built), _engine(None)
     monkeypatch.setattr(ps, "ENGINES", [])
     monkeypatch.setattr(ps, "BUILT", {})
     for e in (engine, off):
@@ -45,7 +45,7 @@ def test_alone_max_switches_the_runners_regimes_and_empties_the_prefill_fits(mon
     from q3tts.engine import runner as runner_mod
     pol = DeadlinePolicy()
     pol.times.record(0.005, 1, 0.01, 0.002)  # a measured prefill
-    engine = types.SimpleNamespace(policy=pol)
+    engine = _engine(pol)
     monkeypatch.setattr(ps, "ENGINES", [engine])
     monkeypatch.setattr(ps, "BUILT", {})
     monkeypatch.setattr(runner_mod, "PREFILL_GRAPH_MAX_REQUESTS", runner_mod.PREFILL_GRAPH_MAX_REQUESTS)
@@ -57,3 +57,23 @@ def test_alone_max_switches_the_runners_regimes_and_empties_the_prefill_fits(mon
     assert pol.times.prefill.samples == 0  # the other regime's samples would steer its first waves
     ps.apply("default", {})
     assert runner_mod.PREFILL_GRAPH_MAX_REQUESTS == ps.ALONE_MAX and pol.min_batch_wave == 16
+
+
+def test_off_takes_the_policy_from_the_engine_and_its_scheduler_and_a_setting_gives_it_back(monkeypatch):
+    from bench.load import policy_serve as ps
+    built = DeadlinePolicy(margin_s=0.03)
+    engine, without = _engine(built), _engine(None)
+    monkeypatch.setattr(ps, "ENGINES", [engine, without])
+    monkeypatch.setattr(ps, "BUILT", {})
+    for e in ps.ENGINES:
+        ps.remember(e)
+    assert ps.setting(" Off ") is None and ps.setting("max_wait_s=0") == {"max_wait_s": 0.0}
+    ps.apply("usr1", ps.setting("off"))
+    assert engine.policy is None and engine.scheduler.policy is None
+    ps.apply("usr2", ps.setting("max_wait_s=0"))
+    assert engine.policy is built and engine.scheduler.policy is built and built.max_wait_s == 0.0
+    assert without.policy is None and without.scheduler.policy is None  # built without one: stays without
+
+
+def _engine(policy):
+    return types.SimpleNamespace(policy=policy, scheduler=types.SimpleNamespace(policy=policy))
