@@ -6,11 +6,11 @@
 # graphs, up to 10 / 4 newcomers alone); MODULE=bench.load.deliver_serve SETTINGS="per_chunk:USR1 batched:USR2": the
 # hand-over of chunks to the event loop (bench/load/deliver_serve.py); MODULE=bench.load.turn_serve
 # SETTINGS="free:USR1 turn:USR2": the host turn off or on (bench/load/turn_serve.py); MODULE=bench.load.policy_serve
-# SETTINGS="a:USR1 b:USR2 default:HUP" with POLICY_USR1 / POLICY_USR2 ("field=value,..."): the deadline policy's knobs
-# (bench/load/policy_serve.py). Per setting one warm-up burst (the policy's cost fits), a closed-loop level of C
-# streams (REQS requests of 10 s each; their starts spread over SPREAD s, 0: a burst) and a Poisson level of RATE req/s
-# of 5 s utterances for POISSON_S s (0: none). JSON per (round, setting, level) in $OUT, one
-# summary line per level, then the medians per setting. GATE=FILE: the loads wait until FILE exists (the server
+# SETTINGS="a:USR1 b:USR2 c:WINCH default:HUP" with POLICY_USR1 / POLICY_USR2 / POLICY_WINCH ("field=value,..." or
+# "off"): the deadline policy's knobs, or no policy (bench/load/policy_serve.py). Per setting one warm-up burst (the
+# policy's cost fits), a closed-loop level of C streams (C may be a list: a level each; REQS requests of 10 s each;
+# their starts spread over SPREAD s, 0: a burst) and a Poisson level of RATE req/s of 5 s utterances for POISSON_S s
+# (0: none). JSON per (round, setting, level) in $OUT, one summary line per level, then the medians per setting. GATE=FILE: the loads wait until FILE exists (the server
 # compiles meanwhile, e.g. beside a test suite).
 # The last setting listed is sent again at the end (list the server's default last).
 #   run: command: bash bench/load/prefill_ab.sh      CPU dry run: DEVICE=cpu C=2 RATE=2 POISSON_S=2 FRAMES=12 bash bench/load/prefill_ab.sh
