@@ -1,5 +1,18 @@
+import os
+
 import pytest
 import torch
+
+SUITE_KNOBS = ("Q3TTS_ARTIFACTS", "Q3TTS_SOAK_S")  # the suite's own settings (tests/server/test_web_page.py, test_soak.py)
+
+
+def pytest_configure(config):
+    # The suite tests q3tts's defaults. A Q3TTS_* setting left in the caller's environment (e.g. Q3TTS_DEADLINE=1 from
+    # a benchmark's shell) would change every engine and server under test, and the subprocesses the tests start
+    # inherit it; so they go before any test module imports q3tts. A test that wants a setting sets it itself
+    # (monkeypatch.setenv, run_child's environment).
+    for name in [k for k in os.environ if k.startswith("Q3TTS_") and k not in SUITE_KNOBS]:
+        del os.environ[name]
 
 
 def pytest_collection_modifyitems(config, items):
