@@ -61,7 +61,8 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "ab-[0-9]*.json"))):
         per[(setting, level)].append((t["p50"], t["p95"], t["p99"]))
         print(f"{name:>18} {level:>11} audio s/s {lv['audio_s_per_s']:>7} first audio p50/p95/p99 {t['p50']}/{t['p95']}/{t['p99']} ms, "
               f"server mean {srv.get('ttfa_ms_mean')} ms, admission wait {srv.get('admission_wait_ms_mean')} ms, "
-              f"stalled {lv['stalled_share']}, errors {lv['errors']}")
+              f"stalled {lv['stalled_share']} (longest {lv['stall_ms']['max']} ms, first at {lv['first_stall_at_ms']['max']} ms "
+              f"at most), errors {lv['errors']}")
 for (setting, level), v in sorted(per.items()):
     med = [round(statistics.median(x), 1) for x in zip(*v)]
     print(f"median of {len(v)}: {setting:>9} {level:>11} first audio p50/p95/p99 {med[0]}/{med[1]}/{med[2]} ms")
