@@ -61,6 +61,8 @@ def test_alone_max_switches_the_runners_regimes_and_empties_the_prefill_fits(mon
 
 def test_off_takes_the_policy_from_the_engine_and_its_scheduler_and_a_setting_gives_it_back(monkeypatch):
     from bench.load import policy_serve as ps
+    from q3tts.engine import runner as runner_mod
+    monkeypatch.setattr(runner_mod, "PREFILL_GRAPH_MAX_REQUESTS", runner_mod.PREFILL_GRAPH_MAX_REQUESTS)
     built = DeadlinePolicy(margin_s=0.03)
     engine, without = _engine(built), _engine(None)
     monkeypatch.setattr(ps, "ENGINES", [engine, without])
@@ -73,6 +75,11 @@ def test_off_takes_the_policy_from_the_engine_and_its_scheduler_and_a_setting_gi
     ps.apply("usr2", ps.setting("max_wait_s=0"))
     assert engine.policy is built and engine.scheduler.policy is built and built.max_wait_s == 0.0
     assert without.policy is None and without.scheduler.policy is None  # built without one: stays without
+    built.times.record(0.005, 1, 0.01, 0.002)
+    ps.apply("winch", ps.setting("alone_max=4"))
+    built.times.record(0.004, 2, 0.01, 0.002)
+    ps.apply("usr1", ps.setting("off"))  # the runners' regime back as built: the fits of alone_max=4 go
+    assert built.times.prefill.samples == 0
 
 
 def _engine(policy):
