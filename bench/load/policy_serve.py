@@ -75,8 +75,9 @@ def apply(name: str, fields: dict[str, float] | None) -> None:
         if changed:  # (off as well: the runners go back to their regime as built)
             policy.times.prefill = PrefillCost()
         engine.policy = engine.scheduler.policy = None if fields is None else policy
-        for knob in POLICY_KNOBS if fields is not None else ():
-            setattr(policy, knob, fields.get(knob, knobs[knob]))
+        if fields is not None:
+            for knob in POLICY_KNOBS:
+                setattr(policy, knob, fields.get(knob, knobs[knob]))
     what = "off" if fields is None else fields or "as built"
     print(f"policy setting {name}: {what} ({len(ENGINES)} engine(s))", file=sys.stderr, flush=True)
 
