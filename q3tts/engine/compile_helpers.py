@@ -330,10 +330,10 @@ class Helpers:
         pending = list(units)
         while pending:
             owners = [firsts[shape_class(name)] for name, _ in pending]
-            states = [self.reports.state(o) for o in owners]
-            ready = [(TURN.index(s), i) for i, s in enumerate(states) if s != "busy"]
+            state = {o: self.reports.state(o) for o in dict.fromkeys(owners)}  # once per class
+            ready = [(TURN.index(state[o]), i) for i, o in enumerate(owners) if state[o] != "busy"]
             if not ready:
-                self.reports.wait_any(list(dict.fromkeys(owners)))
+                self.reports.wait_any(list(state))
                 continue
             yield pending.pop(min(ready)[1])
 

@@ -5,7 +5,6 @@ from its stdin: the JSON that compile_helpers.Helpers writes ({"source": Source'
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
@@ -35,7 +34,10 @@ def main(spec: dict) -> None:
         for name in spec["units"]:
             print("start", name, flush=True)
             warm_up, _, half = name.partition(":")  # a frame's half (compile_helpers.halves): warm_up_frames' own
-            (functools.partial(units[warm_up], half=half) if half else units[warm_up])()
+            if half:
+                units[warm_up](half=half)
+            else:
+                units[warm_up]()
             torch.cuda.synchronize()
             print("done", name, flush=True)
 

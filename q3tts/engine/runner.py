@@ -35,7 +35,7 @@ from ..models.layers import ATTN_SCORES_CHUNK, AttnContext, rope_cos_sin, rope_i
 from ..models.talker import Talker, embed_prompts
 from ..sampling import SamplingParams, uniform_noise
 from .compile import compile_model, use_compile_cache, want_compile
-from .compile_helpers import Source
+from .compile_helpers import HALVES, Source
 from .depth import DepthLoop
 from .graphs import capture_runner
 from .memory import KV_SPARE, alloc_len, wave_buckets
@@ -466,12 +466,13 @@ class ModelRunner:
     def warm_up_frames(self, keys, half: str = "") -> None:
         """One frame per key before capturing (compilation, allocations, cuBLAS handles), each from position 0: past
         the key's span n a paged row would write outside its n // block_size blocks (a device-side assert). half:
-        'codes' or 'talker' runs that half of each frame alone (a compile helper's unit: compile_helpers.halves)."""
+        one of compile_helpers.HALVES runs that half of each frame alone (a compile helper's unit: halves())."""
+        codes, talker = HALVES
         for B, n, capped in keys:
             self.slots.position.zero_()
-            if half != "talker":
+            if half != talker:
                 self._frame_codes(B, capped)
-            if half != "codes":
+            if half != codes:
                 self._frame_talker(B, n, capped)
 
     def capture_graphs(self, source: Source | None = None) -> int:
