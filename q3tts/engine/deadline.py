@@ -146,6 +146,21 @@ class StepTimes:
             self.text.add(text_s)
 
 
+ENV = "Q3TTS_DEADLINE"  # the policy on (unset, empty or one of ON) or off (one of OFF)
+ON, OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+def wanted(environ) -> bool:
+    """Whether $Q3TTS_DEADLINE asks for the policy (unset: yes); ValueError naming the accepted values otherwise."""
+    raw = environ.get(ENV, "").strip().lower()
+    if raw in ("", *ON):
+        return True
+    if raw in OFF:
+        return False
+    raise ValueError(f"${ENV}={environ[ENV]!r}: expected one of {', '.join(ON)} (the policy on, the default) or "
+                     f"{', '.join(OFF)} (off)")
+
+
 # $Q3TTS_DEADLINE_<NAME>: DeadlinePolicy's field, the value's unit and its least value (an unset variable: the default)
 DEADLINE_ENV = {"MARGIN_MS": ("margin_s", 1e-3, 0.0), "MAX_WAIT_MS": ("max_wait_s", 1e-3, 0.0),
                 "MIN_VOCODE_FRAMES": ("min_vocode_frames", 1, 1),

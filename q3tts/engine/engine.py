@@ -12,7 +12,7 @@ so nothing of it can leak into the others.
 Offline requests (stream=None) only collect codes; the caller decodes them with upstream's decoder
 for parity. Streaming requests get AudioChunks from the exact stateful decoder (q3tts.engine.vocoder).
 
-Deadline-aware streaming (q3tts.engine.deadline; opt-in: $Q3TTS_DEADLINE=1 or Engine(deadline=True)): the
+Deadline-aware streaming (q3tts.engine.deadline; on unless $Q3TTS_DEADLINE=0 or Engine(deadline=False)): the
 scheduler admits newcomers as the running streams' slack allows, and the chunks that are due go nearest deadline
 first (a stream about to run dry at once, several of its chunks together if it was left waiting); the step's phases
 are measured into the policy's moving averages after every step (its knobs: $Q3TTS_DEADLINE_<NAME>,
@@ -51,6 +51,7 @@ from .compile import (
 )
 from .compile_helpers import Source
 from .deadline import DeadlinePolicy, chunk_cut, full_chunks
+from .deadline import wanted as deadline_wanted
 from .memory import size_engine
 from .request import EngineRequest, RequestStatus, StreamOptions
 from .runner import ModelRunner
@@ -99,8 +100,12 @@ class Engine:
         torch.compile's caches live (q3tts.engine.compile: default a per-user directory that survives
         restarts; False: torch's). compile_artifact: a file from `q3tts warmup --save` loaded into that cache
         before anything compiles (q3tts.engine.artifact). batch_invariant: q3tts.invariant's switch, set for the
-        process (None: as it is). deadline: deadline-aware streaming (q3tts.engine.deadline; None: off unless
-        $Q3TTS_DEADLINE is 1); off: admission by count and token budget, chunks when full."""
+        process (None: as it is). deadline: deadline-aware streaming (q3tts.engine.deadline; None: on unless
+        $Q3TTS_DEADLINE is 0); off: admission by count and token budget, chunks when full. A bad $Q3TTS_DEADLINE or
+        $Q3TTS_DEADLINE_<NAME> fails here, before anything is built (ValueError naming the accepted values)."""
+        if deadline is None:
+            deadline = deadline_wanted(os.environ)
+        policy = DeadlinePolicy.from_env(os.environ) if deadline else None
         if batch_invariant is not None:
             invariant.set_enabled(batch_invariant)
         t0, counts = time.perf_counter(), compile_counts()
@@ -125,9 +130,7 @@ class Engine:
                 str(ckpt.model_dir), str(ckpt.device), str(ckpt.dtype).removeprefix("torch."), ckpt.quantization,
                 max_slots, self.runner.max_len))
         compile_helpers.dismiss()  # helpers started at launch that the cold start did not take
-        if deadline is None:
-            deadline = os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes")
-        self.policy = DeadlinePolicy.from_env(os.environ) if deadline else None
+        self.policy = policy
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
         self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)
