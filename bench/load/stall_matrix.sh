@@ -13,7 +13,7 @@
 # Base server starts once the other two have stopped. The levels run one server at a time (the others idle); the whole run stays under LIMIT s (default 540
 # with BASE=1, else 420), each wait and level bounded by what is left. JSON per server in $OUT, all of it in
 # $OUT/stall_matrix.json (runs["17base-closed"]: the Base level), one summary table at the end.
-#   run: command: bash bench/load/stall_matrix.sh, timeout_s 600   (one H100; the deadline policy on; Q3TTS_DEADLINE=0: the old one)
+#   run: command: bash bench/load/stall_matrix.sh, timeout_s 600   (one H100; the deadline policy on unless Q3TTS_DEADLINE=0)
 #   CPU dry run:  DEVICE=cpu OUT=/tmp/stall bash bench/load/stall_matrix.sh   (tiny checkpoints incl. a tiny Base one, tiny loads)
 # Env: DEVICE, OUT, LIMIT, SLOTS, C06 ("64,128"), C17 ("64"), CBASE ("64"), BASE (1), BASE_TOGETHER (by memory),
 #      RATES ("10,20"), REQS (2), SPREAD (0: the closed levels' clients start together, a burst; 1: their starts
@@ -23,7 +23,6 @@
 #      a summary per server at the end, and each level's first audio split by `phase_trace --join`: to the handler,
 #      the engine, back to the client).
 set -uo pipefail
-export Q3TTS_DEADLINE=${Q3TTS_DEADLINE:-1}  # the servers' engines read it (q3tts.engine.engine)
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/stall_matrix}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 mkdir -p "$OUT"
@@ -131,6 +130,7 @@ fi
 
 python3 - "$OUT" "$DEVICE" "$(( $(date +%s) - T0 ))" <<'PY'
 import json, os, subprocess, sys
+from q3tts.engine.deadline import wanted
 out, device, wall = sys.argv[1], sys.argv[2], int(sys.argv[3])
 runs = {}
 for name in ("06-closed", "17-closed", "17-poisson", "17base-closed"):
@@ -144,7 +144,7 @@ base = {"on": os.environ["BASE"] == "1",  # the Base level: when its server star
         "voice": json.load(open(voice)) if os.path.exists(voice) and os.path.getsize(voice) else None}
 gpu = open(os.path.join(out, "gpu.txt")).read().strip() if os.path.exists(os.path.join(out, "gpu.txt")) else "cpu"
 doc = {"command": "bash bench/load/stall_matrix.sh", "device": device, "gpu": gpu, "commit": commit,
-       "deadline_policy": os.environ.get("Q3TTS_DEADLINE", "0").lower() in ("1", "true", "yes"), "wall_s": wall,
+       "deadline_policy": wanted(os.environ, device), "wall_s": wall,
        "base": base, "runs": runs}
 json.dump(doc, open(os.path.join(out, "stall_matrix.json"), "w"), indent=1)
 head = ("model", "level", "reqs", "err", "audio s/s", "ttfa p50/p95/p99 ms", "stalled", "stall p95/max ms",

@@ -146,19 +146,23 @@ class StepTimes:
             self.text.add(text_s)
 
 
-ENV = "Q3TTS_DEADLINE"  # the policy on (unset, empty or one of ON) or off (one of OFF)
+ENV = "Q3TTS_DEADLINE"  # the policy on (one of ON) or off (one of OFF); unset or empty: the device's default
 ON, OFF = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 
 
-def wanted(environ) -> bool:
-    """Whether $Q3TTS_DEADLINE asks for the policy (unset: yes); ValueError naming the accepted values otherwise."""
+def wanted(environ, device_type: str) -> bool:
+    """Whether $Q3TTS_DEADLINE asks for the policy; unset: on for a CUDA engine, off on a CPU (an engine slower than
+    real time keeps no stream ahead, and there the policy would hold a first send back until its whole chunks reach
+    the largest chunk's frames); ValueError naming the accepted values for anything else."""
     raw = environ.get(ENV, "").strip().lower()
-    if raw in ("", *ON):
+    if raw == "":
+        return device_type == "cuda"
+    if raw in ON:
         return True
     if raw in OFF:
         return False
-    raise ValueError(f"${ENV}={environ[ENV]!r}: expected one of {', '.join(ON)} (the policy on, the default) or "
-                     f"{', '.join(OFF)} (off)")
+    raise ValueError(f"${ENV}={environ[ENV]!r}: expected one of {', '.join(ON)} (the policy on) or "
+                     f"{', '.join(OFF)} (off); unset: on for CUDA, off on a CPU")
 
 
 # $Q3TTS_DEADLINE_<NAME>: DeadlinePolicy's field, the value's unit and its least value (an unset variable: the default)

@@ -12,7 +12,7 @@ so nothing of it can leak into the others.
 Offline requests (stream=None) only collect codes; the caller decodes them with upstream's decoder
 for parity. Streaming requests get AudioChunks from the exact stateful decoder (q3tts.engine.vocoder).
 
-Deadline-aware streaming (q3tts.engine.deadline; on unless $Q3TTS_DEADLINE=0 or Engine(deadline=False)): the
+Deadline-aware streaming (q3tts.engine.deadline; on CUDA by default, $Q3TTS_DEADLINE or Engine(deadline=) set it): the
 scheduler admits newcomers as the running streams' slack allows, and the chunks that are due go nearest deadline
 first (a stream about to run dry at once, several of its chunks together if it was left waiting); the step's phases
 are measured into the policy's moving averages after every step (its knobs: $Q3TTS_DEADLINE_<NAME>,
@@ -100,11 +100,12 @@ class Engine:
         torch.compile's caches live (q3tts.engine.compile: default a per-user directory that survives
         restarts; False: torch's). compile_artifact: a file from `q3tts warmup --save` loaded into that cache
         before anything compiles (q3tts.engine.artifact). batch_invariant: q3tts.invariant's switch, set for the
-        process (None: as it is). deadline: deadline-aware streaming (q3tts.engine.deadline; None: on unless
-        $Q3TTS_DEADLINE is 0); off: admission by count and token budget, chunks when full. A bad $Q3TTS_DEADLINE or
-        $Q3TTS_DEADLINE_<NAME> fails here, before anything is built (ValueError naming the accepted values)."""
+        process (None: as it is). deadline: deadline-aware streaming (q3tts.engine.deadline; None: as
+        $Q3TTS_DEADLINE says, unset: on for CUDA, off on a CPU); off: admission by count and token budget, chunks when
+        full. A bad $Q3TTS_DEADLINE or $Q3TTS_DEADLINE_<NAME> fails here, before anything is built (ValueError naming
+        the accepted values)."""
         if deadline is None:
-            deadline = deadline_wanted(os.environ)
+            deadline = deadline_wanted(os.environ, ckpt.device.type)
         policy = DeadlinePolicy.from_env(os.environ) if deadline else None
         if batch_invariant is not None:
             invariant.set_enabled(batch_invariant)
@@ -140,9 +141,10 @@ class Engine:
         if self.runner.compiled and self.runner.use_graphs:
             flush_precompiled()  # every compilation is done: a restart installs their Dynamo entries
         if self.runner.compiled or self.runner.use_graphs:  # (on CPU the compilations come with the first request)
-            log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s", time.perf_counter() - t0,
-                     self.num_graphs, describe_counts(counts),
-                     self.runner.compile_cache or ("torch's default" if self.runner.compiled else "unused"))
+            log.info("engine built in %.1f s: %d CUDA graphs, %s; compile cache %s; deadline policy %s",
+                     time.perf_counter() - t0, self.num_graphs, describe_counts(counts),
+                     self.runner.compile_cache or ("torch's default" if self.runner.compiled else "unused"),
+                     "on" if self.policy else "off")
         self._ids = itertools.count()
         self._lock = threading.Lock()  # add/abort/text may come from another thread than step()
         self.wake = threading.Event()  # set when there may be new work: a request, a cancellation, text

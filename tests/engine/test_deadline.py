@@ -705,25 +705,30 @@ def test_a_streamed_text_waiting_for_its_first_words_does_not_grow_first_sends()
     assert first == [1]
 
 
-def test_the_policy_is_on_unless_q3tts_deadline_turns_it_off():
-    """$Q3TTS_DEADLINE unset or empty: on; ON / OFF words either case; anything else an error naming both lists."""
-    assert wanted({}) and wanted({"Q3TTS_DEADLINE": " "}) and wanted({"Q3TTS_DEADLINE": "Yes"})
-    assert not wanted({"Q3TTS_DEADLINE": "0"}) and not wanted({"Q3TTS_DEADLINE": "OFF"})
+def test_q3tts_deadline_sets_the_policy_and_unset_it_is_on_for_cuda_only():
+    """$Q3TTS_DEADLINE unset or empty: on for a CUDA engine, off on a CPU; ON / OFF words in either case on any
+    device; anything else an error naming both lists."""
+    assert wanted({}, "cuda") and wanted({"Q3TTS_DEADLINE": " "}, "cuda")
+    assert not wanted({}, "cpu") and not wanted({"Q3TTS_DEADLINE": ""}, "cpu")
+    assert wanted({"Q3TTS_DEADLINE": "Yes"}, "cpu") and wanted({"Q3TTS_DEADLINE": "1"}, "cpu")
+    assert not wanted({"Q3TTS_DEADLINE": "0"}, "cuda") and not wanted({"Q3TTS_DEADLINE": "OFF"}, "cuda")
     with pytest.raises(ValueError, match=r"Q3TTS_DEADLINE='maybe'.*1, on, true, yes .*0, off, false, no"):
-        wanted({"Q3TTS_DEADLINE": "maybe"})
+        wanted({"Q3TTS_DEADLINE": "maybe"}, "cuda")
 
 
-def test_an_engine_has_the_policy_by_default_and_a_bad_setting_fails_before_it_is_built(monkeypatch):
-    """Engine() builds the policy unless $Q3TTS_DEADLINE is off or deadline=False says so; a bad $Q3TTS_DEADLINE or
-    knob fails before the runner exists (nothing is compiled or captured for a server that cannot start)."""
+def test_an_engine_reads_q3tts_deadline_and_a_bad_setting_fails_before_it_is_built(monkeypatch):
+    """Engine() on this CPU: no policy unless $Q3TTS_DEADLINE or deadline=True asks; deadline=False wins over the
+    variable; a bad $Q3TTS_DEADLINE or knob fails before the runner exists (nothing is compiled or captured for a
+    server that cannot start)."""
     from q3tts.engine import engine as engine_mod
     from tests.golden import fixtures as fx
 
     tts = fx.tts("cv06")
+    assert engine_mod.Engine(tts.ckpt, max_slots=2, max_seq_len=128).policy is None
+    assert engine_mod.Engine(tts.ckpt, max_slots=2, max_seq_len=128, deadline=True).policy is not None
+    monkeypatch.setenv("Q3TTS_DEADLINE", "on")
     assert engine_mod.Engine(tts.ckpt, max_slots=2, max_seq_len=128).policy is not None
     assert engine_mod.Engine(tts.ckpt, max_slots=2, max_seq_len=128, deadline=False).policy is None
-    monkeypatch.setenv("Q3TTS_DEADLINE", "0")
-    assert engine_mod.Engine(tts.ckpt, max_slots=2, max_seq_len=128).policy is None
     monkeypatch.setattr(engine_mod, "ModelRunner", None)  # building one would fail otherwise
     for name, raw in [("Q3TTS_DEADLINE", "sometimes"), ("Q3TTS_DEADLINE_MAX_WAIT_MS", "soon")]:
         monkeypatch.setenv("Q3TTS_DEADLINE", "1")
