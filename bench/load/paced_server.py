@@ -149,7 +149,7 @@ class PacedVocoder:
     def __getattr__(self, name):
         return getattr(self._vocoder, name)
 
-    def decode(self, work, sizes=None) -> list[np.ndarray]:
+    def decode(self, work, sizes=None, final=None) -> list[np.ndarray]:
         if work:
             device_sleep(self.vocode_s + self.vocode_frame_s * sum(len(codes) for _, codes in work))
         out = []

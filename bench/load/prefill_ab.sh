@@ -33,6 +33,20 @@ load() {  # load NAME ARGS...: one bench.load.load run, JSON in $OUT/ab-NAME.jso
   python3 -m bench.load.load --url "http://127.0.0.1:$PORT" --processes 2 --client-cpus "$CLIENT_CPUS" \
     --out "$OUT/ab-$name.json" "$@" > /dev/null 2> "$OUT/ab-$name.err" || { echo "load $name failed"; tail -3 "$OUT/ab-$name.err"; }
 }
+switch() {  # switch SIGNAL: send it (again each second, up to 60 s) until the wrapper logs its " setting " line: on the
+  # GPU machines a ready server's first signals went unhandled for a while (none of five in 5 s), later ones at once
+  local before tries i
+  before=$(grep -c " setting " "$OUT/serve.log")
+  for tries in $(seq 60); do
+    kill -"$1" "$SERVER_PID"
+    for i in $(seq 20); do
+      [ "$(grep -c " setting " "$OUT/serve.log")" -gt "$before" ] && { [ "$tries" = 1 ] || echo "SIG$1 confirmed at try $tries"; return 0; }
+      sleep 0.05
+    done
+  done
+  echo "SIG$1 not confirmed in the server's log in 60 tries"
+  return 1
+}
 declare -A SIG=()
 ORDER=()
 for pair in $SETTINGS; do ORDER+=("${pair%%:*}"); SIG[${pair%%:*}]=${pair#*:}; done
@@ -40,7 +54,7 @@ N=${#ORDER[@]}
 for r in $(seq "$ROUNDS"); do
   for i in $(seq 0 $(( N - 1 ))); do
     s=${ORDER[$(( (i + r - 1) % N ))]}
-    kill -"${SIG[$s]}" "$SERVER_PID"
+    switch "${SIG[$s]}" || echo "setting $s may not apply"
     sleep 0.3
     load "warm-$r-$s" --concurrency "$C" --requests 1 --max-new-tokens 24 --no-server-metrics
     load "$r-$s-closed" --concurrency "$C" --spread "$SPREAD" --requests "$REQS" --max-new-tokens "$FRAMES"
@@ -48,7 +62,7 @@ for r in $(seq "$ROUNDS"); do
       load "$r-$s-poisson" --rate "$RATE" --duration "$POISSON_S" --max-new-tokens $(( (FRAMES + 1) / 2 )) --no-warmup
   done
 done
-kill -"${SIG[${ORDER[$(( N - 1 ))]}]}" "$SERVER_PID"  # back to the default
+switch "${SIG[${ORDER[$(( N - 1 ))]}]}"  # back to the default
 python3 - "$OUT" <<'PY'
 import collections, glob, json, os, statistics, sys
 per = collections.defaultdict(list)

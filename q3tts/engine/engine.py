@@ -333,15 +333,16 @@ class Engine:
     def _vocode(self, reqs: list[EngineRequest]) -> list[AudioChunk]:
         """Decode the chunks that are due (by deadline with the policy, else full chunks), in that order; each
         advances its request's playback clock."""
-        work, sizes, meta = [], [], []
+        work, sizes, final, meta = [], [], [], []
         plan = (self.policy.plan_chunks(reqs, time.perf_counter(), self.scheduler.num_ready)
                 if self.policy is not None else full_chunks(reqs))
         for r, n in plan:
             if n > 0:
                 work.append((r.vocoder_row, r.frames[r.frames_vocoded: r.frames_vocoded + n]))
                 sizes.append(chunk_cut(r.stream, r.frames_vocoded, n))
+                final.append(r.status.finished)  # its row is released below: its last chunk may be padded
             meta.append((r, n, r.status.finished))
-        decoded = iter(self.vocoder.decode(work, sizes))
+        decoded = iter(self.vocoder.decode(work, sizes, final))
         now = time.perf_counter()
         chunks = []
         for r, n, last in meta:

@@ -4,6 +4,10 @@ A streaming request holds a pool row from admission to its last chunk. The chunk
 in a few batched calls:
   - a chunk of n frames is cut into power-of-two pieces, largest first (13 -> 8, 4, 1). The decoder is
     causal at frame granularity, so any cut gives the same audio (q3tts.models.codec: decode_step);
+  - a stream's final chunk (its row's state is never read again) is instead padded up to whole pieces (13 -> 16:
+    13 frames and 3 frames of code 0 whose audio is dropped): one call that same-size pieces of other streams
+    share, instead of a call per piece size (`final_pieces`). Causality keeps its 13 frames' audio; the cut
+    depends only on the chunk, so the bits do not depend on the load;
   - the pieces of one size from different requests run together: their rows are gathered from the
     pool, decoded by `Code2Wav.decode_step`, and scattered back, at most max_call_frames rows x frames per
     call (more take several calls), which bounds the workspace whatever the number of streams;
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -42,6 +47,41 @@ def pieces(n: int, max_piece: int) -> list[int]:
     return out
 
 
+def final_pieces(n: int, max_piece: int) -> list[int]:
+    """A stream's final n frames as whole max_piece pieces, then the rest padded up to one power of two (13, 16 ->
+    [16]; 40, 16 -> [16, 16, 8]): their sum may exceed n, by less than the last piece."""
+    rest = n % max_piece
+    return [max_piece] * (n // max_piece) + ([1 << (rest - 1).bit_length()] if rest else [])
+
+
+def cut(chunks: list[int], final: bool, max_piece: int) -> list[int]:
+    """One request's pieces: each of its chunks (frames) cut on its own, its last by `final_pieces` if it ends the
+    stream."""
+    last = len(chunks) - 1
+    return [p for k, n in enumerate(chunks) for p in (final_pieces if final and k == last else pieces)(n, max_piece)]
+
+
+def call_rows(max_rows: int, max_piece: int, max_call_frames: int) -> dict[int, int]:
+    """Piece size -> the most requests one call decodes: a power of two, at most max_call_frames rows x frames and the
+    rows bucket that holds max_rows."""
+    top = 1 << (max_rows - 1).bit_length()
+    return {1 << i: min(top, max_call_frames >> i) for i in range(max_piece.bit_length())}
+
+
+def calls(cuts: list[list[int]], call_rows: dict[int, int]) -> Iterator[tuple[int, list[int]]]:
+    """The calls that decode requests cut into `cuts` (their pieces, in order), as (piece size, the requests): round j
+    takes every request's j-th piece, and within a round pieces of one size share calls of at most call_rows[size]
+    requests."""
+    for j in range(max(map(len, cuts), default=0)):
+        groups: dict[int, list[int]] = defaultdict(list)  # piece size -> requests
+        for i, pcs in enumerate(cuts):
+            if j < len(pcs):
+                groups[pcs[j]].append(i)
+        for size, group in groups.items():
+            step = call_rows[size]
+            yield from ((size, group[a: a + step]) for a in range(0, len(group), step))
+
+
 class StreamingVocoder:
     """Args:
         code2wav: the decoder (its device and dtype are the pool's).
@@ -57,13 +97,12 @@ class StreamingVocoder:
         assert max_piece & (max_piece - 1) == 0, "max_piece must be a power of two"
         assert max_call_frames & (max_call_frames - 1) == 0 and max_call_frames >= max_piece
         self.code2wav, self.max_rows, self.max_piece = code2wav, max_rows, max_piece
-        top = 1 << (max_rows - 1).bit_length()  # the rows bucket that holds every stream
         # piece size -> the most rows one call decodes (a power of two).
         # NOTE(invariant): batch-invariant mode (as it is at the build) decodes each request's piece in a call of its
         # own (cuBLAS and cuDNN's attention choose their kernels, and with them the sums' order, by the number of
         # rows), so only one-row calls are captured
-        self.call_rows = {1 << i: 1 if invariant.ENABLED else min(top, max_call_frames >> i)
-                          for i in range(max_piece.bit_length())}
+        self.call_rows = {size: 1 if invariant.ENABLED else most
+                          for size, most in call_rows(max_rows, max_piece, max_call_frames).items()}
         p = next(code2wav.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.K = code2wav.cfg.num_quantizers
@@ -125,33 +164,33 @@ class StreamingVocoder:
     # ------------------------------------------------------------------ decoding
     @torch.inference_mode()
     def decode(self, work: list[tuple[int, torch.Tensor | list[torch.Tensor]]],
-               sizes: list[list[int]] | None = None) -> list[np.ndarray]:
+               sizes: list[list[int]] | None = None, final: list[bool] | None = None) -> list[np.ndarray]:
         """work: (row, codes) per request, codes its n frames as [n, K] int64 or as n frames [K] (the engine's, as
         sampled: gathered per call, not per request) -> wav [n*1920] float32 per request. sizes: per request, the
         stream chunks its n frames hold, in order (summing to n; default one chunk): each is cut into pieces on its
         own, so frames decode in the same pieces however the chunks are grouped into calls (the same bits).
+        final: per request, whether its last chunk ends its stream (its row is closed after it, its state never
+        read): that chunk is cut by `final_pieces`, padded with frames of code 0 whose audio is dropped.
 
         Round j decodes every request's j-th piece; within a round, pieces of one size share a call."""
         if not work:
             return []
         sizes = sizes or [[len(codes)] for _, codes in work]
-        cuts = [[p for n in ns for p in pieces(n, self.max_piece)] for ns in sizes]
+        final = final or [False] * len(work)
         starts = [0] * len(work)
         parts: list[list[torch.Tensor]] = [[] for _ in work]  # per request: its pieces' audio on the device
-        for j in range(max(map(len, cuts), default=0)):
-            groups: dict[int, list[int]] = defaultdict(list)  # piece size -> requests
-            for i, cut in enumerate(cuts):
-                if j < len(cut):
-                    groups[cut[j]].append(i)
-            for size, group in groups.items():
-                step = self.call_rows[size]  # one row per call in batch-invariant mode
-                for items in (group[a: a + step] for a in range(0, len(group), step)):
-                    frames = [f for i in items for f in work[i][1][starts[i]: starts[i] + size]]  # n * size x [K]
-                    codes = torch.stack(frames).view(len(items), size, -1).transpose(1, 2).contiguous()  # [n, K, size]
-                    wav = self._call([work[i][0] for i in items], codes)
-                    for k, i in enumerate(items):
-                        parts[i].append(wav[k])
-                        starts[i] += size
+        cuts = [cut(ns, last, self.max_piece) for ns, last in zip(sizes, final)]
+        for size, items in calls(cuts, self.call_rows):  # (one row per call in batch-invariant mode)
+            frames = []  # n * size x [K]: each request's next `size` frames, a final piece padded with code 0
+            for i in items:
+                own = list(work[i][1][starts[i]: starts[i] + size])
+                frames += own + [own[0].new_zeros(own[0].shape)] * (size - len(own))
+            codes = torch.stack(frames).view(len(items), size, -1).transpose(1, 2).contiguous()  # [n, K, size]
+            wav = self._call([work[i][0] for i in items], codes)
+            for k, i in enumerate(items):
+                real = min(size, len(work[i][1]) - starts[i])  # (< size: a final piece's padding dropped)
+                parts[i].append(wav[k, :real * self.code2wav.total_upsample])
+                starts[i] += real
         flat = torch.cat([p for ps in parts for p in ps])
         with device_wait():
             flat = flat.cpu()  # the one sync of the call

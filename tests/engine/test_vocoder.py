@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from q3tts.engine.vocoder import StreamingVocoder, pieces
+from q3tts.engine.vocoder import StreamingVocoder, final_pieces, pieces
 from tests.models.test_codec import SPF, TOL, rand_codes, tiny_model
 
 
@@ -14,6 +14,14 @@ def test_pieces():
     assert pieces(40, 16) == [16, 16, 8]
     assert pieces(16, 16) == [16] and pieces(1, 4) == [1] and pieces(0, 16) == []
     assert all(sum(pieces(n, m)) == n for n in range(1, 70) for m in (1, 2, 8, 16))
+
+
+def test_final_pieces():
+    assert final_pieces(13, 16) == [16] and final_pieces(40, 16) == [16, 16, 8] and final_pieces(16, 16) == [16]
+    assert final_pieces(3, 4) == [4] and final_pieces(0, 16) == []
+    for n in range(1, 70):  # whole pieces, then one power of two that covers the rest, padded by less than itself
+        got = final_pieces(n, 16)
+        assert got[:-1] == [16] * (len(got) - 1) and 0 <= sum(got) - n < got[-1] and got[-1] & (got[-1] - 1) == 0
 
 
 def full(codes: torch.Tensor) -> np.ndarray:
@@ -53,6 +61,24 @@ def test_interleaved_streams_equal_full_decodes(max_call_frames):
         assert np.abs(got - full(codes[name].T[None])).max() <= TOL, name
     with_ref = full(torch.cat([ref, codes["b"]]).T[None])[ref.shape[0] * SPF:]  # the reference's audio is dropped
     assert np.abs(np.concatenate(out["b"]) - with_ref).max() <= TOL
+
+
+def test_a_final_chunk_is_padded_into_the_call_of_its_piece_size(monkeypatch):
+    """A stream's final chunk of 13 frames goes as one 16-frame piece (3 frames of code 0, their audio dropped) in the
+    call of another stream's 16-frame chunk: 1 call instead of 4 (16 and 8, then 4, then 1). Its 13 frames' audio is the
+    full decode's (the decoder is causal), and the other stream goes on exactly."""
+    a, b = rand_codes(32, 1)[0].T, rand_codes(20, 2)[0].T
+    for final, want_calls in ((False, 4), (True, 1)):
+        voc = StreamingVocoder(tiny_model(), max_rows=2)
+        ra, rb = voc.open([None, None])
+        first = voc.decode([(ra, a[:16]), (rb, b[:7])])
+        calls = []
+        call = voc._call
+        monkeypatch.setattr(voc, "_call", lambda rows, codes: calls.append(codes.shape) or call(rows, codes))
+        wa, wb = voc.decode([(ra, a[16:]), (rb, b[7:])], final=[False, final])
+        assert len(calls) == want_calls and wb.shape == (13 * SPF,)
+        assert np.abs(np.concatenate([first[1], wb]) - full(b.T[None])).max() <= TOL
+        assert np.abs(np.concatenate([first[0], wa]) - full(a.T[None])).max() <= TOL
 
 
 def _state_of(state):

@@ -1,0 +1,54 @@
+"""bench.load.final_serve: the signals switch how every stream's final chunk is vocoded; streams get the same chunks
+either way, their audio within float rounding."""
+
+import asyncio
+
+import numpy as np
+
+from q3tts.engine.async_engine import AsyncEngine
+from q3tts.engine.request import StreamOptions
+from tests.engine.test_async_engine import GREEDY
+from tests.golden import fixtures as fx
+
+
+def streams(tts, n: int, max_new_tokens: int) -> list[list]:
+    """n streams at once, in chunks of 1, 2, 4, 8, then 16 frames: 29 frames end in a final chunk of 14."""
+    server = AsyncEngine.of(tts.engine)
+
+    async def one(i):
+        prepared = tts.prepare_custom_voice(f"Stream number {i} of a burst.", ["ryan", "vivian"][i % 2],
+                                            max_new_tokens=max_new_tokens, **GREEDY)[0]
+        return [c async for c in server.generate(prepared, StreamOptions(1, 16))]
+
+    async def all_of():
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    return asyncio.run(all_of())
+
+
+def test_the_switch_sets_the_final_chunks_pieces_and_the_streams_keep_their_chunks(monkeypatch):
+    from bench.load import final_serve as fs
+    from q3tts.engine import vocoder
+    tts = fx.tts("cv06")
+    monkeypatch.setattr(vocoder, "final_pieces", vocoder.final_pieces)  # restored after the test
+    calls = []
+    call = tts.engine.vocoder._call
+    monkeypatch.setattr(tts.engine.vocoder, "_call", lambda rows, codes: calls.append(codes.shape[2]) or call(rows, codes))
+
+    def run(name):
+        fs.apply(name)
+        calls.clear()
+        got = streams(tts, 4, 30)
+        return [[(c.frame_index, c.num_frames, c.audio) for c in s] for s in got], sorted(calls)
+
+    cut, cut_calls = run("cut")
+    assert vocoder.final_pieces is vocoder.pieces
+    padded, padded_calls = run("padded")
+    assert vocoder.final_pieces is fs.PADDED
+    assert padded_calls != cut_calls and len(padded_calls) < len(cut_calls)  # fewer, larger calls
+    # the same frames in the same chunks; the audio within float32 rounding: a padded piece's convolutions and attention
+    # sum the same terms in other groupings (tests/engine/test_vocoder.py: full decode vs streaming, 1e-5)
+    assert [[c[:2] for c in s] for s in cut] == [[c[:2] for c in s] for s in padded] and all(cut)
+    for a, b in zip(cut, padded):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x[2], y[2], rtol=0, atol=1e-4)
