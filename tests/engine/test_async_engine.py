@@ -123,9 +123,9 @@ def test_the_loop_thread_compiles_under_the_settings_of_the_thread_that_built_it
         driver.shutdown()
 
 
-def burst(tts, n: int, max_new_tokens: int) -> tuple[list[list], int, int]:
-    """n streams of one event loop at once through the engine's AsyncEngine -> (each stream's chunks, the loop's
-    call_soon_threadsafe calls while they ran, the engine's steps)."""
+def burst(tts, n: int, max_new_tokens: int, stream: StreamOptions | None = None) -> tuple[list[list], int, int]:
+    """n streams of one event loop at once through the engine's AsyncEngine, in chunks of `stream` (default 1, then
+    2 frames) -> (each stream's chunks, the loop's call_soon_threadsafe calls while they ran, the engine's steps)."""
     server = AsyncEngine.of(tts.engine)
     wakes = []
 
@@ -136,7 +136,7 @@ def burst(tts, n: int, max_new_tokens: int) -> tuple[list[list], int, int]:
 
         async def one(text, voice):
             prepared = tts.prepare_custom_voice(text, voice, max_new_tokens=max_new_tokens, **GREEDY)[0]
-            return [c async for c in server.generate(prepared, StreamOptions(1, 2))]
+            return [c async for c in server.generate(prepared, stream or StreamOptions(1, 2))]
 
         return await asyncio.gather(*(one(f"Stream number {i} of a burst.", ["ryan", "vivian"][i % 2])
                                       for i in range(n)))

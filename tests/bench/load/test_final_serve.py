@@ -1,29 +1,11 @@
 """bench.load.final_serve: the signals switch how every stream's final chunk is vocoded; streams get the same chunks
 either way, their audio within float rounding."""
 
-import asyncio
-
 import numpy as np
 
-from q3tts.engine.async_engine import AsyncEngine
 from q3tts.engine.request import StreamOptions
-from tests.engine.test_async_engine import GREEDY
+from tests.engine.test_async_engine import burst
 from tests.golden import fixtures as fx
-
-
-def streams(tts, n: int, max_new_tokens: int) -> list[list]:
-    """n streams at once, in chunks of 1, 2, 4, 8, then 16 frames: 29 frames end in a final chunk of 14."""
-    server = AsyncEngine.of(tts.engine)
-
-    async def one(i):
-        prepared = tts.prepare_custom_voice(f"Stream number {i} of a burst.", ["ryan", "vivian"][i % 2],
-                                            max_new_tokens=max_new_tokens, **GREEDY)[0]
-        return [c async for c in server.generate(prepared, StreamOptions(1, 16))]
-
-    async def all_of():
-        return await asyncio.gather(*(one(i) for i in range(n)))
-
-    return asyncio.run(all_of())
 
 
 def test_the_switch_sets_the_final_chunks_pieces_and_the_streams_keep_their_chunks(monkeypatch):
@@ -38,8 +20,8 @@ def test_the_switch_sets_the_final_chunks_pieces_and_the_streams_keep_their_chun
     def run(name):
         fs.apply(name)
         calls.clear()
-        got = streams(tts, 4, 30)
-        return [[(c.frame_index, c.num_frames, c.audio) for c in s] for s in got], sorted(calls)
+        streams, _, _ = burst(tts, 4, 30, StreamOptions(1, 16))  # 29 frames: chunks of 1, 2, 4, 8, then a final 14
+        return [[(c.frame_index, c.num_frames, c.audio) for c in s] for s in streams], sorted(calls)
 
     cut, cut_calls = run("cut")
     assert vocoder.final_pieces is vocoder.pieces
