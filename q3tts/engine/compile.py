@@ -36,6 +36,7 @@ import types
 import torch
 
 from .. import invariant
+from ..models.codec import TransformerLayer
 from ..models.layers import DecoderLayer
 from ..sampling import sample, sample_topk, talker_logits_rules
 
@@ -58,10 +59,8 @@ def want_compile(device: torch.device, flag: bool | None) -> bool:
     return env == "1" if env is not None else device.type == "cuda"
 
 
-def compile_layers(talker: torch.nn.Module) -> None:
-    """torch.compile each decoder layer's forward (fuses norms, RoPE and the attention glue into a few kernels).
-    One compiled function serves every layer instance; batch and length are dynamic, so a handful of compilations
-    cover all graph buckets."""
+def _settings() -> None:
+    """Dynamo's and Inductor's settings for q3tts's compiled functions (set once per process, before any compiles)."""
     import torch._dynamo
     import torch._inductor.config
     import torch.fx.experimental._config as fx_config
@@ -81,11 +80,27 @@ def compile_layers(talker: torch.nn.Module) -> None:
     # node wrote while ours let the next kernel start early (bf16 graph and eager codes parted with PDL in part of
     # the graphs); Inductor's static launcher cannot launch PDL kernels (slower warm starts); and the frame time
     # did not change beyond the machines' spread (BENCHMARKS.md).
+
+
+def compile_layers(talker: torch.nn.Module) -> None:
+    """torch.compile each decoder layer's forward (fuses norms, RoPE and the attention glue into a few kernels).
+    One compiled function serves every layer instance; batch and length are dynamic, so a handful of compilations
+    cover all graph buckets."""
+    _settings()
     cuda = next(talker.parameters()).device.type == "cuda"
     fwd = compile_fn(DecoderLayer.forward, cuda=cuda, dynamic=True, fullgraph=True)
     for m in talker.modules():
         if isinstance(m, DecoderLayer) and not isinstance(m.forward, functools.partial):
             m.forward = functools.partial(fwd, m)
+
+
+def compile_codec(cuda: bool):
+    """The streaming vocoder's pre-transformer layer compiled (TransformerLayer.forward: its norms, RoPE, layer scales
+    and residual adds fused into a few kernels, where eager each is a launch or more in every vocoder call), rows and
+    frames dynamic: a function for Code2Wav.decode_step's `layer`. The modules stay eager: the offline decodes, of
+    other lengths, would compile while serving. cuda: it runs on CUDA (portable_guards)."""
+    _settings()
+    return compile_fn(TransformerLayer.forward, cuda=cuda, dynamic=True, fullgraph=True)
 
 
 def compile_model(talker: torch.nn.Module, on: bool) -> tuple:

@@ -130,12 +130,13 @@ class Engine:
             frame_graphs = self.runner.capture_graphs(Source(
                 str(ckpt.model_dir), str(ckpt.device), str(ckpt.dtype).removeprefix("torch."), ckpt.quantization,
                 max_slots, self.runner.max_len))
-        compile_helpers.dismiss()  # helpers started at launch that the cold start did not take
+            compile_helpers.dismiss()  # helpers started at launch that the cold start did not take
+            self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs,
+                                            compiled=self.runner.compiled)
+            self.num_graphs = frame_graphs + self.vocoder.capture_graphs()  # CUDA graphs of the frames and the vocoder
         self.policy = policy
         self.scheduler = Scheduler(max_slots, max_queue, eos=ckpt.cfg.talker.codec_eos_token_id,
                                    num_blocks=num_blocks or 0, block_size=kv_block_size or 0, policy=self.policy)
-        self.vocoder = StreamingVocoder(ckpt.code2wav, max_slots, use_graphs=self.runner.use_graphs)
-        self.num_graphs = frame_graphs + self.vocoder.capture_graphs()  # CUDA graphs of the frames and the vocoder
         # a step's host work before a consumer's event loop (q3tts.engine.turn): where steps are mostly device time
         self.turn = HostTurn(enabled=self.runner.use_graphs)
         if self.runner.compiled and self.runner.use_graphs:

@@ -28,7 +28,8 @@ def main(spec: dict) -> None:
     runner = ModelRunner(ckpt.talker, ckpt.tts_pad_embed, max_slots=s.max_slots, max_len=s.max_len,
                          use_cuda_graphs=True, compile=True, compile_cache=spec.get("cache_dir") or False)
     units = dict(warm_ups(runner))
-    units[VOCODER] = lambda: StreamingVocoder(ckpt.code2wav, s.max_slots).warm_up()  # (the engine's vocoder's rows)
+    # the engine's vocoder's rows, its pre-transformer compiled as the engine's
+    units[VOCODER] = lambda: StreamingVocoder(ckpt.code2wav, s.max_slots, compiled=True).warm_up()
     units[KERNELS] = lambda: eager_frames(runner)
     with precompiling(), torch.inference_mode(), side_stream():
         for name in spec["units"]:

@@ -13,7 +13,9 @@ in a few batched calls:
     call (more take several calls), which bounds the workspace whatever the number of streams;
   - on CUDA each (rows bucket, piece size) call is one CUDA graph with the gather and the scatter inside,
     replayed with padding rows that all point at a scratch row. One replay instead of several hundred
-    small launches per call (the eager vocoder is launch-bound, bench/probe.py).
+    small launches per call (the eager vocoder is launch-bound, bench/probe.py). A replay still costs about its
+    kernels' count in launch gaps, so where the engine compiles, the pre-transformer's layers run compiled
+    (`compiled`): their elementwise glue fused, fewer kernels per replay.
 ICL reference codes warm a request's row once at admission (decoded through it as a chunk whose audio is dropped) and
 are never decoded again (C5/C6). The warmed state is a pure function of the reference, so it is kept per reference
 (LRU, WARM_CACHE_BYTES): the requests of a stored voice copy it into their rows instead of each decoding it again.
@@ -31,6 +33,7 @@ import torch
 from .. import invariant
 from ..hostcopy import ints_to_device
 from ..models.codec import Code2Wav, Code2WavState
+from .compile import compile_codec
 from .graphs import capture, gc_paused, side_stream
 from .turn import device_wait
 
@@ -90,10 +93,12 @@ class StreamingVocoder:
         max_piece: the largest piece, a power of two (chunks longer than it take several calls).
         max_call_frames: rows x frames of one call at most (a power of two >= max_piece): bounds the workspace
             (~6 MiB per row-frame in bf16, measured) and the largest CUDA graph's pool.
+        compiled: the decoder's pre-transformer layers compiled for these calls (q3tts.engine.compile.compile_codec;
+            the module stays eager); the warm-up compiles their variants.
     """
 
     def __init__(self, code2wav: Code2Wav, max_rows: int, use_graphs: bool = False, max_piece: int = 16,
-                 max_call_frames: int = 64):
+                 max_call_frames: int = 64, compiled: bool = False):
         assert max_piece & (max_piece - 1) == 0, "max_piece must be a power of two"
         assert max_call_frames & (max_call_frames - 1) == 0 and max_call_frames >= max_piece
         self.code2wav, self.max_rows, self.max_piece = code2wav, max_rows, max_piece
@@ -110,6 +115,7 @@ class StreamingVocoder:
         self.pool: Code2WavState = code2wav.init_state(max_rows + 1, self.device, self.dtype)
         self.free_rows = list(range(max_rows - 1, -1, -1))  # pop() gives the lowest
         self.use_graphs = use_graphs
+        self.layer = compile_codec(self.device.type == "cuda") if compiled else None  # its layers' forward, or None
         # (rows bucket, piece) -> (graph, static row index [R], static codes [R, K, piece], wav out [R, piece*1920])
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.warmed: OrderedDict[bytes, tuple[Code2WavState, int]] = OrderedDict()  # reference -> (state, bytes), LRU
@@ -157,7 +163,7 @@ class StreamingVocoder:
 
     def _run(self, idx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         """idx [R] pool rows, codes [R, K, t] -> wav [R, t*1920]; the rows advance by t frames."""
-        wav, state = self.code2wav.decode_step(codes, self.pool.select_rows(idx))
+        wav, state = self.code2wav.decode_step(codes, self.pool.select_rows(idx), self.layer)
         self.pool.assign_rows_(idx, state)
         return wav
 

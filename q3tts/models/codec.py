@@ -208,11 +208,23 @@ class EuclideanCodebook(nn.Module):
         super().__init__()
         self.cluster_usage = nn.Parameter(torch.ones(codebook_size))
         self.embedding_sum = nn.Parameter(torch.zeros(codebook_size, dim))
+        self._table: tuple[tuple, Tensor] | None = None  # (what it was made from, the table)
+
+    def table(self) -> Tensor:
+        """The codebook [codebook_size, dim] = embedding_sum / usage, made once per weights: a decode then reads it
+        (the same values) rather than making it again (a CUDA graph's replay would: 2 launches per codebook). Not
+        kept when made inside a CUDA graph's capture: that tensor lives in the graph's pool, valid only in replays."""
+        key = tuple((p.data_ptr(), p._version, p.dtype) for p in (self.embedding_sum, self.cluster_usage))
+        if self._table is not None and self._table[0] == key:
+            return self._table[1]
+        table = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
+        if not (table.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._table = (key, table)
+        return table
 
     def decode(self, codes: Tensor) -> Tensor:
         # codes: [B, T] -> [B, T, dim]
-        embedding = self.embedding_sum / self.cluster_usage.clamp(min=1e-5)[:, None]
-        return F.embedding(codes, embedding)
+        return F.embedding(codes, self.table())
 
 
 class VectorQuantization(nn.Module):
@@ -321,9 +333,10 @@ class Transformer(nn.Module):
         self._inv_freq: Tensor | None = None  # fp32 on the input's device, made once (CUDA-graph capture cannot copy)
 
     def forward(self, x: Tensor, q_pos: Tensor, k_pos: Tensor, past_k: Tensor | None = None,
-                past_v: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+                past_v: Tensor | None = None, layer=None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """x: [B, t, latent]; q_pos: [B|1, t] absolute positions of x; k_pos: [B|1, P + t] positions of
-        past then new keys (< 0 = empty slot); past_k/v: [L, B, H_kv, P, Dh] or None (P = 0).
+        past then new keys (< 0 = empty slot); past_k/v: [L, B, H_kv, P, Dh] or None (P = 0); layer: a function
+        (TransformerLayer, its forward's arguments) in place of each layer's own forward (a compiled one), or None.
         Returns y [B, t, latent] and per layer all keys/values [B, H_kv, P + t, Dh] (rotated)."""
         # HF sliding-window causal mask: query i sees keys j with i - window < j <= i
         qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
@@ -332,9 +345,9 @@ class Transformer(nn.Module):
             self._inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta).to(x.device)
         cos, sin = rope_cos_sin(q_pos, self._inv_freq, x.dtype)  # [B|1, t, Dh]
         h, keys, values = self.input_proj(x), [], []
-        for i, layer in enumerate(self.layers):
-            h, k, v = layer(h, cos, sin, mask, None if past_k is None else past_k[i],
-                            None if past_v is None else past_v[i])
+        for i, m in enumerate(self.layers):
+            pk, pv = (None if past is None else past[i] for past in (past_k, past_v))
+            h, k, v = m(h, cos, sin, mask, pk, pv) if layer is None else layer(m, h, cos, sin, mask, pk, pv)
             keys.append(k)
             values.append(v)
         return self.output_proj(self.norm(h)), keys, values
@@ -466,12 +479,13 @@ class Code2Wav(nn.Module):
                              torch.zeros(batch_size, dtype=torch.int64, device=device))
 
     @torch.no_grad()
-    def decode_step(self, codes: Tensor, state: Code2WavState) -> tuple[Tensor, Code2WavState]:
+    def decode_step(self, codes: Tensor, state: Code2WavState, layer=None) -> tuple[Tensor, Code2WavState]:
         """Decode the next t frames of every row exactly as `forward` on each row's whole history would.
 
         Args:
             codes: [B, K, t] int64, t >= 1 (may change from call to call).
             state: from init_state / a previous call; not modified.
+            layer: the pre-transformer's layers' forward (the engine's compiled TransformerLayer.forward), or None.
         Returns:
             wav [B, t*1920] (final: later frames never change it) and the new state.
         """
@@ -483,7 +497,7 @@ class Code2Wav(nn.Module):
         h = self.pre_conv(self.quantizer.decode(codes), tails)  # [B, t, latent]
         # positions of the P cached keys then the t new frames; a negative one is an empty cache slot
         k_pos = state.pos[:, None] + torch.arange(-P, t, device=codes.device)  # [B, P + t]
-        h, keys, values = self.pre_transformer(h, k_pos[:, P:], k_pos, state.keys, state.values)
+        h, keys, values = self.pre_transformer(h, k_pos[:, P:], k_pos, state.keys, state.values, layer)
         wav = self._vocode(h, tails)
         new = Code2WavState(tails, torch.stack([k[:, :, t:] for k in keys]),  # keep the last P of P + t
                             torch.stack([v[:, :, t:] for v in values]), state.pos + t, state.frames_processed + t)

@@ -135,15 +135,16 @@ def test_batch_invariant_mode_decodes_each_stream_as_alone():
 
 
 @pytest.mark.gpu
-def test_graphs_equal_eager_on_gpu():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_graphs_equal_eager_on_gpu(compiled):
     """The captured (rows bucket, piece) calls, padded with scratch rows, give the eager calls' audio, and both the
-    CPU's."""
+    CPU's; compiled: the graphs' pre-transformer compiled by Inductor, as the engine captures them."""
     model = tiny_model().to("cuda")
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False  # fp32 convolutions in fp32 (TF32 rounds operands to 10 bits: ~5e-4)
     try:
         eager = StreamingVocoder(model, max_rows=5)
-        graphed = StreamingVocoder(model, max_rows=5, use_graphs=True)
+        graphed = StreamingVocoder(model, max_rows=5, use_graphs=True, compiled=compiled)
         # rows 1, 2, 4, 8 x pieces 1, 2, 4, 8; rows 1, 2, 4 x piece 16 (64 rows x frames per call at most)
         assert graphed.capture_graphs() == 4 * 4 + 3
         streams = [rand_codes(37, s)[0].T for s in range(3)]
@@ -167,3 +168,23 @@ def test_graphs_equal_eager_on_gpu():
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
         tiny_model().to("cpu")
+
+
+def test_the_compiled_pre_transformer_gives_the_eager_audio():
+    """compiled=True (the engine's choice wherever it compiles): the pre-transformer's step compiled whole by Inductor
+    (q3tts.engine.compile.compile_codec) gives the eager vocoder's audio (fp32: the same sums, some in another order),
+    and the decoder module itself stays eager (its offline decodes of other lengths must not compile while serving)."""
+    import torch._dynamo.utils
+    model = tiny_model()
+    streams = [rand_codes(8, seed)[0].T for seed in (1, 2)]
+    outs, traced = [], torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for compiled in (False, True):
+        voc = StreamingVocoder(model, max_rows=2, compiled=compiled)
+        rows = voc.open([None, None])
+        chunks = [voc.decode([(r, s[lo:hi]) for r, s in zip(rows, streams)]) for lo, hi in ((0, 4), (4, 8))]
+        outs.append([np.concatenate(parts) for parts in zip(*chunks)])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > traced  # the compiled run did compile
+    for e, c in zip(*outs):
+        assert e.shape == (8 * SPF,) and np.abs(e - c).max() <= TOL
+    assert not hasattr(model.pre_transformer.forward, "_torchdynamo_orig_callable")
+    assert isinstance(model.pre_transformer.forward, type(model.forward))  # a plain bound method
