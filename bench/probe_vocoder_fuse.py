@@ -3,12 +3,14 @@ Each variant below cuts launches from the decoder's pre-transformer or its quant
 captured calls (rows x frames), counts the kernels of one replay and compares its audio with the base's.
 
     python -m bench.probe_vocoder_fuse --ckpt /tmp/ck06 [--variants base,tables,layer,pre,pre+tables]
+    python -m bench.probe_vocoder_fuse --ckpt /tmp/ck06 --precision     (CPU: bf16 eager and compiled against fp32)
 
 Variants (combined with '+'):
   base     the package as it is
   tables   each codebook's table (embedding_sum / cluster_usage) made once, not per call
   layer    torch.compile on each pre-transformer layer's forward (dynamic shapes, as the talker's layers)
-  pre      torch.compile on the whole pre-transformer forward (its 8 layers in one graph)
+  pre      torch.compile on the whole pre-transformer forward (its 8 layers in one graph; its capture failed on
+           torch 2.11, BENCHMARKS.md)
   compiled the package's StreamingVocoder(compiled=True) (Code2Wav.transformer_step compiled whole, the engine's)
 """
 
@@ -79,13 +81,42 @@ def kernels_per_replay(g, n=3) -> int:
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA) // n
 
 
+def precision(ckpt: str) -> dict:
+    """On the CPU: the package's vocoder audio (2 streams x chunks 1, 2, 16) in bf16, eager and compiled, and in fp32
+    compiled, each against fp32 eager from the same weights: how far the compiled layer's rounding is from bf16's own."""
+    from q3tts.engine.vocoder import StreamingVocoder
+    from q3tts.models.loaders import load_checkpoint
+    gen = torch.Generator().manual_seed(0)
+    streams = [torch.randint(0, 2048, (19, 16), generator=gen) for _ in range(2)]
+
+    def audio(dtype, compiled):
+        code2wav = load_checkpoint(ckpt, device="cpu", dtype=dtype).code2wav.to(dtype)
+        voc = StreamingVocoder(code2wav, 2, compiled=compiled)
+        rows = voc.open([None] * 2)
+        chunks = [voc.decode([(r, s[lo:hi]) for r, s in zip(rows, streams)]) for lo, hi in ((0, 1), (1, 3), (3, 19))]
+        return np.concatenate([np.concatenate(parts) for parts in zip(*chunks)])
+
+    ref = audio(torch.float32, False)
+    res = {"rms_fp32": float(np.sqrt(np.mean(ref ** 2)))}
+    for name, dtype, compiled in (("bf16_eager", torch.bfloat16, False), ("bf16_compiled", torch.bfloat16, True),
+                                  ("fp32_compiled", torch.float32, True)):
+        d = audio(dtype, compiled) - ref
+        res[name] = {"max_abs": float(np.abs(d).max()), "rms": float(np.sqrt(np.mean(d ** 2)))}
+        print(name, res[name], flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--variants", default="base,tables,layer,layer+tables,pre+tables")
+    ap.add_argument("--precision", action="store_true", help="only the CPU's precision check (precision())")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.precision:
+        print(json.dumps(precision(a.ckpt)))
+        return
     from q3tts.engine.vocoder import StreamingVocoder
     from q3tts.models.loaders import load_checkpoint
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": {}}

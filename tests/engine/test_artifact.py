@@ -187,7 +187,7 @@ def test_fresh_process_with_the_artifact_compiles_nothing(built):
     warm = run("load", "cache-fresh")  # another, empty compile cache: only the artifact can supply the graphs
     assert warm["loaded"]
     # every compiled function's Dynamo entry installed from it (the layers, the step compiled whole, the samplers):
-    # nothing traced, nothing compiled. The streaming vocoder's pre-transformer is looked up too (6 functions), but
+    # nothing traced, nothing compiled. The streaming vocoder's pre-transformer layer is looked up too (6 functions), but
     # no streamed request ran it, so it has no entry
     w = warm["counts"]
     assert w["traced"] == 0 and w["fx_miss"] == 0 and w["aot_miss"] == 0, w

@@ -171,8 +171,8 @@ def test_graphs_equal_eager_on_gpu(compiled):
 
 
 def test_the_compiled_pre_transformer_gives_the_eager_audio():
-    """compiled=True (the engine's choice wherever it compiles): the pre-transformer's step compiled whole by Inductor
-    (q3tts.engine.compile.compile_codec) gives the eager vocoder's audio (fp32: the same sums, some in another order),
+    """compiled=True (the engine's choice wherever it compiles): the pre-transformer's layers compiled by Inductor
+    (q3tts.engine.compile.compile_codec) give the eager vocoder's audio (fp32: the same sums, some in another order),
     and the decoder module itself stays eager (its offline decodes of other lengths must not compile while serving)."""
     import torch._dynamo.utils
     model = tiny_model()

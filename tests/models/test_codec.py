@@ -281,3 +281,21 @@ def test_conv_weights_load_into_the_time_major_layout():
         assert w.dtype == torch.bfloat16 and w.permute(0, 2, 1).is_contiguous(), m
     sd = load_file(str(fx.checkpoint("cv06") / "speech_tokenizer" / "model.safetensors"))
     assert torch.equal(convs[-1].conv.weight, sd["decoder.decoder.6.conv.weight"].to(torch.bfloat16))
+
+
+def test_a_codebook_table_is_made_once_per_weights():
+    """EuclideanCodebook.table: made at the first decode and reused (a captured vocoder call then reads it rather than
+    making it), made again once its weights change in place or move, and equal to the expression it caches."""
+    cb = Code2Wav(TINY).quantizer.rvq_first.vq.layers[0]._codebook
+    with torch.no_grad():
+        cb.embedding_sum.normal_()
+        cb.cluster_usage.uniform_(0.5, 4.0)
+    want = lambda: cb.embedding_sum / cb.cluster_usage.clamp(min=1e-5)[:, None]  # noqa: E731
+    first = cb.table()
+    assert cb.table() is first and torch.equal(first, want())
+    with torch.no_grad():
+        cb.cluster_usage.mul_(2)  # in place: the same storage, a new version
+    again = cb.table()
+    assert again is not first and torch.equal(again, want())
+    cb.double()  # moved: new storage
+    assert cb.table().dtype == torch.float64 and torch.equal(cb.table(), want())
